@@ -1,0 +1,69 @@
+"""The narrow engine protocol every engine (torch, openvino, vllm) implements.
+
+The node worker's scheduler (shared.core) decides *what* runs each cycle: exactly one prefill of
+one request, or one decode step of an instance's batch. The engine only executes it. That split is
+what lets several models share one node at token granularity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    weight_bytes: int  # parameters resident on the device
+    kv_capacity_bytes: int  # KV pool allocated
+    kv_used_bytes: int  # KV blocks holding live tokens
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens produced by one iteration, by request id (one token per request)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+class KVCacheFull(RuntimeError):
+    """The KV pool cannot hold the next token of a request; the node must scale up or evict."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str  # "torch" | "openvino" | "vllm"
+
+    def load(self) -> None: ...
+
+    def unload(self) -> None: ...
+
+    def memory(self) -> MemoryReport: ...
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; `token_ids` is the prompt (plus resumed tokens after a migration)."""
+
+    def prefill(self, request_id: str) -> StepResult:
+        """Run the prefill of one added request, alone; returns its first generated token."""
+
+    def decode(self, request_ids: list[str]) -> StepResult:
+        """One decode step for these prefilled requests, batched; one new token each."""
+
+    def release(self, request_id: str) -> None:
+        """Finished or cancelled: drop the request and free its KV blocks."""
+
+    def evict(self, request_id: str) -> list[int]:
+        """Drop the request and return all its tokens (prompt + generated) so it can be
+        re-added on any instance, which recomputes the KV cache (token-based migration)."""
+
+    def resize_kv(self, capacity_bytes: int) -> None:
+        """Grow or shrink the KV pool while requests are in flight (copies used blocks)."""

@@ -1,0 +1,114 @@
+"""Plain data the policy core reasons about. Also the cluster view's wire format: node workers
+publish `NodeView` snapshots to Redis and the placer rebuilds them with `shared.wire.decode`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Hardware(str, enum.Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float  # time to first token allowed, from arrival (ST) to the first token
+    tpot_s: float  # time per output token allowed after the first
+
+
+def slo_for_input(input_len: int, tpot_s: float = 0.25) -> SLO:
+    """SLINFER §IX-A (after DistServe): TTFT = min(max(0.5, L/512), 8) s, TPOT = 0.25 s."""
+    return SLO(ttft_s=min(max(0.5, input_len / 512.0), 8.0), tpot_s=tpot_s)
+
+
+# SLO classes a model is registered with. "standard" is the paper's setting; the others scale
+# it for chat-like (tighter) and batch-like (looser) tenants.
+SLO_CLASSES: dict[str, tuple[float, float]] = {
+    # class: (TTFT multiplier, TPOT seconds)
+    "interactive": (0.5, 0.1),
+    "standard": (1.0, 0.25),
+    "relaxed": (2.0, 0.5),
+}
+
+
+def slo_for_class(slo_class: str, input_len: int) -> SLO:
+    if slo_class not in SLO_CLASSES:
+        raise ValueError(f"unknown SLO class {slo_class!r}; one of {sorted(SLO_CLASSES)}")
+    ttft_mult, tpot = SLO_CLASSES[slo_class]
+    base = slo_for_input(input_len)
+    return SLO(ttft_s=base.ttft_s * ttft_mult, tpot_s=tpot)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the core needs to know about a model to place it and size its memory."""
+
+    name: str
+    weight_bytes: int  # resident parameter bytes of one instance
+    kv_bytes_per_token: int  # C in SLINFER eq. 2 (all layers, K and V)
+    max_context: int  # longest sequence; also L_min, the floor of eq. 2 (§VII-A)
+    avg_output_len: float = 128.0  # Ō of eq. 2, from historical logs
+
+
+@dataclass
+class RequestView:
+    """One request as the scheduler sees it (SLINFER §VI-A)."""
+
+    request_id: str
+    model: str
+    input_len: int  # I_r: prompt tokens (plus resumed tokens after a migration)
+    arrival: float  # ST: when the request entered the system
+    slo: SLO
+    generated: int = 0  # O_r: output tokens produced so far (0 = waiting for its prefill)
+    max_tokens: int = 256  # hard cap on output tokens
+    grace_s: float = 0.0  # extra TTFT allowed for a cold start (§IX-A)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.generated > 0
+
+    def headroom(self, now: float) -> float:
+        """Eq. 1: ST + TTFT_SLO + TPOT_SLO * O - CT."""
+        return self.arrival + self.grace_s + self.slo.ttft_s + self.slo.tpot_s * self.generated - now
+
+    def context_len(self) -> int:
+        return self.input_len + self.generated
+
+
+class InstanceStatus(str, enum.Enum):
+    LOADING = "loading"  # weights being loaded; can hold requests, cannot run iterations
+    READY = "ready"
+    UNLOADING = "unloading"  # preempted or reclaimed; accepts nothing
+
+
+@dataclass
+class InstanceView:
+    instance_id: str
+    model: ModelSpec
+    node_id: str
+    status: InstanceStatus = InstanceStatus.READY
+    kv_bytes: int = 0  # M_cur: KV-cache bytes allocated (or being scaled to)
+    ready_at: float = 0.0  # when a LOADING instance can run its first iteration
+    last_active: float = 0.0  # last time it held a request (for keep-alive)
+    requests: list[RequestView] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    hardware: Hardware
+    memory_bytes: int  # capacity the memory subsystem may hand out (weights + KV)
+    matrix_accel: bool = False  # CPU has AMX (or similar); GPUs: True
+    instances: list[InstanceView] = field(default_factory=list)
+    budget_bytes: int = 0  # optimistic budget in use (§VII-C)
+    pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
+    heartbeat: float = 0.0  # node-local clock time of the snapshot
+
+    def instance(self, instance_id: str) -> InstanceView | None:
+        return next((i for i in self.instances if i.instance_id == instance_id), None)

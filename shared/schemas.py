@@ -1,0 +1,132 @@
+"""Wire messages between services. Each is a dataclass encoded with `shared.wire` (msgpack).
+
+Subjects and streams they travel on are in `shared.subjects`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.core.types import NodeView
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """A registered model (admin API) as stored in Redis."""
+
+    name: str
+    path: str  # Hugging Face directory on the nodes' filesystem
+    engine: str = "torch"  # torch | openvino | vllm
+    slo_class: str = "standard"
+    owner: str | None = None  # tenant that owns a private model; None = public
+    base_model: str | None = None  # set for a LoRA adapter
+    max_context: int = 2048
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """One generation request: gateway -> request stream -> placer -> node."""
+
+    request_id: str
+    tenant: str
+    model: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival: float  # unix seconds at the gateway; ST of the headroom formula
+    ttft_slo_s: float
+    tpot_slo_s: float
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Tokens already generated before a migration (evict/resume); the node re-prefills
+    # prompt + resumed tokens and continues the sequence numbering after them.
+    resumed_token_ids: list[int] = field(default_factory=list)
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS token or a stop sequence
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # client went away
+    ERROR = "error"  # the system failed the request (see `error`)
+    DROPPED = "dropped"  # queueing alone would have broken the TTFT SLO
+
+
+@dataclass(frozen=True)
+class TokenMessage:
+    """Node -> gateway on `token_subject(request_id)`.
+
+    `seq` is the index in the output of `token_ids[0]`; a gateway that sees a gap waits for the
+    final message, which carries the whole output in `output_token_ids`.
+    """
+
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # final message only
+    prompt_tokens: int = 0
+    error: str | None = None
+    node_id: str | None = None
+
+
+class CommandKind(str, enum.Enum):
+    ADMIT = "admit"  # add a request to an instance (creating it first if needed)
+    PREEMPT = "preempt"  # unload instances, handing their requests back to the placer
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """Placer -> node, request-reply on `node_command_subject(node_id)`."""
+
+    kind: CommandKind
+    request: InferenceRequest | None = None  # ADMIT
+    instance_id: str | None = None  # ADMIT: target; a new id means "create this instance"
+    model: ModelRecord | None = None  # ADMIT into a new instance: what to load
+    preempt_instance_ids: list[str] = field(default_factory=list)  # PREEMPT
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    accepted: bool
+    reason: str  # the core's AdmitReason value ("admitted", "no_headroom", ...)
+    instance_id: str | None = None
+    # PREEMPT: requests the node stopped, each carrying the tokens it had produced so far.
+    evicted: list[InferenceRequest] = field(default_factory=list)
+    node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
+
+
+class MemOpKind(str, enum.Enum):
+    LOAD = "load"
+    UNLOAD = "unload"
+    SCALE = "scale"
+
+
+@dataclass(frozen=True)
+class MemOpCompletion:
+    """Node -> reservation-station stream when a memory operation finishes."""
+
+    node_id: str
+    op_id: int
+    instance_id: str
+    kind: MemOpKind
+    bytes_before: int
+    bytes_after: int
+    started: float
+    finished: float
+    parked_s: float = 0.0  # time the op waited in the reservation station
+    ok: bool = True
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelNotice:
+    request_id: str
+    reason: str = "client disconnected"

@@ -1,0 +1,55 @@
+"""Every NATS subject, JetStream stream and Redis key that slinfer uses, in one place.
+
+Services never spell a subject or key inline: they call these helpers, so a rename is one edit
+and a reader can see the whole wire surface on one screen.
+"""
+
+from __future__ import annotations
+
+# --- JetStream: the request stream -------------------------------------------------------------
+# The gateway publishes every accepted request here with Nats-Msg-Id = request_id, so a retried
+# publish is deduplicated by the server. Placers consume it through one durable pull consumer:
+# a placer restart resumes where it left off and loses nothing.
+REQUEST_STREAM = "SLINFER_REQUESTS"
+REQUEST_SUBJECT = "slinfer.requests"
+PLACER_DURABLE = "placer"
+REQUEST_DEDUP_WINDOW_S = 120.0
+
+# --- JetStream: the reservation-station stream ------------------------------------------------
+# Node workers publish each completed memory operation (load, unload, KV scale) here; the node's
+# reservation station consumes its own subject to release parked scale-ups.
+MEMOP_STREAM = "SLINFER_MEMOPS"
+MEMOP_SUBJECT_PREFIX = "slinfer.memops"
+
+
+def memop_subject(node_id: str) -> str:
+    return f"{MEMOP_SUBJECT_PREFIX}.{node_id}"
+
+
+# --- core NATS ----------------------------------------------------------------------------------
+def node_command_subject(node_id: str) -> str:
+    """Request-reply subject on which a node worker takes admissions and preemptions."""
+    return f"slinfer.node.{node_id}.cmd"
+
+
+def token_subject(request_id: str) -> str:
+    """Per-request subject on which the owning node streams tokens back to the gateway."""
+    return f"slinfer.tokens.{request_id}"
+
+
+# Broadcast: a cancelled request (client gone) is dropped wherever it is, placer queue or node.
+CANCEL_SUBJECT = "slinfer.cancel"
+
+# --- Redis ----------------------------------------------------------------------------------------
+NODES_SET = "slinfer:nodes"
+MODELS_HASH = "slinfer:models"  # field = model name, value = msgpack ModelRecord
+PROFILES_HASH = "slinfer:profiles"  # field = "<model>|<hardware kind>", value = JSON profile
+
+
+def node_key(node_id: str) -> str:
+    """msgpack NodeSnapshot of one node worker; expires unless the heartbeat refreshes it."""
+    return f"slinfer:node:{node_id}"
+
+
+def profile_field(model: str, hardware: str) -> str:
+    return f"{model}|{hardware}"
