@@ -1,0 +1,355 @@
+"""Build random-weight Hugging Face Llama directories offline (no model hub is reachable here).
+
+`slinfer make-model --shape {tiny,llama-3.2-3b,llama-2-7b,llama-2-13b} --out DIR` writes a
+directory that `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
+load: config.json, generation_config.json, safetensors shards, and a byte-level BPE tokenizer
+trained here on a corpus made from the docstrings of standard-library modules.
+
+Weights are random (nonsense text, real timings). Everything is seeded and deterministic. Weights
+are generated tensor by tensor straight into safetensors shards, never as a whole nn.Module, so a
+7B model in float32 needs about one shard of memory rather than twice the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHAPES = ("tiny", "llama-3.2-3b", "llama-2-7b", "llama-2-13b")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Special tokens get the first ids, in this order.
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS)
+
+# Each message is "<|role|>\ncontent<|end|>\n"; the generation prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+MARKER = "slinfer-model.json"  # written last: its presence means the directory is complete
+SHARD_BYTES = 2 * 1024**3
+
+# Standard-library modules whose docstrings make the tokenizer corpus: pure-Python, importable
+# without side effects, and stable within a Python version.
+CORPUS_MODULES = (
+    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections",
+    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",
+    "email.message", "enum", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "hmac",
+    "html.parser", "http.client", "http.server", "inspect", "io", "ipaddress", "itertools", "json",
+    "logging", "mailbox", "math", "operator", "optparse", "os", "pathlib", "pickle", "pprint",
+    "queue", "random", "re", "sched", "secrets", "selectors", "shlex", "shutil", "socket",
+    "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
+    "threading", "time", "timeit", "tokenize", "traceback", "typing", "unittest", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "weakref", "xml.dom.minidom", "zipfile", "zlib",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    vocab_size: int | None  # None: the tokenizer's size (tiny)
+    tokenizer_vocab: int  # BPE vocabulary trained for this shape
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict | None = None
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+
+
+# The real models' config numbers (Meta's published config.json files).
+SHAPE_SPECS: dict[str, Shape] = {
+    # A larger init std sharpens the logits of the tiny random model, so greedy argmax has clear
+    # margins and CPU/GPU numeric noise does not flip tokens in tests.
+    "tiny": Shape(128, 352, 4, 4, 2, 2048, None, 2048,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, init_std=0.06),
+    "llama-3.2-3b": Shape(
+        3072, 8192, 28, 24, 8, 131072, 128256, 16384,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True),
+    "llama-2-7b": Shape(4096, 11008, 32, 32, 32, 4096, 32000, 16384,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama-2-13b": Shape(5120, 13824, 40, 40, 40, 4096, 32000, 16384,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def corpus_lines() -> Iterator[str]:
+    """Docstrings of stdlib modules and their public members, in a fixed order."""
+    for module_name in CORPUS_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # e.g. a Python built without sqlite3: skip, stay deterministic
+            continue
+        yield from _docstrings(module)
+
+
+def _docstrings(module) -> Iterator[str]:
+    yield inspect.getdoc(module) or ""
+    for name in sorted(vars(module)):
+        if name.startswith("_"):
+            continue
+        member = getattr(module, name)
+        if inspect.isclass(member) or inspect.isfunction(member):
+            yield f"{name}: {inspect.getdoc(member) or ''}"
+        if inspect.isclass(member):
+            for attr in sorted(vars(member)):
+                if not attr.startswith("_") and callable(getattr(member, attr, None)):
+                    yield f"{name}.{attr}: {inspect.getdoc(getattr(member, attr)) or ''}"
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE (any text round-trips) with BOS prepended by the post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    return tokenizer
+
+
+def save_tokenizer(tokenizer, out_dir: Path, model_max_length: int) -> None:
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "additional_special_tokens": list(ROLE_TOKENS),
+        "add_bos_token": True, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+                   "additional_special_tokens": list(ROLE_TOKENS)}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and weights
+
+
+def model_config(shape: str, vocab_size: int | None = None, dtype: str = "float32"):
+    """The LlamaConfig of a shape; only `tiny` needs `vocab_size` (its tokenizer's size)."""
+    from transformers import LlamaConfig
+
+    spec = _spec(shape)
+    vocab = spec.vocab_size or vocab_size
+    if vocab is None:
+        raise ValueError(f"shape {shape!r} takes its vocabulary size from the tokenizer")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_parameters=dict(spec.rope_parameters or {}),
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.init_std,
+        hidden_act="silu",
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        dtype=dtype,
+    )
+
+
+def weight_specs(config) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) of every parameter of LlamaForCausalLM; init is "normal" or "ones"."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = config.head_dim
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
+    specs = [("model.embed_tokens.weight", (config.vocab_size, hidden), "normal")]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (hidden,), "ones"),
+            (p + "self_attn.q_proj.weight", (q_out, hidden), "normal"),
+            (p + "self_attn.k_proj.weight", (kv_out, hidden), "normal"),
+            (p + "self_attn.v_proj.weight", (kv_out, hidden), "normal"),
+            (p + "self_attn.o_proj.weight", (hidden, q_out), "normal"),
+            (p + "post_attention_layernorm.weight", (hidden,), "ones"),
+            (p + "mlp.gate_proj.weight", (inter, hidden), "normal"),
+            (p + "mlp.up_proj.weight", (inter, hidden), "normal"),
+            (p + "mlp.down_proj.weight", (hidden, inter), "normal"),
+        ]
+    specs.append(("model.norm.weight", (hidden,), "ones"))
+    if not config.tie_word_embeddings:
+        specs.append(("lm_head.weight", (config.vocab_size, hidden), "normal"))
+    return specs
+
+
+def _make_tensor(name: str, shape: tuple[int, ...], init: str, std: float, seed: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    if init == "ones":
+        return torch.ones(shape, dtype=dtype)
+    # One generator per tensor, seeded from the name: the values do not depend on shard layout.
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return (torch.randn(shape, generator=generator) * std).to(dtype)
+
+
+def write_weights(config, out_dir: Path, dtype: torch.dtype, seed: int,
+                  shard_bytes: int = SHARD_BYTES) -> None:
+    """Generate tensors one at a time into safetensors shards (+ an index when more than one)."""
+    from safetensors.torch import save_file
+
+    specs = weight_specs(config)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = _numel(spec[1]) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        tensors = {name: _make_tensor(name, shape, init, config.initializer_range, seed, dtype)
+                   for name, shape, init in shard}
+        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+        del tensors  # free this shard before generating the next
+        weight_map.update({name: file_name for name, _, _ in shard})
+    if len(shards) > 1:
+        total = sum(_numel(shape) * itemsize for _, shape, _ in specs)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def build_model(shape: str, out_dir: Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Write a complete random-weight model directory for `shape` into `out_dir`."""
+    from transformers import GenerationConfig
+
+    spec = _spec(shape)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MARKER).unlink(missing_ok=True)
+
+    tokenizer = train_tokenizer(spec.tokenizer_vocab)
+    n_tokens = tokenizer.get_vocab_size()
+    config = model_config(shape, vocab_size=n_tokens, dtype=dtype)
+    if n_tokens > config.vocab_size:  # every tokenizer id must index the embedding
+        raise RuntimeError(f"tokenizer has {n_tokens} ids, model vocab is {config.vocab_size}")
+    save_tokenizer(tokenizer, out_dir, spec.max_position_embeddings)
+    config.save_pretrained(out_dir)
+    eos_ids = [SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index("<|end|>")]
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos_ids,
+                     pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+    write_weights(config, out_dir, DTYPES[dtype], seed)
+    marker = {"shape": shape, "dtype": dtype, "seed": seed, "tokenizer_vocab": n_tokens}
+    (out_dir / MARKER).write_text(json.dumps(marker) + "\n")
+    return out_dir
+
+
+def is_built(model_dir: Path, shape: str | None = None) -> bool:
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return shape is None or info.get("shape") == shape
+
+
+def ensure_demo_model(data_dir: Path) -> Path:
+    """The tiny demo model under data_dir/models/tiny-llama, built once (a file check after)."""
+    target = Path(data_dir) / "models" / "tiny-llama"
+    if is_built(target, "tiny"):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a concurrent reader never sees a half directory.
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the model directory is meant to be shared
+    try:
+        build_model("tiny", staging)
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not is_built(target, "tiny"):  # lost a race to another builder: fine if complete
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="slinfer make-model",
+        description="Build a random-weight Hugging Face Llama directory and tokenizer offline.")
+    parser.add_argument("--shape", required=True, choices=SHAPES)
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_model(args.shape, args.out, dtype=args.dtype, seed=args.seed)
+    print(f"built {args.shape} ({args.dtype}, seed {args.seed}) in {path}")
+    return 0
+
+
+def _spec(shape: str) -> Shape:
+    try:
+        return SHAPE_SPECS[shape]
+    except KeyError:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
