@@ -1,0 +1,351 @@
+"""The reference engine: Hugging Face Llama modules, our own attention over a paged KV cache.
+
+The model's own modules do the dense work (embeddings, q/k/v/o projections, MLP, RMS norms,
+rotary embedding); attention is written here so K/V live in `PagedKVCache`, whose pool can be
+resized at run time and whose blocks a request gives back on release or evict.
+
+One call = one iteration, as the node scheduler decides: `prefill(id)` runs one request's whole
+token list alone; `decode(ids)` runs one batched step for requests of different lengths (their
+cached K/V are gathered per layer into a padded batch and masked), one new token each.
+
+Sampling is greedy at temperature 0; otherwise temperature + top-p, with the uniform draw of each
+step taken from a torch.Generator seeded from (params.seed, token position). A seeded request is
+therefore reproducible, and also continues identically after an evict and re-add.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .base import KVCacheFull, MemoryReport, SamplingParams, StepResult
+from .kv_cache import PagedKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_TOKENS = 16384  # default pool: min(this, 4 x context length) tokens
+
+__all__ = ["TorchEngine", "KVCacheFull"]
+
+
+@dataclass
+class _Request:
+    tokens: list[int]  # prompt (+ resumed tokens) + generated; the last one has no K/V yet
+    params: SamplingParams
+    seed: int  # params.seed, or a random one drawn at add time
+    computed: int = 0  # tokens whose K/V are in the cache; 0 until prefilled
+    generated: int = 0  # tokens sampled since add_request
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu",
+                 kv_capacity_bytes: int | None = None, dtype: str | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, not {dtype!r}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype_name = dtype
+        self.block_size = block_size
+        self._initial_kv_bytes = kv_capacity_bytes
+        self.model = None
+        self.cache: PagedKVCache | None = None
+        self.requests: dict[str, _Request] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load weights from the local directory and allocate the KV pool."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.model is not None:
+            return
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        _check_supported(config)
+        dtype = DTYPES[self.dtype_name] if self.dtype_name else "auto"
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, local_files_only=True, dtype=dtype)
+        self.model = model.to(self.device).eval()
+        self.config = config
+        self.dtype = self.model.dtype
+        self.cache = self._new_cache(config)
+
+    def unload(self) -> None:
+        """Drop weights, KV pool and all requests; device memory is handed back."""
+        self.model = None
+        self.cache = None
+        self.requests.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _new_cache(self, config) -> PagedKVCache:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        cache = PagedKVCache(config.num_hidden_layers, 0, self.block_size,
+                             config.num_key_value_heads, head_dim, self.dtype, self.device)
+        capacity = self._initial_kv_bytes
+        if capacity is None:
+            tokens = min(DEFAULT_KV_TOKENS, 4 * config.max_position_embeddings)
+            capacity = tokens * cache.bytes_per_token
+        cache.resize(capacity // cache.block_bytes)
+        return cache
+
+    # -- protocol: memory ----------------------------------------------------------------------
+
+    def memory(self) -> MemoryReport:
+        model, cache = self._loaded()
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return MemoryReport(
+            weight_bytes=weight_bytes,
+            kv_capacity_bytes=cache.num_blocks * cache.block_bytes,
+            kv_used_bytes=cache.used_blocks * cache.block_bytes,
+            kv_bytes_per_token=cache.bytes_per_token,
+        )
+
+    def resize_kv(self, capacity_bytes: int) -> None:
+        """Resize the pool to capacity_bytes rounded down to whole blocks; ValueError if that is
+        fewer blocks than the live requests hold (nothing changes then)."""
+        _, cache = self._loaded()
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        cache.resize(capacity_bytes // cache.block_bytes)
+
+    # -- protocol: requests --------------------------------------------------------------------
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self._loaded()
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not token_ids:
+            raise ValueError("a request needs at least one token")
+        if len(token_ids) >= self.config.max_position_embeddings:
+            raise ValueError(f"{len(token_ids)} tokens do not fit the model's context of "
+                             f"{self.config.max_position_embeddings}")
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.requests[request_id] = _Request(list(token_ids), params, seed)
+
+    def release(self, request_id: str) -> None:
+        """Drop a finished or cancelled request; releasing an unknown id is a no-op."""
+        self.requests.pop(request_id, None)
+        if self.cache is not None:
+            self.cache.free(request_id)
+
+    def evict(self, request_id: str) -> list[int]:
+        """Drop the request, free its blocks, and return prompt + generated tokens."""
+        request = self._request(request_id)
+        self.release(request_id)
+        return list(request.tokens)
+
+    def is_finished(self, request_id: str) -> bool:
+        """max_tokens reached or the last token is an EOS (a helper; the scheduler decides)."""
+        request = self._request(request_id)
+        if request.generated >= request.params.max_tokens:
+            return True
+        return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._request(request_id).tokens)
+
+    # -- protocol: iterations ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, request_id: str) -> StepResult:
+        """All of the request's tokens in one forward pass; returns its next token."""
+        _, cache = self._loaded()
+        request = self._request(request_id)
+        if request.computed:
+            raise ValueError(f"request {request_id!r} is already prefilled")
+        n = len(request.tokens)
+        cache.reserve({request_id: n})  # KVCacheFull here leaves everything untouched
+        try:
+            ids = torch.tensor([request.tokens], device=self.device)
+            positions = torch.arange(n, device=self.device)[None]
+            slots = cache.slots(request_id, 0, n)
+            logits = self._forward(ids, positions, _PrefillAttention(cache, slots))
+            token = self._sample(logits[:, -1], [request])[0]
+        except BaseException:
+            cache.free(request_id)
+            raise
+        cache.set_length(request_id, n)
+        self._append(request, token, computed=n)
+        return StepResult({request_id: token})
+
+    @torch.inference_mode()
+    def decode(self, request_ids: list[str]) -> StepResult:
+        """One batched step: each request's last token goes in, one new token comes out."""
+        _, cache = self._loaded()
+        if not request_ids:
+            return StepResult({})
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("duplicate request ids in one decode step")
+        requests = [self._request(rid) for rid in request_ids]
+        if unready := [rid for rid, r in zip(request_ids, requests) if not r.computed]:
+            raise ValueError(f"requests not prefilled: {unready}")
+        lengths = [r.computed for r in requests]  # also each new token's position
+        cache.reserve({rid: n + 1 for rid, n in zip(request_ids, lengths)})  # all or nothing
+        try:
+            ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.device)
+            positions = torch.tensor(lengths, device=self.device)[:, None]
+            attention = _DecodeAttention(cache, request_ids, positions[:, 0])
+            logits = self._forward(ids, positions, attention)
+            tokens = self._sample(logits[:, -1], requests)
+        except BaseException:
+            for rid, n in zip(request_ids, lengths):
+                cache.trim(rid, n)
+            raise
+        for rid, request, n, token in zip(request_ids, requests, lengths, tokens):
+            cache.set_length(rid, n + 1)
+            self._append(request, token, computed=n + 1)
+        return StepResult(dict(zip(request_ids, tokens)))
+
+    # -- model ---------------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of the last position only ([batch, 1, vocab])."""
+        base = self.model.model
+        hidden = base.embed_tokens(ids)
+        cos, sin = base.rotary_emb(hidden, positions)
+        for index, layer in enumerate(base.layers):
+            hidden = hidden + self._attention_block(index, layer, hidden, cos, sin, attention)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        # Only the last position is sampled: skip the vocab projection for the others.
+        return self.model.lm_head(base.norm(hidden[:, -1:]))
+
+    def _attention_block(self, index: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, attention) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        batch, seq, _ = x.shape
+        head_dim = attn.head_dim
+        q = attn.q_proj(x).view(batch, seq, -1, head_dim)
+        k = attn.k_proj(x).view(batch, seq, -1, head_dim)
+        v = attn.v_proj(x).view(batch, seq, -1, head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # heads are dim 2 here
+        out = attention(index, q, k, v)  # [batch, seq, heads, head_dim]
+        return attn.o_proj(out.reshape(batch, seq, -1))
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> list[int]:
+        """One token per row of logits [batch, vocab]: greedy rows by argmax, the others by
+        temperature + top-p with a per-request, per-position seeded uniform draw."""
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        if rows:
+            sampled = self._sample_rows(logits[rows].float(), [requests[i] for i in rows])
+            tokens[rows] = sampled
+        return tokens.tolist()
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs * (mass_before < top_p[:, None])
+        cdf = sorted_probs.cumsum(dim=-1)
+        draws = torch.tensor([_uniform(r.seed, len(r.tokens)) for r in requests],
+                             device=logits.device, dtype=cdf.dtype)
+        pick = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)
+        pick = pick.clamp(max=cdf.shape[-1] - 1)
+        return order.gather(1, pick)[:, 0]
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _append(self, request: _Request, token: int, computed: int) -> None:
+        request.tokens.append(token)
+        request.computed = computed
+        request.generated += 1
+
+    def _loaded(self):
+        if self.model is None or self.cache is None:
+            raise RuntimeError("engine is not loaded; call load() first")
+        return self.model, self.cache
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the generation config (falls back to the model config)."""
+        model, _ = self._loaded()
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.config.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+class _PrefillAttention:
+    """Causal self-attention of one fresh sequence; K/V go to the cache on the way."""
+
+    def __init__(self, cache: PagedKVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        self.cache.write(layer, self.slots, k[0], v[0])
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+class _DecodeAttention:
+    """One new token per request against its cached K/V, batched over ragged lengths: the
+    block tables are gathered into a padded [batch, width * block_size] view and masked."""
+
+    def __init__(self, cache: PagedKVCache, request_ids: list[str], positions: torch.Tensor
+                 ) -> None:
+        self.cache = cache
+        self.tables = cache.table_tensor(request_ids)
+        bs = cache.block_size
+        block = self.tables.gather(1, (positions // bs)[:, None])[:, 0]
+        self.slots = block * bs + positions % bs  # where each new token's K/V goes
+        keys = torch.arange(self.tables.shape[1] * bs, device=positions.device)
+        self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        self.cache.write(layer, self.slots, k[:, 0], v[:, 0])
+        keys, values = self.cache.gather(layer, self.tables)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def _uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) fixed by (seed, position): reproducible and resumable."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + position) % 2**63)
+    return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+
+def _check_supported(config) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"torch engine supports {SUPPORTED_MODEL_TYPES}, "
+                         f"not model_type {config.model_type!r}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError("sliding-window attention is not implemented by the torch engine")
