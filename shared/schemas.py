@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shared.core.memory import MemOpKind
 from shared.core.types import NodeView
 
 
@@ -101,12 +102,6 @@ class NodeReply:
     # PREEMPT: requests the node stopped, each carrying the tokens it had produced so far.
     evicted: list[InferenceRequest] = field(default_factory=list)
     node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
-
-
-class MemOpKind(str, enum.Enum):
-    LOAD = "load"
-    UNLOAD = "unload"
-    SCALE = "scale"
 
 
 @dataclass(frozen=True)

@@ -61,19 +61,19 @@ class RequestView:
     input_len: int  # I_r: prompt tokens (plus resumed tokens after a migration)
     arrival: float  # ST: when the request entered the system
     slo: SLO
-    generated: int = 0  # O_r: output tokens produced so far (0 = waiting for its prefill)
-    max_tokens: int = 256  # hard cap on output tokens
+    generated: int = 0  # O_r: output tokens produced so far, including before a migration
+    max_tokens: int = 256  # hard cap on output tokens (total, including `generated`)
     grace_s: float = 0.0  # extra TTFT allowed for a cold start (§IX-A)
-
-    @property
-    def prefilled(self) -> bool:
-        return self.generated > 0
+    # False until this instance has run the request's prefill. A migrated request arrives with
+    # generated > 0 and prefilled False: it keeps its headroom but must recompute its KV cache.
+    prefilled: bool = False
 
     def headroom(self, now: float) -> float:
         """Eq. 1: ST + TTFT_SLO + TPOT_SLO * O - CT."""
         return self.arrival + self.grace_s + self.slo.ttft_s + self.slo.tpot_s * self.generated - now
 
     def context_len(self) -> int:
+        """Tokens in the KV cache once prefilled; also what a (re-)prefill computes."""
         return self.input_len + self.generated
 
 
@@ -106,6 +106,7 @@ class NodeView:
     memory_bytes: int  # capacity the memory subsystem may hand out (weights + KV)
     matrix_accel: bool = False  # CPU has AMX (or similar); GPUs: True
     instances: list[InstanceView] = field(default_factory=list)
+    busy_until: float = 0.0  # end of the iteration running now (shadow simulation starts there)
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot

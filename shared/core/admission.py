@@ -1,0 +1,33 @@
+"""The answer to "may this request join that instance?", as an enum the services, the simulator
+and traces can count."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class AdmitReason(str, enum.Enum):
+    ADMITTED = "admitted"
+    TTFT_MISS = "ttft_miss"  # §VI-C case 1: the new request's first token would be late
+    HEADROOM = "headroom"  # case 2: an existing request's headroom would go negative
+    TPOT_BUDGET = "tpot_budget"  # case 3: one decode round of the node would exceed TPOT
+    MEMORY = "memory"  # not even M_require fits the node's optimistic budget (§VII-D)
+    NO_PROFILE = "no_profile"  # no timing profile for this model on this hardware
+    SLO_INFEASIBLE = "slo_infeasible"  # the profile says this hardware cannot meet the SLO
+    NO_MATRIX_ACCEL = "no_matrix_accel"  # a CPU without AMX-like units (§V)
+    CPU_DISABLED = "cpu_disabled"  # ablation
+    NOT_SHARED = "not_shared"  # sharing disabled and the node already holds an instance
+    INSTANCE_GONE = "instance_gone"  # the instance is unloading or unknown (stale view)
+    CONTEXT_TOO_LONG = "context_too_long"  # input + max_tokens exceeds the model's context
+
+
+@dataclass(frozen=True)
+class Admission:
+    reason: AdmitReason
+    kv_target_bytes: int | None = None  # KV size the instance must scale to (None: no change)
+    compromise: bool = False  # scaled to M_require only, because M_recommend did not fit
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is AdmitReason.ADMITTED

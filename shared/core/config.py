@@ -1,0 +1,27 @@
+"""Knobs of the policy core, validated once where they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    watermark: float = 0.25  # w of §VII-B: scale up to M_require*(1+w), down below M_rec*(1+w)
+    overestimate: float = 0.10  # shadow validation inflates every predicted iteration (§VI-C)
+    keep_alive_s: float = 1.0  # idle instances are reclaimed after this (§IX-A)
+    enable_cpu: bool = True  # ablation "--no-cpu"
+    enable_sharing: bool = True  # ablation "--no-sharing": one instance per node
+    enable_consolidation: bool = True  # ablation "--no-consolidation": no preemption
+    require_matrix_accel: bool = True  # CPUs without AMX-like units are never used (§V)
+    shadow_max_steps: int = 256  # bound on simulated iterations per shadow validation
+
+    def __post_init__(self) -> None:
+        if self.watermark < 0:
+            raise ValueError(f"watermark must be >= 0, got {self.watermark}")
+        if self.overestimate < 0:
+            raise ValueError(f"overestimate must be >= 0, got {self.overestimate}")
+        if self.keep_alive_s < 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
+        if self.shadow_max_steps < 1:
+            raise ValueError("shadow_max_steps must be >= 1")

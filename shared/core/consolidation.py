@@ -1,0 +1,108 @@
+"""Efficiency-oriented consolidation (SLINFER §VIII).
+
+- Reactive bin-packing: among a model's instances, try the one with the largest batch first, so
+  small fragmented instances drain and can be reclaimed (`binpack_order`).
+- Proactive preemption: when an instance cannot grow because of its neighbours, it may preempt
+  neighbours with a *smaller* batch than its own (counting the new request), smallest first, and
+  only if every preempted request shadow-validates on another node (`plan_preemption`).
+- Keep-alive: idle instances are reclaimed after the keep-alive (`idle_instances`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shared.core.admission import Admission
+from shared.core.config import CoreConfig
+from shared.core.evaluate import evaluate, with_request, without_instances
+from shared.core.perf_model import PerfModel
+from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
+
+
+def binpack_order(candidates: list[tuple[NodeView, InstanceView]]) -> list[tuple[NodeView, InstanceView]]:
+    """CPU nodes first (§V), then the largest batch (§VIII-B); ids break ties deterministically."""
+    return sorted(candidates, key=lambda c: (c[0].hardware is not Hardware.CPU,
+                                             -c[1].batch_size, c[0].node_id, c[1].instance_id))
+
+
+def idle_instances(node: NodeView, now: float, keep_alive_s: float) -> list[InstanceView]:
+    return [i for i in node.instances
+            if i.status is InstanceStatus.READY and not i.requests
+            and now - i.last_active >= keep_alive_s]
+
+
+@dataclass(frozen=True)
+class Migration:
+    request_id: str
+    from_instance: str  # preempted instance it leaves
+    to_node: str
+    to_instance: str  # an existing instance of its model that passed shadow validation
+
+
+@dataclass(frozen=True)
+class Preemption:
+    node_id: str
+    victims: tuple[str, ...]  # instance ids to unload, smallest batch first
+    admission: Admission  # the preemptor's admission once the victims are gone
+    migrations: tuple[Migration, ...]  # where each preempted request goes
+
+
+def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[InstanceView]:
+    """Neighbours with a strictly smaller batch than the preemptor will have with the new request."""
+    own_batch = (preemptor.batch_size if preemptor else 0) + 1
+    own_id = preemptor.instance_id if preemptor else None
+    victims = [i for i in node.instances
+               if i.instance_id != own_id and i.status is not InstanceStatus.UNLOADING
+               and i.batch_size < own_batch]
+    return sorted(victims, key=lambda i: (i.batch_size, i.last_active, i.instance_id))
+
+
+def relocate(requests: list[tuple[str, RequestView]], nodes: list[NodeView], exclude_node: str,
+             models: dict[str, ModelSpec], perf: PerfModel, now: float,
+             config: CoreConfig) -> list[Migration] | None:
+    """Find an existing instance on another node for every request, or None if one cannot move.
+    Each placed request is added to the working views so two never count the same room."""
+    views = {n.node_id: n for n in nodes if n.node_id != exclude_node}
+    plan: list[Migration] = []
+    for from_instance, req in requests:
+        moved = replace(req, prefilled=False)  # recomputes its KV cache at the destination
+        spot = _first_fit(moved, views, models[req.model], perf, now, config)
+        if spot is None:
+            return None
+        node_id, inst_id, admission = spot
+        views[node_id] = with_request(views[node_id], inst_id, moved, admission)
+        plan.append(Migration(req.request_id, from_instance, node_id, inst_id))
+    return plan
+
+
+def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec, perf: PerfModel,
+               now: float, config: CoreConfig) -> tuple[str, str, Admission] | None:
+    cands = [(n, i) for n in views.values() for i in n.instances
+             if i.model.name == model.name and i.status is not InstanceStatus.UNLOADING]
+    for node, inst in binpack_order(cands):
+        adm = evaluate(node, inst.instance_id, req, model, perf, now, config)
+        if adm.ok:
+            return node.node_id, inst.instance_id, adm
+    return None
+
+
+def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: RequestView,
+                    model: ModelSpec, nodes: list[NodeView], models: dict[str, ModelSpec],
+                    perf: PerfModel, now: float, config: CoreConfig) -> Preemption | None:
+    """Smallest victims first until the preemptor admits the request; then every victim's requests
+    must validate elsewhere, or there is no preemption at all."""
+    chosen: list[InstanceView] = []
+    target_id = preemptor.instance_id if preemptor else None
+    for victim in preemption_victims(node, preemptor):
+        chosen.append(victim)
+        trial = without_instances(node, {v.instance_id for v in chosen})
+        admission = evaluate(trial, target_id, request, model, perf, now, config)
+        if admission.ok:
+            break
+    else:
+        return None
+    displaced = [(v.instance_id, r) for v in chosen for r in v.requests]
+    moves = relocate(displaced, nodes, node.node_id, models, perf, now, config)
+    if moves is None:
+        return None
+    return Preemption(node.node_id, tuple(v.instance_id for v in chosen), admission, tuple(moves))

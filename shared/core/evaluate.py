@@ -1,0 +1,128 @@
+"""One admission check, run by the placer on its (possibly stale) view and again by the node on its
+own state before it accepts: hardware fit, context, memory (§VII-D) and shadow validation (§VI-C).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.core.admission import Admission, AdmitReason
+from shared.core.config import CoreConfig
+from shared.core.memory import m_require, watermark_target
+from shared.core.perf_model import PerfModel, Profile
+from shared.core.shadow import shadow_validate
+from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
+
+NEW_INSTANCE_ID = "<new>"
+
+
+def hardware_check(node: NodeView, model: ModelSpec, request: RequestView, perf: PerfModel,
+                   config: CoreConfig) -> AdmitReason | None:
+    """Can this node's hardware serve this request at all? (§V: CPUs only with a matrix
+    accelerator and only where the profile says the SLO holds.)"""
+    if node.hardware is Hardware.CPU:
+        if not config.enable_cpu:
+            return AdmitReason.CPU_DISABLED
+        if config.require_matrix_accel and not node.matrix_accel:
+            return AdmitReason.NO_MATRIX_ACCEL
+    profile = perf.get(model.name, node.hardware)
+    if profile is None:
+        return AdmitReason.NO_PROFILE
+    alone_ttft = profile.prefill_s(request.context_len()) * (1 + config.overestimate)
+    alone_tpot = profile.decode_s(1, request.context_len()) * (1 + config.overestimate)
+    if alone_ttft > request.slo.ttft_s + request.grace_s or alone_tpot > request.slo.tpot_s:
+        return AdmitReason.SLO_INFEASIBLE
+    return None
+
+
+def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
+                 config: CoreConfig) -> Admission:
+    """Memory side: M_require with the newcomer; scale to M_recommend, or compromise to M_require,
+    within the node's optimistic budget (§VII-B, §VII-D)."""
+    spec = instance.model
+    need = m_require([*instance.requests, request], spec.kv_bytes_per_token, spec.avg_output_len,
+                     spec.max_context)
+    if instance.kv_bytes >= need:
+        return Admission(AdmitReason.ADMITTED)
+    recommend = watermark_target(instance.kv_bytes, need, config.watermark) or need
+    current_total = (spec.weight_bytes + instance.kv_bytes) if instance.instance_id != NEW_INSTANCE_ID else 0
+    headroom_bytes = node.memory_bytes - node.budget_bytes + current_total
+    if spec.weight_bytes + recommend <= headroom_bytes:
+        return Admission(AdmitReason.ADMITTED, kv_target_bytes=recommend)
+    if spec.weight_bytes + need <= headroom_bytes:
+        return Admission(AdmitReason.ADMITTED, kv_target_bytes=need, compromise=True)
+    return Admission(AdmitReason.MEMORY)
+
+
+def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = None) -> dict[str, Profile] | None:
+    profiles: dict[str, Profile] = {}
+    for inst in [*node.instances, *([extra] if extra else [])]:
+        p = perf.get(inst.model.name, node.hardware)
+        if p is None:
+            return None
+        profiles[inst.instance_id] = p
+    return profiles
+
+
+def new_instance_view(node: NodeView, model: ModelSpec, load_s: float, now: float) -> InstanceView:
+    return InstanceView(NEW_INSTANCE_ID, model, node.node_id, InstanceStatus.LOADING,
+                        kv_bytes=0, ready_at=now + load_s, last_active=now)
+
+
+def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,
+             perf: PerfModel, now: float, config: CoreConfig) -> Admission:
+    """May `request` join instance `instance_id` on `node` (None: a new instance of `model`)?"""
+    if request.context_len() + (request.max_tokens - request.generated) > model.max_context:
+        return Admission(AdmitReason.CONTEXT_TOO_LONG)
+    if instance_id is None:
+        if not config.enable_sharing and node.instances:
+            return Admission(AdmitReason.NOT_SHARED)
+        profile = perf.get(model.name, node.hardware)
+        if profile is None:
+            return Admission(AdmitReason.NO_PROFILE)
+        # §IX-A: a request that waits for a cold start gets the load time as TTFT grace.
+        request = replace(request, grace_s=max(request.grace_s, profile.load_s))
+    reason = hardware_check(node, model, request, perf, config)
+    if reason is not None:
+        return Admission(reason)
+    if instance_id is None:
+        target = new_instance_view(node, model, perf.get(model.name, node.hardware).load_s, now)
+        instances = [*node.instances, target]
+    else:
+        target = node.instance(instance_id)
+        if target is None or target.status is InstanceStatus.UNLOADING:
+            return Admission(AdmitReason.INSTANCE_GONE)
+        instances = node.instances
+    memory = kv_admission(target, request, node, config)
+    if not memory.ok:
+        return memory
+    profiles = node_profiles(node, perf, target if instance_id is None else None)
+    if profiles is None:
+        return Admission(AdmitReason.NO_PROFILE)
+    verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
+                              node.busy_until, config)
+    return memory if verdict is AdmitReason.ADMITTED else Admission(verdict)
+
+
+def with_request(node: NodeView, instance_id: str, request: RequestView,
+                 admission: Admission) -> NodeView:
+    """The node as it will be once an admitted request joined an existing instance (for a caller
+    that places several requests on one view, e.g. relocating preempted requests)."""
+    instances = []
+    budget = node.budget_bytes
+    for inst in node.instances:
+        if inst.instance_id == instance_id:
+            kv = inst.kv_bytes
+            if admission.kv_target_bytes is not None:
+                budget += admission.kv_target_bytes - inst.kv_bytes
+                kv = admission.kv_target_bytes
+            inst = replace(inst, kv_bytes=kv, requests=[*inst.requests, request])
+        instances.append(inst)
+    return replace(node, instances=instances, budget_bytes=budget)
+
+
+def without_instances(node: NodeView, instance_ids: set[str]) -> NodeView:
+    """The node once these instances are unloaded (their memory leaves the budget)."""
+    freed = sum(i.model.weight_bytes + i.kv_bytes for i in node.instances if i.instance_id in instance_ids)
+    kept = [i for i in node.instances if i.instance_id not in instance_ids]
+    return replace(node, instances=kept, budget_bytes=node.budget_bytes - freed)

@@ -1,0 +1,250 @@
+"""The node's brain: token-level scheduling plus the memory subsystem, as a pure state machine.
+
+The node worker (real engines) and the simulator (profile-timed engines) drive it the same way:
+
+    result = sched.admit(request, instance_id, model, now)   # re-check, then commit
+    plan = sched.step(now)                                    # what to run now (+ memory ops)
+    ...execute plan.iteration and plan.start_ops...
+    sched.finish_iteration(plan.iteration, now, finished)     # feed the outcome back
+    sched.memop_done(op, now)                                 # a memory op completed
+    sched.reclaim_idle(now)                                   # keep-alive expiry
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shared.core.admission import Admission, AdmitReason
+from shared.core.config import CoreConfig
+from shared.core.evaluate import evaluate
+from shared.core.iteration import (IterationChoice, apply_iteration, choose_iteration,
+                                   kv_tokens_needed, predict_seconds)
+from shared.core.memory import MemOp, MemOpKind, MemoryLedger, m_require, watermark_target
+from shared.core.consolidation import idle_instances
+from shared.core.perf_model import PerfModel
+from shared.core.shadow import copy_instances
+from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    admission: Admission
+    instance_id: str | None = None  # where the request now lives (a new id if created)
+    start_ops: tuple[MemOp, ...] = ()  # memory operations to begin now (load or KV scale-up)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    request: RequestView  # removed from the node; reschedule it elsewhere (it keeps its tokens)
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    iteration: IterationChoice | None  # the one iteration to run now; None: nothing runnable
+    predicted_s: float = 0.0  # profile's estimate of its duration
+    start_ops: tuple[MemOp, ...] = ()  # memory ops to begin now (underestimation scale-ups)
+    evictions: tuple[Eviction, ...] = ()  # requests evicted because memory could not grow
+
+
+@dataclass
+class NodeScheduler:
+    node: NodeView  # authoritative state of this node (instances, requests, KV sizes)
+    perf: PerfModel
+    config: CoreConfig = field(default_factory=CoreConfig)
+
+    def __post_init__(self) -> None:
+        self.ledger = MemoryLedger(self.node.memory_bytes)
+        self._next_instance = 1
+
+    # --- admission -----------------------------------------------------------------------------
+    def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
+              now: float) -> AdmitResult:
+        """Re-check the placer's decision against this node's own state, then commit it."""
+        admission = evaluate(self.view(), instance_id, request, model, self.perf, now, self.config)
+        if not admission.ok:
+            return AdmitResult(admission)
+        if instance_id is None:
+            return self._admit_new(request, model, admission, now)
+        inst = self._instance(instance_id)
+        ops: list[MemOp] = []
+        if admission.kv_target_bytes is not None:
+            ops = self._resize(inst, admission.kv_target_bytes, now)
+        inst.requests.append(replace(request))
+        inst.last_active = now
+        return AdmitResult(admission, instance_id, tuple(ops))
+
+    def _admit_new(self, request: RequestView, model: ModelSpec, admission: Admission,
+                   now: float) -> AdmitResult:
+        profile = self.perf.get(model.name, self.node.hardware)
+        assert profile is not None  # evaluate() returned NO_PROFILE otherwise
+        iid = f"{model.name}@{self.node.node_id}#{self._next_instance}"
+        self._next_instance += 1
+        kv = admission.kv_target_bytes or 0
+        inst = InstanceView(iid, model, self.node.node_id, InstanceStatus.LOADING, kv_bytes=kv,
+                            ready_at=now + profile.load_s, last_active=now)
+        inst.requests.append(replace(request, grace_s=max(request.grace_s, profile.load_s)))
+        self.node.instances.append(inst)
+        ok, ops = self.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)
+        assert ok, "evaluate() approved the budget"
+        self._sync()
+        return AdmitResult(admission, iid, tuple(ops))
+
+    # --- the token-level loop ---------------------------------------------------------------
+    def step(self, now: float) -> StepPlan:
+        """Choose the next iteration; resolve KV shortfalls first (scale up, else evict)."""
+        blocked = {i.instance_id for i in self.node.instances
+                   if i.status is not InstanceStatus.READY or i.instance_id in self._running_ops()}
+        ops: list[MemOp] = []
+        evictions: list[Eviction] = []
+        while True:
+            choice = choose_iteration(self.node.instances, now, blocked)
+            if choice is None:
+                return StepPlan(None, 0.0, tuple(ops), tuple(evictions))
+            inst = self._instance(choice.instance_id)
+            if kv_tokens_needed(choice, inst) <= self._kv_capacity_tokens(inst):
+                predicted = predict_seconds(choice, inst, self._profile(inst))
+                self.node.busy_until = now + predicted
+                return StepPlan(choice, predicted, tuple(ops), tuple(evictions))
+            blocked.add(inst.instance_id)
+            if self.ledger.busy(inst.instance_id):
+                continue  # its scale-up is parked or running: others go first meanwhile
+            grown = self._grow_for(inst, kv_tokens_needed(choice, inst), now)
+            if grown is not None:
+                ops.extend(grown)
+                continue
+            victim = max(inst.requests, key=lambda r: (r.headroom(now), r.request_id))
+            inst.requests.remove(victim)
+            evictions.append(Eviction(victim, inst.instance_id))
+            blocked.discard(inst.instance_id)  # it may fit now
+
+    def _grow_for(self, inst: InstanceView, tokens: int, now: float) -> list[MemOp] | None:
+        """Underestimation (§VII-D): try to scale up again; None if the node has no room."""
+        spec = inst.model
+        need = max(tokens * spec.kv_bytes_per_token,
+                   m_require(inst.requests, spec.kv_bytes_per_token, spec.avg_output_len, spec.max_context))
+        target = int(need * (1 + self.config.watermark))
+        for size in (target, need):
+            if self.ledger.fits(inst.instance_id, spec.weight_bytes + size):
+                return self._resize(inst, size, now)
+        return None
+
+    def finish_iteration(self, choice: IterationChoice, now: float,
+                         finished: set[str] = frozenset()) -> list[MemOp]:
+        """The iteration ran: credit its tokens, drop finished requests, maybe scale down."""
+        inst = self._find(choice.instance_id)
+        self.node.busy_until = now
+        if inst is None:
+            return []
+        apply_iteration(choice, inst)
+        inst.last_active = now
+        return self._remove_requests(inst, finished, now)
+
+    def cancel(self, request_id: str, now: float) -> list[MemOp]:
+        for inst in self.node.instances:
+            if any(r.request_id == request_id for r in inst.requests):
+                return self._remove_requests(inst, {request_id}, now)
+        return []
+
+    def _remove_requests(self, inst: InstanceView, ids: set[str], now: float) -> list[MemOp]:
+        if not ids:
+            return []
+        inst.requests = [r for r in inst.requests if r.request_id not in ids]
+        inst.last_active = now
+        spec = inst.model
+        need = m_require(inst.requests, spec.kv_bytes_per_token, spec.avg_output_len, spec.max_context)
+        target = watermark_target(inst.kv_bytes, need, self.config.watermark)
+        if target is not None and target < inst.kv_bytes and inst.status is InstanceStatus.READY:
+            return self._resize(inst, target, now)  # lazy scale-down (§VII-B)
+        return []
+
+    # --- memory operations ------------------------------------------------------------------
+    def memop_done(self, op: MemOp, now: float) -> list[MemOp]:
+        """A memory op completed (reservation-station stream): release what is now safe."""
+        started = self.ledger.complete(op.instance_id, op.op_id)
+        inst = self._find(op.instance_id)
+        if inst is not None and op.kind is MemOpKind.LOAD and inst.status is InstanceStatus.LOADING:
+            inst.status = InstanceStatus.READY
+            inst.ready_at = now
+        if op.kind is MemOpKind.UNLOAD and self.ledger.target(op.instance_id) == 0:
+            self.node.instances = [i for i in self.node.instances if i.instance_id != op.instance_id]
+        self._sync()
+        return started
+
+    def reclaim_idle(self, now: float) -> list[MemOp]:
+        ops: list[MemOp] = []
+        for inst in idle_instances(self.node, now, self.config.keep_alive_s):
+            if not self.ledger.busy(inst.instance_id):
+                ops.extend(self._unload(inst, now))
+        return ops
+
+    def preempt(self, instance_ids: list[str], now: float) -> tuple[list[RequestView], list[MemOp]]:
+        """Unload these instances; their requests come back for rescheduling elsewhere."""
+        evicted: list[RequestView] = []
+        ops: list[MemOp] = []
+        for iid in instance_ids:
+            inst = self._find(iid)
+            if inst is None or inst.status is InstanceStatus.UNLOADING:
+                continue
+            evicted.extend(inst.requests)
+            inst.requests = []
+            ops.extend(self._unload(inst, now))
+        return evicted, ops
+
+    def _unload(self, inst: InstanceView, now: float) -> list[MemOp]:
+        inst.status = InstanceStatus.UNLOADING
+        _, ops = self.ledger.request(MemOpKind.UNLOAD, inst.instance_id, 0, now)
+        if self.ledger.target(inst.instance_id) == 0 and not self.ledger.busy(inst.instance_id):
+            # a load that never started was cancelled outright: nothing to execute
+            self.node.instances = [i for i in self.node.instances if i.instance_id != inst.instance_id]
+        self._sync()
+        return ops
+
+    def _resize(self, inst: InstanceView, kv_bytes: int, now: float) -> list[MemOp]:
+        kind = MemOpKind.LOAD if inst.status is InstanceStatus.LOADING else MemOpKind.SCALE
+        ok, ops = self.ledger.request(kind, inst.instance_id, inst.model.weight_bytes + kv_bytes, now)
+        if ok:
+            inst.kv_bytes = kv_bytes
+        self._sync()
+        return ops
+
+    # --- views and helpers ------------------------------------------------------------------
+    def view(self) -> NodeView:
+        """A snapshot for the placer (and for evaluate()): copies, safe to publish."""
+        return replace(self.node, instances=copy_instances(self.node.instances))
+
+    def kv_capacity_bytes(self, instance_id: str) -> int:
+        """KV bytes the instance really holds now (what the engine was last resized to)."""
+        inst = self._instance(instance_id)
+        return max(0, self.ledger.allocated(instance_id) - inst.model.weight_bytes)
+
+    def _kv_capacity_tokens(self, inst: InstanceView) -> int:
+        return self.kv_capacity_bytes(inst.instance_id) // max(1, inst.model.kv_bytes_per_token)
+
+    def _running_ops(self) -> set[str]:
+        return {op.instance_id for op in self.ledger.running()}
+
+    def _profile(self, inst: InstanceView):
+        profile = self.perf.get(inst.model.name, self.node.hardware)
+        if profile is None:
+            raise KeyError(f"no profile for {inst.model.name} on {self.node.hardware.value}")
+        return profile
+
+    def _find(self, instance_id: str) -> InstanceView | None:
+        return self.node.instance(instance_id)
+
+    def _instance(self, instance_id: str) -> InstanceView:
+        inst = self._find(instance_id)
+        if inst is None:
+            raise KeyError(f"unknown instance {instance_id}")
+        return inst
+
+    def _sync(self) -> None:
+        self.node.budget_bytes = self.ledger.budget
+        self.node.pessimistic_bytes = self.ledger.pessimistic
+
+
+def new_node(node_id: str, hardware: Hardware, memory_bytes: int, perf: PerfModel,
+             config: CoreConfig | None = None, matrix_accel: bool = False) -> NodeScheduler:
+    node = NodeView(node_id, hardware, memory_bytes, matrix_accel=matrix_accel)
+    return NodeScheduler(node, perf, config or CoreConfig())
