@@ -271,38 +271,27 @@ def wait_for_health(url: str, children: list[Child], timeout_s: float = HEALTH_T
 
 
 def _admin_headers() -> dict[str, str]:
+    """With auth on, register as the first configured key's tenant (the model is public anyway)."""
     headers = {"Content-Type": "application/json"}
-    key = os.environ.get("SLINFER_ADMIN_KEY", "").strip()
-    if not key and api_keys_configured():
+    if api_keys_configured():
         key = os.environ["SLINFER_API_KEYS"].split(",")[0].split(":")[0].strip()
-    if key:
         headers["Authorization"] = f"Bearer {key}"
     return headers
-
-
-def _admin_call(method: str, url: str, body: dict | None = None) -> int:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers=_admin_headers())
-    try:
-        with _http.open(req, timeout=30) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        if exc.code in (404, 409):
-            return exc.code
-        detail = exc.read().decode(errors="replace")[:500]
-        raise RuntimeError(f"{method} {url} -> {exc.code}: {detail}") from None
 
 
 def register_model(url: str, name: str, path: Path) -> None:
     """Register the model as public with the torch engine, replacing one of the same name."""
     body = {"name": name, "path": str(path), "engine": "torch", "slo_class": "standard",
-            "public": True}
-    if _admin_call("POST", f"{url}/admin/models", body) != 409:
-        return
-    _admin_call("DELETE", f"{url}/admin/models/{urllib.request.quote(name, safe='')}")
-    status = _admin_call("POST", f"{url}/admin/models", body)
-    if status == 409:
-        raise RuntimeError(f"model {name!r} is still registered after DELETE; cannot replace it")
+            "public": True, "replace": True}
+    req = urllib.request.Request(f"{url}/admin/models", data=json.dumps(body).encode(),
+                                 method="POST", headers=_admin_headers())
+    try:
+        with _http.open(req, timeout=60):
+            return
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise RuntimeError(f"registering model {name!r} ({path}) failed: "
+                           f"HTTP {exc.code}: {detail}") from None
 
 
 # ---------------------------------------------------------------- output

@@ -60,14 +60,14 @@ FAKE_GATEWAY = textwrap.dedent('''
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if body["name"] in models:
+            if set(body) - {"name", "path", "engine", "slo_class", "public", "replace"}:
+                return self._send(400, {"error": {"message": "unknown field"}})
+            if not os.path.isfile(os.path.join(body["path"], "config.json")):
+                return self._send(400, {"error": {"message": "not a model directory"}})
+            if body["name"] in models and not body.get("replace"):
                 return self._send(409, {"error": {"message": "exists"}})
             models[body["name"]] = body
             self._send(201, body)
-
-        def do_DELETE(self):
-            models.pop(self.path.rsplit("/", 1)[1], None)
-            self._send(204)
 
         def log_message(self, *a):
             pass
@@ -254,15 +254,17 @@ def test_lifecycle_with_stand_ins(tmp_path, fakes, sig) -> None:
 
 
 @pytest.mark.integration
-def test_restart_replaces_registered_model(tmp_path, fakes) -> None:
-    """Registering against a gateway that already knows the name replaces it (409 -> DELETE)."""
+def test_registration_replaces_and_reports_gateway_errors(tmp_path, fakes) -> None:
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
     args = ["--port", str(port), "--data-dir", str(data_dir), "--model-dir", str(tmp_path / "model")]
     proc = start_up(args, out, fakes, driver=True)
+    url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
-        launcher.register_model(f"http://127.0.0.1:{port}", "model", tmp_path / "model")
-        assert [m["id"] for m in get_json(f"http://127.0.0.1:{port}/v1/models")["data"]] == ["model"]
+        launcher.register_model(url, "model", tmp_path / "model")  # same name again: replaced
+        assert [m["id"] for m in get_json(f"{url}/v1/models")["data"]] == ["model"]
+        with pytest.raises(RuntimeError, match="HTTP 400: .*not a model directory"):
+            launcher.register_model(url, "other", tmp_path / "nowhere")
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
