@@ -146,8 +146,7 @@ def resolve_model(opts: Options) -> tuple[str, Path]:
 
     print(f"demo model: ensuring it exists under {opts.data_dir} (first run builds it) ...", flush=True)
     path = Path(modelgen.ensure_demo_model(opts.data_dir))
-    name = opts.model_name or getattr(modelgen, "DEMO_MODEL_NAME", None) or path.name
-    return name, path
+    return opts.model_name or path.name, path
 
 
 # ---------------------------------------------------------------- children
@@ -250,8 +249,8 @@ _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def gateway_url(opts: Options) -> str:
-    host = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
-    return f"http://{host}:{opts.port}"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(opts.host, opts.host)
+    return f"http://[{host}]:{opts.port}" if ":" in host else f"http://{host}:{opts.port}"
 
 
 def wait_for_health(url: str, children: list[Child], timeout_s: float = HEALTH_TIMEOUT_S) -> None:
