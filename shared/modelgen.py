@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -108,7 +109,9 @@ def corpus_lines() -> Iterator[str]:
             module = importlib.import_module(module_name)
         except ImportError:  # e.g. a Python built without sqlite3: skip, stay deterministic
             continue
-        yield from _docstrings(module)
+        with warnings.catch_warnings():  # touching deprecated members (typing.io) warns
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield from _docstrings(module)
 
 
 def _docstrings(module) -> Iterator[str]:

@@ -1,0 +1,52 @@
+"""Fixtures for the engine tests: one tiny random-weight Llama built per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shared.modelgen import ensure_demo_model
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("slinfer-data")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(data_dir: Path) -> Path:
+    return ensure_demo_model(data_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: Path) -> Callable[..., object]:
+    """A loaded TorchEngine over the tiny model; keyword arguments go to the constructor."""
+    from services.node.engines.torch_engine import TorchEngine
+
+    engines = []
+
+    def make(**kwargs) -> TorchEngine:
+        engine = TorchEngine(tiny_model_dir, **kwargs)
+        engine.load()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.unload()
