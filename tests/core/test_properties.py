@@ -58,7 +58,7 @@ def test_watermark_settles_after_one_change_on_steady_load(m_cur, m_req, w):
 
 
 # --- shadow validation: what was admitted meets its deadlines when the node runs -------------
-request_specs = st.lists(st.tuples(st.integers(16, 1500), st.floats(0.5, 6.0), st.integers(0, 20)),
+request_specs = st.lists(st.tuples(st.integers(16, 1500), st.floats(0.3, 3.0), st.integers(0, 20)),
                          min_size=1, max_size=6)
 
 
@@ -69,7 +69,10 @@ def test_admitted_requests_pass_the_simulation_they_passed(existing, newcomers, 
     overestimate): every request on time at the last admission stays on time until the last
     admitted request has its first token and every instance has decoded once after it."""
     rng = random.Random(seed)
-    perf = perf_for(linear_profile("a", Hardware.CPU), linear_profile("b", Hardware.CPU, decode_base=0.04))
+    # No load time: a cold start would add its grace to TTFT and hide tight timelines.
+    # Iterations slow enough (1 ms/token prefill, 50+ ms decode) that deadlines bind.
+    perf = perf_for(linear_profile("a", Hardware.CPU, 1e-3, 0.05, 0.01, load_s=0.0),
+                    linear_profile("b", Hardware.CPU, 1e-3, 0.08, 0.01, load_s=0.0))
     specs = {"a": model("a", weight_gb=1), "b": model("b", weight_gb=1)}
     sched = node("n", Hardware.CPU, 64, perf, CoreConfig())
     ids = {}
