@@ -1,0 +1,74 @@
+"""`create_app(settings)`: the gateway's FastAPI application.
+
+NATS (and JetStream's request stream) and Redis are opened in the lifespan and handed to the
+routes through dependencies (`deps.py`); the routes are split by role (`openai_routes.py`,
+`admin_routes.py`); every error leaves through `errors.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from redis.asyncio import Redis
+
+from services.gateway import admin_routes, openai_routes
+from services.gateway.backend import InferenceBackend, ensure_request_stream
+from services.gateway.body import BodyLimitMiddleware
+from services.gateway.deps import Context, GatewayContext
+from services.gateway.errors import install_error_handlers
+from services.gateway.service import GatewayService
+from services.gateway.settings import ENV_API_KEYS, GatewaySettings
+from services.gateway.tokenization import TokenizerCache
+from shared.registry import ModelRegistry
+
+log = logging.getLogger("slinfer.gateway")
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.auth_enabled:
+            log.warning("auth is OFF: %s is not set; every caller is tenant 'local' and the gateway "
+                        "serves %s only", ENV_API_KEYS, settings.host)
+        nc = await nats.connect(settings.nats_url, name="slinfer-gateway", connect_timeout=5,
+                                max_reconnect_attempts=-1, allow_reconnect=True)
+        redis = Redis.from_url(settings.redis_url)
+        try:
+            await redis.ping()
+            js = nc.jetstream()
+            await ensure_request_stream(js)
+            registry = ModelRegistry(redis)
+            service = GatewayService(settings, registry, InferenceBackend(nc, js), TokenizerCache())
+            app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
+                                           service=service)
+            log.info("gateway ready: NATS %s, Redis %s", settings.nats_url, settings.redis_url)
+            yield
+        finally:
+            await nc.drain()
+            await redis.aclose()
+
+    app = FastAPI(title="slinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+
+    @app.get("/health")
+    async def health(ctx: Context) -> Any:
+        nats_ok = ctx.nc.is_connected
+        try:
+            redis_ok = bool(await ctx.redis.ping())
+        except Exception:
+            redis_ok = False
+        ok = nats_ok and redis_ok
+        return JSONResponse({"status": "ok" if ok else "degraded", "nats": nats_ok, "redis": redis_ok,
+                             "auth": settings.auth_enabled}, status_code=200 if ok else 503)
+
+    return app

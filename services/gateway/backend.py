@@ -1,0 +1,186 @@
+"""The gateway's NATS side: publish requests to the JetStream request stream, read the token
+stream back in order, publish cancellations.
+
+Ordering contract with the node (`shared.schemas.TokenMessage`): `seq` is the output index of
+`token_ids[0]`; messages may arrive out of order or not at all; the final message
+(`finished=True`) carries the complete output in `output_token_ids`, which fills any gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared import wire
+from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
+from shared.subjects import (
+    CANCEL_SUBJECT,
+    REQUEST_DEDUP_WINDOW_S,
+    REQUEST_STREAM,
+    REQUEST_SUBJECT,
+    token_subject,
+)
+
+log = logging.getLogger("slinfer.gateway")
+
+
+class BackendUnavailable(Exception):
+    pass
+
+
+class StreamTimeout(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Output tokens, in order, continuing right after the previous `Tokens`."""
+
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended; no more events follow."""
+
+    reason: FinishReason
+    error: str | None = None
+    node_id: str | None = None
+
+
+TokenEvent = Tokens | Finished
+
+
+async def ensure_request_stream(js: JetStreamContext) -> None:
+    """Create the request stream, or widen an existing one (keeping its other settings, which the
+    placer may have chosen) so it takes REQUEST_SUBJECT and dedups over REQUEST_DEDUP_WINDOW_S."""
+    for _ in range(3):  # a placer may be creating it at the same moment
+        try:
+            info = await js.stream_info(REQUEST_STREAM)
+        except NotFoundError:
+            try:
+                await js.add_stream(StreamConfig(name=REQUEST_STREAM, subjects=[REQUEST_SUBJECT],
+                                                 duplicate_window=REQUEST_DEDUP_WINDOW_S))
+                return
+            except nats.js.errors.BadRequestError:
+                continue  # created concurrently: look again
+        config = info.config
+        subjects = list(config.subjects or [])
+        if REQUEST_SUBJECT in subjects and config.duplicate_window == REQUEST_DEDUP_WINDOW_S:
+            return
+        if REQUEST_SUBJECT not in subjects:
+            subjects.append(REQUEST_SUBJECT)
+        config.subjects = subjects
+        config.duplicate_window = REQUEST_DEDUP_WINDOW_S
+        await js.update_stream(config)
+        return
+    raise BackendUnavailable(f"could not create or update stream {REQUEST_STREAM}")
+
+
+class InferenceBackend:
+    """Collaborators: a connected NATS client and its JetStream context."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+        self._nc = nc
+        self._js = js
+
+    @property
+    def connected(self) -> bool:
+        return self._nc.is_connected
+
+    async def submit(self, request: InferenceRequest, timeout_s: float) -> TokenStream:
+        """Subscribe to the request's token subject, then publish the request (in that order, so no
+        token can be missed). Raises BackendUnavailable if the stream does not take it."""
+        sub = await self._nc.subscribe(token_subject(request.request_id))
+        try:
+            await self._js.publish(REQUEST_SUBJECT, wire.encode(request), timeout=min(timeout_s, 10.0),
+                                   headers=self.request_headers(request))
+        except Exception as exc:  # nats raises timeouts, no-responders, API errors
+            await _unsubscribe(sub)
+            raise BackendUnavailable(f"request stream did not accept the request: {exc!r}") from exc
+        return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s)
+
+    def request_headers(self, request: InferenceRequest) -> dict[str, str]:
+        """NATS headers on the request stream: dedup by request id. (Trace context goes here too.)"""
+        return {"Nats-Msg-Id": request.request_id}
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self._nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(request_id, reason)))
+            await self._nc.flush(timeout=2)
+        except Exception:  # a cancel that cannot be sent must not fail the caller's cleanup
+            log.warning("could not publish cancel for %s", request_id, exc_info=True)
+
+
+class TokenStream:
+    """The token messages of one request, reordered: yields `Tokens` in output order, then one
+    `Finished`. Raises `StreamTimeout` at the deadline. Always `close()` it."""
+
+    def __init__(self, request_id: str, sub: Subscription, deadline: float) -> None:
+        self.request_id = request_id
+        self._sub = sub
+        self._deadline = deadline
+        self._next = 0  # output index of the next token to yield
+        self._pending: dict[int, int] = {}  # output index -> token id, beyond a gap
+        self.prompt_tokens = 0  # as counted by the node (0 until it says)
+        self.finished: Finished | None = None
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        while self.finished is None:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise StreamTimeout(self.request_id)
+            try:
+                msg = await self._sub.next_msg(timeout=remaining)
+            except nats.errors.TimeoutError:
+                raise StreamTimeout(self.request_id) from None
+            try:
+                token_msg = wire.decode(TokenMessage, msg.data)
+            except wire.WireError:
+                log.warning("undecodable token message for %s dropped", self.request_id)
+                continue
+            for event in self._accept(token_msg):
+                yield event
+
+    def _accept(self, m: TokenMessage) -> list[TokenEvent]:
+        if m.prompt_tokens:
+            self.prompt_tokens = m.prompt_tokens
+        for i, token in enumerate(m.token_ids):
+            if m.seq + i >= self._next:
+                self._pending[m.seq + i] = token
+        if m.finished:
+            for i, token in enumerate(m.output_token_ids):
+                if i >= self._next:
+                    self._pending[i] = token  # the final word on every position
+        ready = []
+        while self._next in self._pending:
+            ready.append(self._pending.pop(self._next))
+            self._next += 1
+        events: list[TokenEvent] = [Tokens(ready)] if ready else []
+        if m.finished:
+            if self._pending:
+                log.warning("request %s finished with a gap before output index %d; %d tokens dropped",
+                            self.request_id, self._next, len(self._pending))
+            reason = m.finish_reason or (FinishReason.ERROR if m.error else FinishReason.STOP)
+            self.finished = Finished(reason=reason, error=m.error, node_id=m.node_id)
+            events.append(self.finished)
+        return events
+
+    async def close(self) -> None:
+        await _unsubscribe(self._sub)
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:  # connection closing or already unsubscribed
+        pass

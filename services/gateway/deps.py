@@ -1,0 +1,54 @@
+"""FastAPI dependencies: the per-process context (opened in the lifespan), the caller's tenant,
+the raw request body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from nats.aio.client import Client as NATS
+from redis.asyncio import Redis
+
+from services.gateway.auth import authenticate
+from services.gateway.body import read_utf8_body
+from services.gateway.service import GatewayService
+from services.gateway.settings import GatewaySettings
+from shared.registry import ModelRegistry
+
+
+@dataclass(frozen=True)
+class GatewayContext:
+    settings: GatewaySettings
+    nc: NATS
+    redis: Redis
+    registry: ModelRegistry
+    service: GatewayService
+
+
+def get_settings(request: Request) -> GatewaySettings:
+    return request.app.state.settings
+
+
+def get_context(request: Request) -> GatewayContext:
+    return request.app.state.ctx
+
+
+def get_tenant(request: Request, settings: Annotated[GatewaySettings, Depends(get_settings)]) -> str:
+    return authenticate(settings, request)
+
+
+def get_service(ctx: Annotated[GatewayContext, Depends(get_context)]) -> GatewayService:
+    return ctx.service
+
+
+def get_registry(ctx: Annotated[GatewayContext, Depends(get_context)]) -> ModelRegistry:
+    return ctx.registry
+
+
+Settings = Annotated[GatewaySettings, Depends(get_settings)]
+Context = Annotated[GatewayContext, Depends(get_context)]
+Tenant = Annotated[str, Depends(get_tenant)]
+Service = Annotated[GatewayService, Depends(get_service)]
+Registry = Annotated[ModelRegistry, Depends(get_registry)]
+RawBody = Annotated[bytes, Depends(read_utf8_body)]

@@ -1,0 +1,158 @@
+"""One request's output, from token events to text: incremental detokenization, stop sequences
+applied at the gateway (which then cancels the request on the node), finish reasons and errors
+mapped to the OpenAI API's."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from services.gateway import errors
+from services.gateway.backend import Finished, InferenceBackend, StreamTimeout, Tokens, TokenStream
+from services.gateway.tokenization import IncrementalDetokenizer
+from shared.schemas import FinishReason
+
+log = logging.getLogger("slinfer.gateway")
+
+OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps of one request, for logs now and metrics later."""
+
+    submitted: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Generation:
+    """Iterate `deltas()` for text; afterwards `finish_reason` and `completion_tokens` are set.
+
+    `deltas()` raises `errors.APIError` for a dropped, failed or timed-out request. Whatever way
+    the iteration ends, `close()` must run: it cancels the request on the node unless the node
+    already finished it, and drops the subscription.
+    """
+
+    def __init__(
+        self,
+        backend: InferenceBackend,
+        stream: TokenStream,
+        detokenizer: IncrementalDetokenizer,
+        stop: tuple[str, ...],
+        timeout_s: float,
+    ) -> None:
+        self.request_id = stream.request_id
+        self._backend = backend
+        self._stream = stream
+        self._detok = detokenizer
+        self._stop = stop
+        self._timeout_s = timeout_s
+        self._text = ""  # detokenized output so far (may run past a stop sequence)
+        self._sent = 0  # characters of _text already handed out
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None  # "stop" | "length" once done
+        self.timings = RequestTimings()
+        self._node_done = False  # the node finished the request itself: nothing to cancel
+        self._closed = False
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas, in order; one per token message (possibly empty while a character or a
+        possible stop sequence is incomplete)."""
+        try:
+            async for event in self._stream.events():
+                if isinstance(event, Tokens):
+                    if self.timings.first_token is None:
+                        self.timings.first_token = time.monotonic()
+                    self.completion_tokens += len(event.token_ids)
+                    self._text += self._detok.push(event.token_ids)
+                    delta, stopped = self._take()
+                    if stopped:
+                        yield delta
+                        await self._finish_by_stop_sequence()
+                        return
+                    yield delta
+                else:
+                    self._node_done = True
+                    self._check(event)
+                    self._text += self._detok.flush()
+                    delta, stopped = self._take(final=True)
+                    self.finish_reason = "stop" if stopped else OPENAI_FINISH[event.reason]
+                    self.timings.finished = time.monotonic()
+                    if delta:
+                        yield delta
+                    return
+        except StreamTimeout:
+            await self._cancel("timeout")
+            raise errors.request_timeout(self._timeout_s) from None
+
+    def _check(self, event: Finished) -> None:
+        if event.reason in OPENAI_FINISH:
+            return
+        if event.reason is FinishReason.DROPPED:
+            raise errors.request_dropped(event.error)
+        if event.reason is FinishReason.CANCELLED:
+            raise errors.inference_failed(event.error or "the request was cancelled by the system")
+        raise errors.inference_failed(event.error)
+
+    def _take(self, final: bool = False) -> tuple[str, bool]:
+        """The next safe piece of text and whether a stop sequence ended the output."""
+        hit = self._first_stop()
+        if hit is not None:
+            delta = self._text[self._sent:hit]
+            self._sent = hit
+            return delta, True
+        end = len(self._text) if final else len(self._text) - self._holdback()
+        delta = self._text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return delta, False
+
+    def _first_stop(self) -> int | None:
+        # Text before _sent never held a stop's start (it would have been held back), so search on.
+        hits = [i for s in self._stop if (i := self._text.find(s, self._sent)) >= 0]
+        return min(hits) if hits else None
+
+    def _holdback(self) -> int:
+        """Length of the longest tail of the unsent text that could still grow into a stop."""
+        tail = self._text[self._sent:]
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(tail)), best, -1):
+                if tail.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    async def _finish_by_stop_sequence(self) -> None:
+        self.finish_reason = "stop"
+        self.timings.finished = time.monotonic()
+        await self._cancel("stop sequence")
+
+    async def _cancel(self, reason: str) -> None:
+        if not self._node_done:
+            self._node_done = True  # one cancel is enough
+            with anyio.CancelScope(shield=True):
+                await self._backend.cancel(self.request_id, reason)
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._sent]
+
+    async def close(self, reason: str = "client disconnected") -> None:
+        """Idempotent. Cancels the request on the node if it is still running there."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self.finish_reason is None:
+                await self._cancel(reason)
+            await self._stream.close()
+        if self.finish_reason is not None:
+            t = self.timings
+            log.info("request %s finished: %s, %d tokens, ttft %.3fs, total %.3fs", self.request_id,
+                     self.finish_reason, self.completion_tokens,
+                     (t.first_token or t.submitted) - t.submitted, (t.finished or t.submitted) - t.submitted)

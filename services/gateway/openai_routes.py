@@ -1,0 +1,66 @@
+"""OpenAI-compatible routes. Each handler: parse, validate, call the service, shape the answer."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from services.gateway.deps import RawBody, Registry, Service, Tenant
+from services.gateway.errors import model_not_found
+from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.stream import respond
+from services.gateway.validation import (
+    ChatBody,
+    CompletionBody,
+    chat_input,
+    chat_max_tokens,
+    completion_input,
+    parse_body,
+    sampling_params,
+)
+from shared.schemas import ModelRecord
+
+router = APIRouter()
+
+
+def model_object(record: ModelRecord) -> dict[str, Any]:
+    return {"id": record.name, "object": "model", "created": int(record.created_at),
+            "owned_by": record.owner or "public", "parent": record.base_model}
+
+
+@router.get("/v1/models")
+async def list_models(tenant: Tenant, registry: Registry) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(r) for r in await registry.list(tenant)]}
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, tenant: Tenant, registry: Registry) -> dict[str, Any]:
+    record = await registry.get_visible(name, tenant)
+    if record is None:
+        raise model_not_found(name)
+    return model_object(record)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
+    body = parse_body(CompletionBody, raw)
+    params = sampling_params(body, body.max_tokens)
+    prepared = await service.prepare(body.model, tenant, params, completion_input(body))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    gen = await service.start(prepared, request_id, tenant)
+    fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage)
+    return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
+    body = parse_body(ChatBody, raw)
+    params = sampling_params(body, chat_max_tokens(body))
+    prepared = await service.prepare(body.model, tenant, params, chat_input(body))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = await service.start(prepared, request_id, tenant)
+    fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage)
+    return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)

@@ -1,0 +1,88 @@
+"""OpenAI response bodies for the two endpoints: whole responses and SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class CompletionFormat:
+    """`text_completion` objects of POST /v1/completions."""
+
+    id: str
+    model: str
+    include_usage: bool = False  # streaming: chunks carry "usage": null, then a usage chunk
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._base(), "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        out = {**self._base(), "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._chunk(text, None)
+
+    def closing(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk("", finish_reason)
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._base(), "choices": [], "usage": use}
+
+
+@dataclass
+class ChatFormat:
+    """`chat.completion` / `chat.completion.chunk` objects of POST /v1/chat/completions."""
+
+    id: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._base("chat.completion"), "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None, "finish_reason": finish_reason}], "usage": use}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        out = {**self._base("chat.completion.chunk"), "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text}, None)
+
+    def closing(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish_reason)
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return {**self._base("chat.completion.chunk"), "choices": [], "usage": use}
+
+
+ResponseFormat = CompletionFormat | ChatFormat

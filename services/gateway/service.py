@@ -1,0 +1,133 @@
+"""What a completion request does between validation and the response: find the model the tenant
+may use, tokenize, check lengths against the model, build the `InferenceRequest`, submit it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from services.gateway import errors
+from services.gateway.backend import BackendUnavailable, InferenceBackend
+from services.gateway.generation import Generation
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokenization import (
+    IncrementalDetokenizer,
+    TokenizerCache,
+    TokenizerLoadError,
+    encode_chat,
+    encode_text,
+    tokenizer_eos_ids,
+    vocab_size,
+)
+from services.gateway.validation import ChatInput, CompletionInput, SamplingParams
+from shared.core.types import slo_for_class
+from shared.registry import ModelRegistry
+from shared.schemas import InferenceRequest, ModelRecord
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed every check and is ready to submit."""
+
+    record: ModelRecord
+    tokenizer: PreTrainedTokenizerBase
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: the request's, or the default capped by the context left
+
+
+class GatewayService:
+    def __init__(self, settings: GatewaySettings, registry: ModelRegistry, backend: InferenceBackend,
+                 tokenizers: TokenizerCache) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.backend = backend
+        self.tokenizers = tokenizers
+
+    async def visible_model(self, name: str, tenant: str) -> ModelRecord:
+        record = await self.registry.get_visible(name, tenant)
+        if record is None:
+            raise errors.model_not_found(name)
+        return record
+
+    async def tokenizer_for(self, record: ModelRecord) -> PreTrainedTokenizerBase:
+        # A LoRA adapter uses its base model's tokenizer unless it ships its own.
+        path = record.path
+        if record.base_model is not None:
+            base = await self.registry.get(record.base_model)
+            if base is not None:
+                path = base.path
+        try:
+            return await self.tokenizers.get(path)
+        except TokenizerLoadError as exc:
+            raise errors.APIError(500, f"The tokenizer of model {record.name!r} cannot be loaded.",
+                                  type="server_error", code="tokenizer_unavailable") from exc
+
+    async def prepare(self, model: str, tenant: str, params: SamplingParams,
+                      prompt: CompletionInput | ChatInput) -> Prepared:
+        record = await self.visible_model(model, tenant)
+        tokenizer = await self.tokenizer_for(record)
+        if isinstance(prompt, ChatInput):
+            prompt_ids = await asyncio.to_thread(encode_chat, tokenizer, prompt.messages)
+            param = "messages"
+        elif prompt.text is not None:
+            prompt_ids = await asyncio.to_thread(encode_text, tokenizer, prompt.text)
+            param = "prompt"
+        else:
+            prompt_ids = list(prompt.token_ids or [])
+            param = "prompt"
+            limit = vocab_size(tokenizer)
+            if any(t >= limit for t in prompt_ids):
+                raise errors.invalid_request(f"Prompt token ids must be below the vocabulary size {limit}.",
+                                             param="prompt", code="invalid_value")
+        if not prompt_ids:
+            raise errors.invalid_request("The prompt is empty after tokenization.", param=param,
+                                         code="empty_prompt")
+        return Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt_ids, params=params,
+                        max_tokens=self._max_tokens(record, len(prompt_ids), params.max_tokens, param))
+
+    def _max_tokens(self, record: ModelRecord, prompt_len: int, requested: int | None, param: str) -> int:
+        context = record.max_context
+        if requested is not None and requested > context:
+            raise errors.invalid_request(
+                f"max_tokens is too large: {requested}. This model supports at most {context} "
+                "completion tokens.", param="max_tokens", code="invalid_value")
+        if prompt_len >= context:
+            raise errors.invalid_request(
+                f"This model's maximum context length is {context} tokens; your prompt has "
+                f"{prompt_len} tokens, leaving no room for a completion.", param=param,
+                code="context_length_exceeded")
+        if requested is None:
+            return min(self.settings.default_max_tokens, context - prompt_len)
+        if prompt_len + requested > context:
+            raise errors.invalid_request(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                "completion). Please reduce the prompt or max_tokens.", param=param,
+                code="context_length_exceeded")
+        return requested
+
+    def build_request(self, prepared: Prepared, request_id: str, tenant: str) -> InferenceRequest:
+        record, params = prepared.record, prepared.params
+        slo = slo_for_class(record.slo_class, len(prepared.prompt_ids))
+        eos = list(record.eos_token_ids) or tokenizer_eos_ids(prepared.tokenizer)
+        return InferenceRequest(
+            request_id=request_id, tenant=tenant, model=record.name,
+            prompt_token_ids=prepared.prompt_ids, max_tokens=prepared.max_tokens,
+            arrival=time.time(), ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            eos_token_ids=eos,
+        )
+
+    async def start(self, prepared: Prepared, request_id: str, tenant: str) -> Generation:
+        request = self.build_request(prepared, request_id, tenant)
+        timeout = self.settings.request_timeout_s
+        try:
+            stream = await self.backend.submit(request, timeout)
+        except BackendUnavailable as exc:
+            raise errors.backend_unavailable(str(exc)) from exc
+        detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
+        return Generation(self.backend, stream, detok, prepared.params.stop, timeout)

@@ -1,0 +1,129 @@
+"""Tokenizers at the gateway: one per model directory (cached), prompt encoding with the chat
+template, and incremental detokenization that never emits half a multi-byte character."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger("slinfer.gateway")
+
+# Used only when a model directory ships no chat template (e.g. a bare base model).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class TokenizerLoadError(Exception):
+    pass
+
+
+class TokenizerCache:
+    """Loads each directory's tokenizer once, off the event loop; concurrent first requests for the
+    same model share one load."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, PreTrainedTokenizerBase] = {}
+        self._loading: dict[str, asyncio.Future[PreTrainedTokenizerBase]] = {}
+
+    async def get(self, path: str) -> PreTrainedTokenizerBase:
+        if path in self._loaded:
+            return self._loaded[path]
+        if path not in self._loading:
+            self._loading[path] = asyncio.ensure_future(asyncio.to_thread(_load, path))
+        future = self._loading[path]
+        try:
+            tokenizer = await asyncio.shield(future)
+        finally:
+            if future.done():
+                self._loading.pop(path, None)
+        self._loaded[path] = tokenizer
+        return tokenizer
+
+    def forget(self, path: str) -> None:
+        self._loaded.pop(path, None)
+
+
+def _load(path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, ... for a bad directory
+        raise TokenizerLoadError(f"cannot load the tokenizer from {path!r}: {exc}") from exc
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=True)
+    assert isinstance(text, str)
+    return text
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    # The template writes BOS itself where the model wants one.
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
+    return len(tokenizer)
+
+
+def tokenizer_eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []
+
+
+class IncrementalDetokenizer:
+    """Output token ids in, text deltas out.
+
+    Decodes a sliding window (`prefix_offset`..end) and emits only what extends the previously
+    decoded window text; a window ending in U+FFFD (an incomplete UTF-8 sequence split across byte
+    tokens) waits for the next token. Seeding with the prompt's last tokens keeps tokenizers that
+    drop a leading space at the start of a sequence (SentencePiece) from losing it.
+    """
+
+    SEED_TOKENS = 5
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int] | None = None) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list((prompt_ids or [])[-self.SEED_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of the output: whatever is still held back (a truncated character stays a
+        replacement character)."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def describe(tokenizer: Any) -> str:
+    return f"{type(tokenizer).__name__}(vocab={len(tokenizer)})"

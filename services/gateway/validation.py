@@ -1,0 +1,259 @@
+"""OpenAI request bodies: strict schemas, then the checks a schema cannot express.
+
+Parsing is strict (a string is not a number, `true` is not 1) and unknown keys are refused, the
+way the OpenAI API answers. Parameters the OpenAI API has but slinfer does not implement are
+declared, so the error can name them instead of calling them unknown. The checks that need the
+model (context length, vocabulary) live with the tokenizer, in `openai_routes.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.gateway.errors import invalid_request, validation_error
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # In the OpenAI API, not implemented here: any value other than the neutral one is refused
+    # by `reject_unsupported`, which names the parameter.
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    prediction: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # image_url etc., refused below
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+# value is acceptable (neutral) -> True
+_NEUTRAL = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": lambda v: v in (None, 0),
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v in (None, ""),
+    "logit_bias": lambda v: v in (None, {}),
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "store": lambda v: v is None or v is False,
+    "metadata": lambda v: v in (None, {}),
+    "prediction": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the request asks of generation, normalised and range-checked."""
+
+    max_tokens: int | None  # None: the gateway's default, capped by the context left
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a final chunk with usage
+
+
+@dataclass(frozen=True)
+class CompletionInput:
+    text: str | None  # exactly one of text / token_ids
+    token_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    messages: list[dict[str, str]]  # {"role", "content"} (+ "name"), content flattened to text
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse_body(cls: type[B], raw: bytes) -> B:
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors(include_url=False))) from None
+
+
+def reject_unsupported(body: _Common) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(body, name, None)
+        if name in body.model_fields_set and not neutral(value):
+            raise invalid_request(f"Unsupported parameter: {name!r} is not supported by slinfer "
+                                  f"(got {value!r}).", param=name, code="unsupported_parameter")
+
+
+def sampling_params(body: _Common, max_tokens: int | None) -> SamplingParams:
+    reject_unsupported(body)
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
+                              code="invalid_value")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise invalid_request(f"temperature must be in [0, 2], got {temperature}.", param="temperature",
+                              code="invalid_value")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise invalid_request(f"top_p must be in (0, 1], got {top_p}.", param="top_p", code="invalid_value")
+    if body.seed is not None and not -(2**63) <= body.seed < 2**64:
+        raise invalid_request("seed must fit in 64 bits.", param="seed", code="invalid_value")
+    stop = _stop_sequences(body.stop)
+    stream = bool(body.stream)
+    if body.stream_options is not None and not stream:
+        raise invalid_request("stream_options is only allowed when stream is true.",
+                              param="stream_options", code="invalid_value")
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
+                          stop=stop, stream=stream, include_usage=include_usage)
+
+
+def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise invalid_request(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", param="stop",
+                              code="invalid_value")
+    for s in items:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise invalid_request(f"Each stop sequence must have 1 to {MAX_STOP_CHARS} characters.",
+                                  param="stop", code="invalid_value")
+    return tuple(dict.fromkeys(items))
+
+
+def completion_input(body: CompletionBody) -> CompletionInput:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise invalid_request("Batched prompts (a list of several prompts) are not supported; "
+                                  "send one prompt per request.", param="prompt",
+                                  code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_request("The prompt must not be empty.", param="prompt", code="empty_prompt")
+        return CompletionInput(text=prompt, token_ids=None)
+    if not prompt:
+        raise invalid_request("The prompt must not be empty.", param="prompt", code="empty_prompt")
+    if any(t < 0 for t in prompt):
+        raise invalid_request("Prompt token ids must be non-negative.", param="prompt", code="invalid_value")
+    return CompletionInput(text=None, token_ids=list(prompt))
+
+
+def chat_input(body: ChatBody) -> ChatInput:
+    if not body.messages:
+        raise invalid_request("'messages' must contain at least one message.", param="messages",
+                              code="empty_messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        for extra in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, extra) is not None:
+                raise invalid_request(f"Unsupported parameter: {where}.{extra} (tool calling is not "
+                                      "supported by slinfer).", param=f"{where}.{extra}",
+                                      code="unsupported_parameter")
+        if m.content is None:
+            raise invalid_request(f"{where}.content is required.", param=f"{where}.content",
+                                  code="missing_required_parameter")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            pieces = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(f"Unsupported content part type {part.type!r} in "
+                                          f"{where}.content[{j}]: only text is supported.",
+                                          param=f"{where}.content[{j}]", code="unsupported_parameter")
+                pieces.append(part.text)
+            text = "".join(pieces)
+        message = {"role": m.role, "content": text}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    if not any(m["content"] for m in out):
+        raise invalid_request("'messages' must contain some text.", param="messages", code="empty_messages")
+    return ChatInput(messages=out)
+
+
+def chat_max_tokens(body: ChatBody) -> int | None:
+    if body.max_completion_tokens is not None and body.max_tokens is not None \
+            and body.max_completion_tokens != body.max_tokens:
+        raise invalid_request("max_tokens and max_completion_tokens disagree; send one of them.",
+                              param="max_completion_tokens", code="invalid_value")
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -1,0 +1,255 @@
+"""The model registry: `ModelRecord`s in one Redis hash (`MODELS_HASH`, field = model name).
+
+The gateway's admin API writes it; the gateway and the placer read it. Visibility rule, in one
+place: a tenant sees public models (owner None) and its own private ones.
+
+`model_record_from_dir` turns a Hugging Face directory into a record: it reads `config.json`
+(and `generation_config.json`, safetensors headers) for the numbers the placer sizes memory with.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import wire
+from shared.core.types import SLO_CLASSES
+from shared.schemas import ModelRecord
+from shared.subjects import MODELS_HASH
+
+ENGINES = ("torch", "openvino", "vllm")
+
+# dtype name (config.json / safetensors header) -> bytes per element
+_DTYPE_BYTES = {
+    "float32": 4, "F32": 4, "fp32": 4,
+    "float16": 2, "F16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "BF16": 2, "bf16": 2,
+    "float64": 8, "F64": 8,
+    "int8": 1, "I8": 1, "uint8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
+}
+
+
+class ModelExistsError(Exception):
+    """A model of that name is registered already (and `replace` was not asked for)."""
+
+
+class ModelDirError(ValueError):
+    """The directory is not a usable Hugging Face model (or adapter) directory."""
+
+
+def visible_to(record: ModelRecord, tenant: str) -> bool:
+    return record.owner is None or record.owner == tenant
+
+
+class ModelRegistry:
+    """Async access to the registry hash. Collaborator: an open `redis.asyncio.Redis`."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    async def register(self, record: ModelRecord, *, replace: bool = False) -> ModelRecord:
+        data = wire.encode(record)
+        if replace:
+            await self._redis.hset(MODELS_HASH, record.name, data)
+        elif not await self._redis.hsetnx(MODELS_HASH, record.name, data):
+            raise ModelExistsError(f"model {record.name!r} is already registered")
+        return record
+
+    async def get(self, name: str) -> ModelRecord | None:
+        data = await self._redis.hget(MODELS_HASH, name)
+        return None if data is None else wire.decode(ModelRecord, data)
+
+    async def get_visible(self, name: str, tenant: str) -> ModelRecord | None:
+        """The record if `tenant` may see it; None when absent *or* private to someone else."""
+        record = await self.get(name)
+        return record if record is not None and visible_to(record, tenant) else None
+
+    async def list(self, tenant: str | None = None) -> list[ModelRecord]:
+        """All records (tenant None) or those visible to `tenant`, sorted by name.
+
+        A record that does not decode (a foreign writer, an old schema) is skipped, not fatal.
+        """
+        raw = await self._redis.hgetall(MODELS_HASH)
+        records = []
+        for data in raw.values():
+            try:
+                record = wire.decode(ModelRecord, data)
+            except wire.WireError:
+                continue
+            if tenant is None or visible_to(record, tenant):
+                records.append(record)
+        return sorted(records, key=lambda r: r.name)
+
+    async def delete(self, name: str) -> bool:
+        return bool(await self._redis.hdel(MODELS_HASH, name))
+
+
+# --- reading a model directory -------------------------------------------------------------------
+
+
+def model_record_from_dir(
+    name: str,
+    path: str | Path,
+    *,
+    engine: str = "torch",
+    slo_class: str = "standard",
+    owner: str | None = None,
+    base: ModelRecord | None = None,
+    created_at: float | None = None,
+) -> ModelRecord:
+    """Build a record from a Hugging Face directory, validating it on the way.
+
+    For a LoRA adapter pass `base` (the base model's record): the adapter directory needs an
+    `adapter_config.json`; context, KV size and EOS come from the base, weight bytes from the
+    adapter's own files.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+    if slo_class not in SLO_CLASSES:
+        raise ValueError(f"slo_class must be one of {sorted(SLO_CLASSES)}, got {slo_class!r}")
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ModelDirError(f"model directory {str(directory)!r} does not exist")
+    created = time.time() if created_at is None else created_at
+
+    if base is not None:
+        if not (directory / "adapter_config.json").is_file():
+            raise ModelDirError(f"{str(directory)!r} has no adapter_config.json (LoRA adapter expected)")
+        _read_json(directory / "adapter_config.json")  # must at least parse
+        return ModelRecord(
+            name=name, path=str(directory.resolve()), engine=engine, slo_class=slo_class,
+            owner=owner, base_model=base.name, max_context=base.max_context,
+            weight_bytes=_weight_bytes_from_files(directory) or 0,
+            kv_bytes_per_token=base.kv_bytes_per_token,
+            eos_token_ids=list(base.eos_token_ids), created_at=created,
+        )
+
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelDirError(f"{str(directory)!r} has no config.json (not a Hugging Face model directory)")
+    config = _read_json(config_path)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+    layers = _positive_int(text, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _positive_int(text, "hidden_size", "n_embd", "d_model")
+    heads = _positive_int(text, "num_attention_heads", "n_head")
+    kv_heads = _optional_int(text, "num_key_value_heads") or heads
+    head_dim = _optional_int(text, "head_dim") or hidden // heads
+    max_context = _optional_int(text, "max_position_embeddings", "n_positions", "max_seq_len") or 2048
+
+    dtype_bytes = _dtype_bytes(config, directory)
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    weight_bytes = _weight_bytes_from_files(directory)
+    if weight_bytes is None:
+        weight_bytes = _estimate_param_count(text, layers, hidden, heads, kv_heads, head_dim) * dtype_bytes
+
+    return ModelRecord(
+        name=name, path=str(directory.resolve()), engine=engine, slo_class=slo_class, owner=owner,
+        base_model=None, max_context=max_context, weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token, eos_token_ids=_eos_ids(config, directory),
+        created_at=created,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"cannot read {path.name}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelDirError(f"{path.name} is not a JSON object")
+    return value
+
+
+def _optional_int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelDirError(f"config.json: {key} must be a positive integer, got {value!r}")
+        return value
+    return None
+
+
+def _positive_int(config: dict[str, Any], *keys: str) -> int:
+    value = _optional_int(config, *keys)
+    if value is None:
+        raise ModelDirError(f"config.json lacks {keys[0]}")
+    return value
+
+
+def _dtype_bytes(config: dict[str, Any], directory: Path) -> int:
+    for key in ("torch_dtype", "dtype"):
+        name = config.get(key)
+        if isinstance(name, str):
+            name = name.removeprefix("torch.")
+            if name in _DTYPE_BYTES:
+                return _DTYPE_BYTES[name]
+    for header in _safetensors_headers(directory):
+        for tensor in header.values():
+            if isinstance(tensor, dict) and tensor.get("dtype") in _DTYPE_BYTES:
+                return _DTYPE_BYTES[tensor["dtype"]]
+    return 2  # Hugging Face checkpoints are 16-bit unless they say otherwise
+
+
+def _safetensors_headers(directory: Path) -> list[dict[str, Any]]:
+    headers = []
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with file.open("rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                if length > 100 << 20:
+                    raise ModelDirError(f"{file.name}: implausible safetensors header ({length} bytes)")
+                header = json.loads(fh.read(length))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelDirError(f"{file.name} is not a safetensors file: {exc}") from exc
+        headers.append(header)
+    return headers
+
+
+def _weight_bytes_from_files(directory: Path) -> int | None:
+    """Tensor bytes from the safetensors headers; else the size of pytorch .bin files; else None."""
+    headers = _safetensors_headers(directory)
+    if headers:
+        total = 0
+        for header in headers:
+            for key, tensor in header.items():
+                if key != "__metadata__" and isinstance(tensor, dict) and "data_offsets" in tensor:
+                    start, end = tensor["data_offsets"]
+                    total += end - start
+        return total
+    bins = list(directory.glob("*.bin"))
+    return sum(b.stat().st_size for b in bins) if bins else None
+
+
+def _estimate_param_count(
+    config: dict[str, Any], layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> int:
+    """Decoder-only transformer parameter count (Llama layout) when no weight files are present."""
+    vocab = _optional_int(config, "vocab_size") or 32000
+    intermediate = _optional_int(config, "intermediate_size") or 4 * hidden
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
+    mlp = 3 * hidden * intermediate  # gate, up, down
+    per_layer = attention + mlp + 2 * hidden  # two norms
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def _eos_ids(config: dict[str, Any], directory: Path) -> list[int]:
+    sources = [config]
+    if (directory / "generation_config.json").is_file():
+        sources.append(_read_json(directory / "generation_config.json"))
+    ids: list[int] = []
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                ids.append(token)
+    return ids

@@ -1,0 +1,166 @@
+"""Gateway test fixtures: the real app served by uvicorn on a free port, against real NATS and
+Redis, with a tiny model directory from `shared.modelgen`.
+
+The gateway tests get their own nats-server and valkey (package scope): they publish on the real
+request stream and read it back with a stand-in responder, which must not meet a placer started by
+another test package on the session's servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from redis import Redis as SyncRedis
+
+from services.gateway.app import create_app
+from services.gateway.settings import GatewaySettings
+from shared import wire
+from shared.modelgen import ensure_demo_model
+from shared.registry import model_record_from_dir
+from shared.servers import ServerProcess, free_port, start_nats, start_redis
+from shared.subjects import MODELS_HASH
+from tests.gateway.responder import Responder
+
+API_KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+PUBLIC_MODEL = "tiny"  # public, max_context from the directory (2048)
+SHORT_MODEL = "tiny-short"  # public, max_context 64: context-length errors
+PRIVATE_A = "a-private"  # private to tenant-a
+
+
+@pytest.fixture(scope="package")
+def _gw_nats(tmp_path_factory) -> Iterator[ServerProcess]:
+    server = start_nats(tmp_path_factory.mktemp("gw-nats"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def _gw_redis(tmp_path_factory) -> Iterator[ServerProcess]:
+    server = start_redis(tmp_path_factory.mktemp("gw-redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def nats_url(_gw_nats: ServerProcess) -> str:
+    return _gw_nats.url
+
+
+@pytest.fixture(scope="package")
+def redis_url(_gw_redis: ServerProcess) -> str:
+    return _gw_redis.url
+
+
+@pytest.fixture(scope="package")
+def model_dir(tmp_path_factory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("gw-data"))
+
+
+@pytest.fixture(scope="package")
+def hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="package")
+def seeded_models(redis_url: str, model_dir: Path) -> dict[str, object]:
+    """The registry as most tests expect it (written directly, not through the API under test)."""
+    base = model_record_from_dir(PUBLIC_MODEL, model_dir)
+    records = {
+        PUBLIC_MODEL: base,
+        SHORT_MODEL: dataclasses.replace(base, name=SHORT_MODEL, max_context=64),
+        PRIVATE_A: dataclasses.replace(base, name=PRIVATE_A, owner="tenant-a"),
+    }
+    r = SyncRedis.from_url(redis_url)
+    for name, record in records.items():
+        r.hset(MODELS_HASH, name, wire.encode(record))
+    r.close()
+    return records
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    settings: GatewaySettings
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_gateway(settings: GatewaySettings) -> RunningGateway:
+    """Serve `create_app(settings)` with uvicorn in a thread (its own event loop)."""
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.02)
+    return RunningGateway(f"http://{settings.host}:{settings.port}", settings, server, thread)
+
+
+@pytest.fixture(scope="package")
+def make_settings(nats_url: str, redis_url: str):
+    def make(**overrides) -> GatewaySettings:
+        base = GatewaySettings(nats_url=nats_url, redis_url=redis_url, host="127.0.0.1",
+                               port=free_port(), api_keys=API_KEYS, max_body_bytes=64 * 1024,
+                               request_timeout_s=10.0, default_max_tokens=16)
+        return dataclasses.replace(base, **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="package")
+def gateway(make_settings, seeded_models) -> Iterator[RunningGateway]:
+    """The gateway with API keys (tenant-a, tenant-b)."""
+    gw = start_gateway(make_settings())
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="package")
+def local_gateway(make_settings, seeded_models) -> Iterator[RunningGateway]:
+    """The gateway with no API keys: no auth, tenant "local", loopback only."""
+    gw = start_gateway(make_settings(api_keys={}))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client_a(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer key-a"},
+                      timeout=20, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+def client_b(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer key-b"},
+                      timeout=20, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+async def responder(gateway: RunningGateway, nats_url: str, hf_tokenizer):
+    """Stands in for placer + node: pulls the request stream and plays a scripted token stream.
+    Depends on `gateway` so the request stream exists before it subscribes."""
+    r = Responder(nats_url, hf_tokenizer)
+    await r.start()
+    yield r
+    await r.stop()
