@@ -6,8 +6,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.modelgen import ensure_demo_model
+
+# Engine tests run on CPU, and again on CUDA where a GPU is present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -28,21 +37,22 @@ def tokenizer(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(tiny_model_dir: Path):
+def hf_model(tiny_model_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    return model.to(device).eval()
 
 
 @pytest.fixture
-def make_engine(tiny_model_dir: Path) -> Callable[..., object]:
+def make_engine(tiny_model_dir: Path, device: str) -> Callable[..., object]:
     """A loaded TorchEngine over the tiny model; keyword arguments go to the constructor."""
     from services.node.engines.torch_engine import TorchEngine
 
     engines = []
 
     def make(**kwargs) -> TorchEngine:
-        engine = TorchEngine(tiny_model_dir, **kwargs)
+        engine = TorchEngine(tiny_model_dir, **{"device": device, **kwargs})
         engine.load()
         engines.append(engine)
         return engine

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .base import KVCacheFull, MemoryReport, SamplingParams, StepResult
 from .kv_cache import PagedKVCache
@@ -76,6 +77,8 @@ class TorchEngine:
         self.model = model.to(self.device).eval()
         self.config = config
         self.dtype = self.model.dtype
+        # parameters() yields tied tensors once, so a tied lm_head is not counted twice.
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache = self._new_cache(config)
 
     def unload(self) -> None:
@@ -102,10 +105,9 @@ class TorchEngine:
     # -- protocol: memory ----------------------------------------------------------------------
 
     def memory(self) -> MemoryReport:
-        model, cache = self._loaded()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        _, cache = self._loaded()
         return MemoryReport(
-            weight_bytes=weight_bytes,
+            weight_bytes=self._weight_bytes,
             kv_capacity_bytes=cache.num_blocks * cache.block_bytes,
             kv_used_bytes=cache.used_blocks * cache.block_bytes,
             kv_bytes_per_token=cache.bytes_per_token,
@@ -227,8 +229,6 @@ class TorchEngine:
 
     def _attention_block(self, index: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, attention) -> torch.Tensor:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         batch, seq, _ = x.shape
@@ -274,7 +274,7 @@ class TorchEngine:
         request.computed = computed
         request.generated += 1
 
-    def _loaded(self):
+    def _loaded(self) -> tuple[torch.nn.Module, PagedKVCache]:
         if self.model is None or self.cache is None:
             raise RuntimeError("engine is not loaded; call load() first")
         return self.model, self.cache
