@@ -1,0 +1,52 @@
+"""Profile one model directory on one engine and device; used by `slinfer profile`, `slinfer up`
+and the test suite."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from services.node.engines import create_engine
+from services.profiler.measure import CheckResult, ProfilePlan, check, measure
+from shared.cluster import profile_from_json, profile_to_json
+from shared.core.perf_model import Profile
+from shared.core.types import Hardware
+
+
+def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device: str = "cpu",
+                  plan: ProfilePlan = ProfilePlan(), check_n: int = 0,
+                  progress: bool = False) -> tuple[Profile, CheckResult | None]:
+    hardware = Hardware.GPU if device.startswith("cuda") else Hardware.CPU
+    engine = create_engine(engine_name, model_dir, device=device)
+    start = time.perf_counter()
+    engine.load()
+    load_s = time.perf_counter() - start
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    bar = _bar(plan.points() + check_n, progress, f"profiling {name}")
+    try:
+        profile = measure(engine, name, hardware, plan, vocab, load_s, tick=bar.update)
+        result = check(engine, profile, plan, vocab, check_n, tick=bar.update) if check_n else None
+    finally:
+        bar.close()
+        engine.unload()
+    return profile, result
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit="pt")
+
+
+def write_report(path: Path, profile: Profile, result: CheckResult | None) -> None:
+    report = {"profile": json.loads(profile_to_json(profile))}
+    if result is not None:
+        report.update(asdict(result))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def read_report(path: Path) -> Profile:
+    return profile_from_json(json.dumps(json.loads(path.read_text())["profile"]))

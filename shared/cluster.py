@@ -1,0 +1,76 @@
+"""The cluster view in Redis: node snapshots (written by node workers with a TTL heartbeat),
+timing profiles (written by the profiler), and the registry -> core conversions."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from redis.asyncio import Redis
+
+from shared import wire
+from shared.core.perf_model import PerfModel, Profile
+from shared.core.types import ModelSpec, NodeView
+from shared.schemas import ModelRecord
+from shared.subjects import NODES_SET, PROFILES_HASH, node_key, profile_field
+
+log = logging.getLogger("slinfer.cluster")
+
+
+def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
+    return ModelSpec(record.name, record.weight_bytes, record.kv_bytes_per_token,
+                     record.max_context, avg_output_len)
+
+
+async def publish_node(redis: Redis, view: NodeView, ttl_s: float) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.set(node_key(view.node_id), wire.encode(view), px=int(ttl_s * 1000))
+        pipe.sadd(NODES_SET, view.node_id)
+        await pipe.execute()
+
+
+async def remove_node(redis: Redis, node_id: str) -> None:
+    await redis.delete(node_key(node_id))
+    await redis.srem(NODES_SET, node_id)
+
+
+async def read_nodes(redis: Redis) -> list[NodeView]:
+    """Live nodes; a member whose snapshot expired (missed heartbeats) is dropped from the set."""
+    ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(NODES_SET))
+    if not ids:
+        return []
+    blobs = await redis.mget([node_key(i) for i in ids])
+    nodes = []
+    for node_id, blob in zip(ids, blobs):
+        if blob is None:
+            await redis.srem(NODES_SET, node_id)
+            continue
+        try:
+            nodes.append(wire.decode(NodeView, blob))
+        except wire.WireError as exc:
+            log.warning("skipping undecodable snapshot of node %s: %s", node_id, exc)
+    return nodes
+
+
+def profile_to_json(profile: Profile) -> str:
+    return json.dumps(wire.to_plain(profile), sort_keys=True)
+
+
+def profile_from_json(text: str | bytes) -> Profile:
+    return wire.from_plain(Profile, json.loads(text))
+
+
+async def save_profile(redis: Redis, profile: Profile) -> None:
+    await redis.hset(PROFILES_HASH, profile_field(profile.model, profile.hardware.value),
+                     profile_to_json(profile))
+
+
+async def load_perf(redis: Redis) -> PerfModel:
+    perf = PerfModel()
+    for field, blob in (await redis.hgetall(PROFILES_HASH)).items():
+        try:
+            perf.add(profile_from_json(blob))
+        except (ValueError, wire.WireError) as exc:
+            log.warning("skipping bad profile %s: %s", field, exc)
+    return perf
+
