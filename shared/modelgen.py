@@ -226,7 +226,8 @@ def _make_tensor(name: str, shape: tuple[int, ...], init: str, std: float, seed:
     if init == "ones":
         return torch.ones(shape, dtype=dtype)
     # One generator per tensor, seeded from the name: the values do not depend on shard layout.
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    name_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+    generator = torch.Generator().manual_seed(name_seed)
     return (torch.randn(shape, generator=generator) * std).to(dtype)
 
 

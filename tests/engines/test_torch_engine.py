@@ -32,8 +32,11 @@ def run_alone(engine: TorchEngine, rid: str, ids: list[int], n: int,
 
 
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([ids], device=hf_model.device), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=2)
+    # min_new_tokens keeps generate from stopping early (it masks EOS logits); the engine does
+    # not stop by itself, so both produce exactly n tokens.
+    inputs = torch.tensor([ids], device=hf_model.device)
+    out = hf_model.generate(inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            pad_token_id=2)
     return out[0, len(ids):].tolist()
 
 

@@ -110,7 +110,7 @@ class PagedKVCache:
         self._flat(self.v[layer]).index_copy_(0, slots, v.to(self.dtype))
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of a batch as [batch, width * block_size, n_kv_heads, head_dim] (one gather each)."""
+        """K, V of a batch as [batch, width * block_size, n_kv_heads, head_dim] (one gather)."""
         batch, width = tables.shape
         shape = (batch, width * self.block_size, self.n_kv_heads, self.head_dim)
         flat = tables.reshape(-1)  # index_select is much faster than fancy indexing here
