@@ -58,7 +58,7 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
     body = parse_body(ChatBody, raw)
-    params = sampling_params(body, chat_max_tokens(body))
+    params = sampling_params(body, *chat_max_tokens(body))
     prepared = await service.prepare(body.model, tenant, params, chat_input(body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -124,6 +123,3 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-
-def describe(tokenizer: Any) -> str:
-    return f"{type(tokenizer).__name__}(vocab={len(tokenizer)})"

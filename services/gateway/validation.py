@@ -159,11 +159,12 @@ def reject_unsupported(body: _Common) -> None:
                                   f"(got {value!r}).", param=name, code="unsupported_parameter")
 
 
-def sampling_params(body: _Common, max_tokens: int | None) -> SamplingParams:
+def sampling_params(body: _Common, max_tokens: int | None,
+                    max_tokens_param: str = "max_tokens") -> SamplingParams:
     reject_unsupported(body)
     if max_tokens is not None and max_tokens < 1:
-        raise invalid_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
-                              code="invalid_value")
+        raise invalid_request(f"{max_tokens_param} must be at least 1, got {max_tokens}.",
+                              param=max_tokens_param, code="invalid_value")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise invalid_request(f"temperature must be in [0, 2], got {temperature}.", param="temperature",
@@ -251,9 +252,12 @@ def chat_input(body: ChatBody) -> ChatInput:
     return ChatInput(messages=out)
 
 
-def chat_max_tokens(body: ChatBody) -> int | None:
+def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:
+    """The completion-token limit and the parameter it came from."""
     if body.max_completion_tokens is not None and body.max_tokens is not None \
             and body.max_completion_tokens != body.max_tokens:
         raise invalid_request("max_tokens and max_completion_tokens disagree; send one of them.",
                               param="max_completion_tokens", code="invalid_value")
-    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"

@@ -8,7 +8,6 @@ another test package on the session's servers.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time

@@ -1,0 +1,116 @@
+"""shared.registry: records from Hugging Face directories, and the Redis registry itself."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from redis.asyncio import Redis
+
+from shared.registry import (
+    ModelDirError,
+    ModelExistsError,
+    ModelRegistry,
+    model_record_from_dir,
+)
+from shared.schemas import ModelRecord
+from shared.subjects import MODELS_HASH
+
+
+def test_record_from_tiny_model(model_dir):
+    rec = model_record_from_dir("tiny", model_dir, engine="vllm", slo_class="relaxed", owner="t")
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    # float32 tiny model: 2 (K and V) * layers * kv heads * head dim * 4 bytes
+    assert rec.kv_bytes_per_token == 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    assert rec.max_context == config["max_position_embeddings"]
+    # Tensor bytes from the safetensors headers: just under the files' total size.
+    files = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    assert files - 100_000 < rec.weight_bytes <= files
+    assert config["eos_token_id"] in rec.eos_token_ids and len(rec.eos_token_ids) == 2  # + <|end|>
+    assert (rec.engine, rec.slo_class, rec.owner, rec.base_model) == ("vllm", "relaxed", "t", None)
+
+
+def test_record_without_weight_files_estimates_from_config(tmp_path):
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
+              "max_position_embeddings": 512, "torch_dtype": "bfloat16", "eos_token_id": [2, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rec = model_record_from_dir("m", tmp_path)
+    assert rec.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    assert rec.weight_bytes == (2 * per_layer + 100 * 64 * 2 + 64) * 2
+    assert rec.eos_token_ids == [2, 3] and rec.max_context == 512
+
+
+def test_weight_bytes_from_safetensors_header(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2}))
+    header = json.dumps({"a": {"dtype": "F16", "shape": [4, 8], "data_offsets": [0, 64]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    rec = model_record_from_dir("m", tmp_path)
+    assert rec.weight_bytes == 64 and rec.kv_bytes_per_token == 2 * 1 * 2 * 4 * 2  # dtype from header
+
+
+@pytest.mark.parametrize(("files", "match"), [
+    ({}, "config.json"),
+    ({"config.json": "{not json"}, "config.json"),
+    ({"config.json": "[]"}, "JSON object"),
+    ({"config.json": json.dumps({"hidden_size": 8, "num_attention_heads": 2})}, "num_hidden_layers"),
+    ({"config.json": json.dumps({"num_hidden_layers": -1, "hidden_size": 8, "num_attention_heads": 2})},
+     "positive"),
+    ({"config.json": json.dumps({"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2}),
+      "model.safetensors": "garbage"}, "safetensors"),
+])
+def test_bad_directories(tmp_path, files, match):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ModelDirError, match=match):
+        model_record_from_dir("m", tmp_path)
+
+
+def test_missing_directory_and_bad_options(tmp_path):
+    with pytest.raises(ModelDirError, match="does not exist"):
+        model_record_from_dir("m", tmp_path / "nope")
+    with pytest.raises(ValueError, match="engine"):
+        model_record_from_dir("m", tmp_path, engine="onnx")
+    with pytest.raises(ValueError, match="slo_class"):
+        model_record_from_dir("m", tmp_path, slo_class="gold")
+
+
+def test_adapter_needs_adapter_config(tmp_path):
+    base = ModelRecord(name="b", path="/x", max_context=99, kv_bytes_per_token=7, eos_token_ids=[1])
+    with pytest.raises(ModelDirError, match="adapter_config.json"):
+        model_record_from_dir("a", tmp_path, base=base)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    rec = model_record_from_dir("a", tmp_path, base=base)
+    assert (rec.base_model, rec.max_context, rec.kv_bytes_per_token, rec.eos_token_ids) == ("b", 99, 7, [1])
+
+
+async def test_registry_crud_and_visibility(redis_url):
+    redis = Redis.from_url(redis_url)
+    reg = ModelRegistry(redis)
+    names = ["reg-pub", "reg-a", "reg-b"]
+    try:
+        await reg.register(ModelRecord(name="reg-pub", path="/p"))
+        await reg.register(ModelRecord(name="reg-a", path="/a", owner="ta"))
+        await reg.register(ModelRecord(name="reg-b", path="/b", owner="tb"))
+        with pytest.raises(ModelExistsError):
+            await reg.register(ModelRecord(name="reg-a", path="/other"))
+        await reg.register(ModelRecord(name="reg-a", path="/a2", owner="ta"), replace=True)
+        assert (await reg.get("reg-a")).path == "/a2"
+        seen_a = {r.name for r in await reg.list("ta")} & set(names)
+        assert seen_a == {"reg-pub", "reg-a"}
+        assert {r.name for r in await reg.list()} >= set(names)
+        assert await reg.get_visible("reg-b", "ta") is None
+        assert (await reg.get_visible("reg-b", "tb")).name == "reg-b"
+        await redis.hset(MODELS_HASH, "reg-junk", b"\xc1not msgpack")
+        assert "reg-junk" not in {r.name for r in await reg.list()}  # skipped, not fatal
+        assert await reg.delete("reg-a") is True
+        assert await reg.delete("reg-a") is False
+        assert await reg.get("reg-a") is None
+    finally:
+        await redis.hdel(MODELS_HASH, *names, "reg-junk")
+        await redis.aclose()
