@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 
 from shared import wire
 from shared.core.perf_model import PerfModel, Profile
-from shared.core.types import ModelSpec, NodeView
-from shared.schemas import ModelRecord
+from shared.core.types import SLO, ModelSpec, NodeView, RequestView
+from shared.schemas import InferenceRequest, ModelRecord
 from shared.subjects import NODES_SET, PROFILES_HASH, node_key, profile_field
 
 log = logging.getLogger("slinfer.cluster")
@@ -20,6 +20,14 @@ log = logging.getLogger("slinfer.cluster")
 def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
     return ModelSpec(record.name, record.weight_bytes, record.kv_bytes_per_token,
                      record.max_context, avg_output_len)
+
+
+def request_view(req: InferenceRequest) -> RequestView:
+    """The core's view of a wire request. A resumed request counts its earlier tokens as output
+    (they set its headroom) but must re-prefill them where it lands."""
+    return RequestView(req.request_id, req.model, len(req.prompt_token_ids), req.arrival,
+                       SLO(req.ttft_slo_s, req.tpot_slo_s), generated=len(req.resumed_token_ids),
+                       max_tokens=req.max_tokens, prefilled=False)
 
 
 async def publish_node(redis: Redis, view: NodeView, ttl_s: float) -> None:

@@ -140,6 +140,21 @@ class NodeScheduler:
         inst.last_active = now
         return self._remove_requests(inst, finished, now)
 
+    def evict_for_memory(self, instance_id: str, now: float) -> Eviction | None:
+        """The engine ran out of KV blocks mid-iteration (its block rounding outran our token
+        accounting): the iteration did not happen; evict the longest-headroom request (§VII-D)."""
+        self.node.busy_until = now
+        inst = self._find(instance_id)
+        if inst is None or not inst.requests:
+            return None
+        victim = max(inst.requests, key=lambda r: (r.headroom(now), r.request_id))
+        inst.requests.remove(victim)
+        return Eviction(victim, instance_id)
+
+    def abort_iteration(self, now: float) -> None:
+        """The iteration failed; its requests are dealt with by the caller (cancel or evict)."""
+        self.node.busy_until = now
+
     def cancel(self, request_id: str, now: float) -> list[MemOp]:
         for inst in self.node.instances:
             if any(r.request_id == request_id for r in inst.requests):

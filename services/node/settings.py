@@ -1,0 +1,63 @@
+"""Node worker settings, read once from the environment at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
+from shared.settings import env_float, env_int, env_str
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    hardware: str  # "cpu" | "gpu"
+    device: str  # torch device the engines use: "cpu" or "cuda:N"
+    memory_bytes: int  # what the memory subsystem may hand out (weights + KV)
+    matrix_accel: bool
+    nats_url: str
+    redis_url: str
+    keep_alive_s: float = 1.0
+    watermark: float = 0.25
+    heartbeat_s: float = 0.25
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
+    hardware_name: str = ""
+
+    @classmethod
+    def from_env(cls) -> NodeSettings:
+        hardware = env_str("SLINFER_NODE_HARDWARE", "cpu").lower()
+        if hardware not in ("cpu", "gpu"):
+            raise ValueError(f"SLINFER_NODE_HARDWARE must be cpu or gpu, not {hardware!r}")
+        info = _detect(hardware)
+        default_mem = min(8 * GiB, info.memory_bytes // 2) if hardware == "cpu" else int(info.memory_bytes * 0.9)
+        accel = env_str("SLINFER_MATRIX_ACCEL", "auto").lower()
+        if accel not in ("auto", "true", "false", "1", "0"):
+            raise ValueError(f"SLINFER_MATRIX_ACCEL must be auto, true or false, not {accel!r}")
+        matrix = info.matrix_accel if accel == "auto" else accel in ("true", "1")
+        return cls(
+            node_id=env_str("SLINFER_NODE_ID", "node-0"),
+            hardware=hardware,
+            device=env_str("SLINFER_DEVICE", "cuda:0" if hardware == "gpu" else "cpu"),
+            memory_bytes=env_int("SLINFER_NODE_MEMORY_BYTES", default_mem, minimum=1),
+            matrix_accel=matrix,
+            nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
+            redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            keep_alive_s=env_float("SLINFER_KEEP_ALIVE_S", 1.0, minimum=0.0),
+            watermark=env_float("SLINFER_WATERMARK", 0.25, minimum=0.0),
+            heartbeat_s=env_float("SLINFER_HEARTBEAT_S", 0.25, minimum=0.01),
+            metrics_port=env_int("SLINFER_NODE_METRICS_PORT", 0, minimum=0),
+            hardware_name=info.name,
+        )
+
+
+def _detect(hardware: str) -> HardwareInfo:
+    if hardware == "cpu":
+        return detect_cpu()
+    try:
+        return detect_gpu()
+    except NoGPU as exc:
+        raise ValueError(f"SLINFER_NODE_HARDWARE=gpu but {exc}") from exc
+
+

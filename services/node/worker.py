@@ -1,0 +1,343 @@
+"""The node worker: owns engine instances on one CPU socket or GPU and runs them at token
+granularity under the policy core's `NodeScheduler`.
+
+Handlers only decode, call the core, and encode; the token loop executes the core's `StepPlan`;
+memory operations run in threads and report completion through the JetStream reservation-station
+stream, whose consumer feeds them back to the core (which releases parked scale-ups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from redis.asyncio import Redis
+
+from services.node.engines import KVCacheFull, SamplingParams, create_engine
+from services.node.engines.base import Engine
+from services.node.settings import NodeSettings
+from shared import wire
+from shared.bus import ensure_streams
+from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
+from shared.core.config import CoreConfig
+from shared.core.iteration import IterationChoice, IterationKind
+from shared.core.memory import MemOp, MemOpKind
+from shared.core.node_scheduler import Eviction, NodeScheduler, new_node
+from shared.core.perf_model import PerfModel
+from shared.core.types import Hardware
+from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
+                            MemOpCompletion, ModelRecord, NodeCommand, NodeReply, TokenMessage)
+from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
+                             node_command_subject, token_subject)
+
+log = logging.getLogger("slinfer.node")
+PERF_REFRESH_S = 5.0
+
+
+@dataclass
+class Live:
+    """A request this node owns."""
+
+    request: InferenceRequest
+    instance_id: str
+    output: list[int] = field(default_factory=list)  # resumed tokens + tokens generated here
+    cancelled: bool = False
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return [*self.request.prompt_token_ids, *self.output]
+
+
+def warm_imports() -> None:
+    import services.node.engines.torch_engine  # noqa: F401  (torch, transformers)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+
+class NodeWorker:
+    def __init__(self, settings: NodeSettings, nc: NATS, redis: Redis) -> None:
+        self.s = settings
+        self.nc, self.js, self.redis = nc, nc.jetstream(), redis
+        config = CoreConfig(keep_alive_s=settings.keep_alive_s, watermark=settings.watermark)
+        self.sched: NodeScheduler = new_node(settings.node_id, Hardware(settings.hardware),
+                                             settings.memory_bytes, PerfModel(), config=config,
+                                             matrix_accel=settings.matrix_accel)
+        self.engines: dict[str, Engine] = {}
+        self.records: dict[str, ModelRecord] = {}
+        self.live: dict[str, Live] = {}
+        self.ops: dict[int, MemOp] = {}
+        self.wake = asyncio.Event()
+        self.iterations = 0
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        # Import the engine stack now, not inside the first cold start (it takes seconds).
+        await asyncio.to_thread(warm_imports)
+        await ensure_streams(self.js)
+        self.sched.perf = await load_perf(self.redis)
+        await self.nc.subscribe(node_command_subject(self.s.node_id), cb=self._on_command)
+        await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
+        # The reservation station's input: this node's memory-op completions, from the stream.
+        await self.js.subscribe(memop_subject(self.s.node_id), cb=self._on_memop_done,
+                                deliver_policy=DeliverPolicy.NEW)
+        await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+        self._tasks = [asyncio.create_task(self._token_loop(), name="token-loop"),
+                       asyncio.create_task(self._heartbeat(), name="heartbeat")]
+        log.info("node %s (%s, %s) ready: %.1f GiB, matrix accel %s", self.s.node_id,
+                 self.s.hardware, self.s.hardware_name, self.s.memory_bytes / 2**30, self.s.matrix_accel)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for live in list(self.live.values()):
+            await self._finish(live, FinishReason.ERROR, "node shutting down")
+        await remove_node(self.redis, self.s.node_id)
+
+    async def _heartbeat(self) -> None:
+        """Publish the node's view; pick up new profiles every few seconds."""
+        last_perf = time.monotonic()
+        while True:
+            if time.monotonic() - last_perf > PERF_REFRESH_S:
+                self.sched.perf, last_perf = await load_perf(self.redis), time.monotonic()
+            await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+            await asyncio.sleep(self.s.heartbeat_s)
+
+    def _view(self):
+        view = self.sched.view()
+        view.heartbeat = time.time()
+        return view
+
+    # --- commands (placer -> node) -----------------------------------------------------------
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = wire.decode(NodeCommand, msg.data)
+            if cmd.kind is CommandKind.ADMIT:
+                reply = await self._admit(cmd)
+            else:
+                reply = await self._preempt(cmd.preempt_instance_ids)
+        except wire.WireError as exc:
+            reply = NodeReply(False, f"bad_command: {exc}")
+        except Exception as exc:  # one bad command must not take the node down
+            log.exception("command failed")
+            reply = NodeReply(False, f"error: {exc}")
+        await msg.respond(wire.encode(replace(reply, node=self._view())))
+
+    async def _admit(self, cmd: NodeCommand) -> NodeReply:
+        req = cmd.request
+        if req is None:
+            return NodeReply(False, "bad_command: admit without a request")
+        if req.request_id in self.live:  # a redelivered admission: already ours
+            return NodeReply(True, "admitted", self.live[req.request_id].instance_id)
+        record = cmd.model if cmd.instance_id is None else self.records.get(cmd.instance_id)
+        if record is None:
+            return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
+        if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
+            self.sched.perf = await load_perf(self.redis)
+        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        if not result.admission.ok:
+            return NodeReply(False, result.admission.reason.value)
+        iid = result.instance_id
+        self.records[iid] = record
+        self.live[req.request_id] = Live(req, iid, output=list(req.resumed_token_ids))
+        if iid in self.engines:
+            self._engine_add(self.live[req.request_id])
+        self._start_ops(result.start_ops)
+        self.wake.set()
+        return NodeReply(True, result.admission.reason.value, iid)
+
+    async def _preempt(self, instance_ids: list[str]) -> NodeReply:
+        evicted, ops = self.sched.preempt(instance_ids, time.time())
+        handed_back = [self._take_back(r.request_id) for r in evicted]
+        self._start_ops(ops)
+        return NodeReply(True, "preempted", evicted=[r for r in handed_back if r is not None])
+
+    def _take_back(self, request_id: str) -> InferenceRequest | None:
+        """Remove a request from this node, returning it with its tokens so far (to resume)."""
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return None
+        engine = self.engines.get(live.instance_id)
+        if engine is not None:
+            engine.release(request_id)
+        return replace(live.request, resumed_token_ids=list(live.output))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            notice = wire.decode(CancelNotice, msg.data)
+        except wire.WireError:
+            return
+        live = self.live.get(notice.request_id)
+        if live is None:
+            return
+        live.cancelled = True  # the token loop drops it at its next turn
+        self.wake.set()
+
+    # --- memory operations -------------------------------------------------------------------
+    def _start_ops(self, ops) -> None:
+        for op in ops:
+            self.ops[op.op_id] = op
+            asyncio.create_task(self._execute(op), name=f"memop-{op.op_id}")
+
+    async def _execute(self, op: MemOp) -> None:
+        started = time.time()
+        error = None
+        try:
+            await asyncio.to_thread(self._run_op, op)
+        except Exception as exc:
+            log.exception("memory op %s failed", op)
+            error = str(exc)
+        done = MemOpCompletion(self.s.node_id, op.op_id, op.instance_id, op.kind, op.bytes_before,
+                               op.bytes_after, started, time.time(), parked_s=started - op.issued_at,
+                               ok=error is None, error=error)
+        await self.js.publish(memop_subject(self.s.node_id), wire.encode(done))
+
+    def _run_op(self, op: MemOp) -> None:
+        record = self.records[op.instance_id]
+        kv_bytes = max(0, op.bytes_after - record.weight_bytes)
+        if op.kind is MemOpKind.LOAD:
+            engine = create_engine(record.engine, record.path, device=self.s.device,
+                                   kv_capacity_bytes=kv_bytes)
+            engine.load()
+            self.engines[op.instance_id] = engine
+        elif op.kind is MemOpKind.SCALE:
+            self.engines[op.instance_id].resize_kv(kv_bytes)
+        else:
+            engine = self.engines.pop(op.instance_id, None)
+            if engine is not None:
+                engine.unload()
+
+    async def _on_memop_done(self, msg: Msg) -> None:
+        try:
+            done = wire.decode(MemOpCompletion, msg.data)
+        except wire.WireError:
+            return
+        op = self.ops.pop(done.op_id, None)
+        if op is None:
+            return  # a completion from an earlier life of this node id
+        released = self.sched.memop_done(op, time.time())
+        if op.kind is MemOpKind.LOAD:
+            await self._after_load(op.instance_id, done)
+        if op.kind is MemOpKind.UNLOAD and not self.sched.node.instance(op.instance_id):
+            self.records.pop(op.instance_id, None)
+        self._start_ops(released)
+        self.wake.set()
+
+    async def _after_load(self, instance_id: str, done: MemOpCompletion) -> None:
+        waiting = [lv for lv in self.live.values() if lv.instance_id == instance_id]
+        if not done.ok:
+            for live in waiting:
+                await self._finish(live, FinishReason.ERROR, f"model failed to load: {done.error}")
+            self._start_ops(self.sched.preempt([instance_id], time.time())[1])
+            return
+        for live in waiting:
+            self._engine_add(live)
+
+    def _engine_add(self, live: Live) -> None:
+        req = live.request
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
+                                top_p=req.top_p, seed=req.seed, eos_token_ids=tuple(req.eos_token_ids))
+        self.engines[live.instance_id].add_request(req.request_id, live.all_tokens, params)
+
+    # --- the token loop ----------------------------------------------------------------------
+    async def _token_loop(self) -> None:
+        while not self._stopping:
+            await self._drop_cancelled()
+            now = time.time()
+            self._start_ops(self.sched.reclaim_idle(now))
+            plan = self.sched.step(now)
+            self._start_ops(plan.start_ops)
+            for ev in plan.evictions:
+                await self._reschedule(ev)
+            if plan.iteration is None:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.keep_alive_s / 4))
+                except TimeoutError:
+                    pass
+                continue
+            await self._run_iteration(plan.iteration)
+
+    async def _run_iteration(self, choice: IterationChoice) -> None:
+        engine = self.engines[choice.instance_id]
+        try:
+            if choice.kind is IterationKind.PREFILL:
+                result = await asyncio.to_thread(engine.prefill, choice.request_ids[0])
+            else:
+                result = await asyncio.to_thread(engine.decode, list(choice.request_ids))
+        except KVCacheFull:
+            eviction = self.sched.evict_for_memory(choice.instance_id, time.time())
+            if eviction is not None:
+                await self._reschedule(eviction)
+            return
+        except Exception as exc:
+            log.exception("iteration failed on %s", choice.instance_id)
+            self.sched.abort_iteration(time.time())
+            for rid in choice.request_ids:
+                if rid in self.live:
+                    await self._finish(self.live[rid], FinishReason.ERROR, f"engine error: {exc}")
+            return
+        self.iterations += 1
+        finished: set[str] = set()
+        for rid, token in result.tokens.items():
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            live.output.append(token)
+            reason = self._finish_reason(live, token)
+            if reason is None:
+                await self._publish(TokenMessage(rid, len(live.output) - 1, [token], node_id=self.s.node_id))
+            else:
+                finished.add(rid)
+                await self._finish(live, reason, count_in_core=False)
+        self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
+
+    def _finish_reason(self, live: Live, token: int) -> FinishReason | None:
+        if live.cancelled:
+            return FinishReason.CANCELLED
+        if token in live.request.eos_token_ids:
+            return FinishReason.STOP
+        max_context = self.records[live.instance_id].max_context
+        if len(live.output) >= live.request.max_tokens or len(live.all_tokens) >= max_context:
+            return FinishReason.LENGTH
+        return None
+
+    async def _finish(self, live: Live, reason: FinishReason, error: str | None = None,
+                      count_in_core: bool = True) -> None:
+        """Send the final message (whole output, so the gateway can fill gaps) and forget it."""
+        self.live.pop(live.request.request_id, None)
+        engine = self.engines.get(live.instance_id)
+        if engine is not None:
+            engine.release(live.request.request_id)
+        if count_in_core:
+            self._start_ops(self.sched.cancel(live.request.request_id, time.time()))
+        last = live.output[-1:] if reason is not FinishReason.CANCELLED else []
+        await self._publish(TokenMessage(
+            live.request.request_id, max(0, len(live.output) - len(last)), last, finished=True,
+            finish_reason=reason, output_token_ids=list(live.output),
+            prompt_tokens=len(live.request.prompt_token_ids), error=error, node_id=self.s.node_id))
+
+    async def _drop_cancelled(self) -> None:
+        for live in [lv for lv in self.live.values() if lv.cancelled]:
+            await self._finish(live, FinishReason.CANCELLED)
+
+    async def _reschedule(self, eviction: Eviction) -> None:
+        """An evicted request goes back to the placers with its tokens (token-based migration)."""
+        resumed = self._take_back(eviction.request.request_id)
+        if resumed is None:
+            return
+        msg_id = f"{resumed.request_id}:resume:{len(resumed.resumed_token_ids)}"
+        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed), headers={"Nats-Msg-Id": msg_id})
+        log.info("evicted %s from %s for rescheduling", resumed.request_id, eviction.instance_id)
+
+    async def _publish(self, message: TokenMessage) -> None:
+        await self.nc.publish(token_subject(message.request_id), wire.encode(message))
+

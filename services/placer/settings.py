@@ -1,0 +1,33 @@
+"""Placer settings, read once from the environment at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.core.config import CoreConfig
+from shared.settings import env_bool, env_float, env_str
+
+
+@dataclass(frozen=True)
+class PlacerSettings:
+    nats_url: str
+    redis_url: str
+    core: CoreConfig
+    admit_timeout_s: float = 5.0
+    name: str = "placer"
+
+    @classmethod
+    def from_env(cls) -> PlacerSettings:
+        core = CoreConfig(
+            watermark=env_float("SLINFER_WATERMARK", 0.25, minimum=0.0),
+            keep_alive_s=env_float("SLINFER_KEEP_ALIVE_S", 1.0, minimum=0.0),
+            enable_cpu=env_bool("SLINFER_ENABLE_CPU", True),
+            enable_sharing=env_bool("SLINFER_ENABLE_SHARING", True),
+            enable_consolidation=env_bool("SLINFER_ENABLE_CONSOLIDATION", True),
+            require_matrix_accel=env_bool("SLINFER_REQUIRE_MATRIX_ACCEL", True),
+        )
+        return cls(nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
+                   redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   core=core,
+                   admit_timeout_s=env_float("SLINFER_ADMIT_TIMEOUT_S", 5.0, minimum=0.1),
+                   name=env_str("SLINFER_PLACER_NAME", "placer"))

@@ -1,0 +1,98 @@
+"""A real stack for end-to-end tests: nats-server and valkey from wheels, the demo model, a
+measured profile, and the placer, a CPU node worker and the gateway as real processes - started
+the way `slinfer up` starts them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from services.launcher import Child, spawn, stop_child
+from services.profiler.measure import ProfilePlan
+from services.profiler.run import profile_model
+from shared.cluster import save_profile
+from shared.modelgen import ensure_demo_model
+from shared.servers import free_port, start_nats, start_redis
+
+
+@dataclass(frozen=True)
+class Stack:
+    url: str  # gateway base URL
+    model: str
+    nats_url: str
+    redis_url: str
+    data_dir: Path
+    children: tuple[Child, ...]
+
+
+def _store_profile(redis_url: str, profile) -> None:
+    async def go() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            await save_profile(redis, profile)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(go())
+
+
+def _wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("gateway never became healthy")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> Path:
+    return Path(ensure_demo_model(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, demo_model_dir) -> Iterator[Stack]:
+    data = tmp_path_factory.mktemp("stack")
+    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
+    children: list[Child] = []
+    try:
+        name = "tiny-llama"
+        plan = ProfilePlan(max_len=512, max_batch=8, repeats=2, warmup=1)
+        profile, _ = profile_model(demo_model_dir, name, plan=plan)
+        _store_profile(redis.url, profile)
+        port = free_port()
+        env = {**__import__("os").environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
+               "SLINFER_GATEWAY_PORT": str(port), "SLINFER_GATEWAY_HOST": "127.0.0.1",
+               "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": ""}
+        logs = data / "logs"
+        children.append(spawn("placer", "services.placer", env, logs))
+        children.append(spawn("node-0", "services.node", {
+            **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
+            # This development CPU has no AMX; the placer's CPU rule needs the explicit override.
+            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3)}, logs))
+        children.append(spawn("gateway", "services.gateway", env, logs))
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, children)
+        r = httpx.post(f"{url}/admin/models", json={"name": name, "path": str(demo_model_dir),
+                                                    "engine": "torch", "public": True})
+        assert r.status_code in (200, 201), r.text
+        yield Stack(url, name, nats.url, redis.url, data, tuple(children))
+    finally:
+        for c in reversed(children):
+            stop_child(c, 10.0)
+        redis.stop()
+        nats.stop()
