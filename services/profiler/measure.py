@@ -96,11 +96,30 @@ def ensure_kv(engine: Engine, tokens: int) -> None:
         engine.resize_kv(tokens * per_token)
 
 
+def monotone(values: list[float]) -> list[float]:
+    """Longer inputs (or bigger batches) never run faster: a point above a later one is noise
+    (a warm-up, a neighbour's burst), so each point is capped by the minimum after it."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def warm_up(engine: Engine, ids: _Ids, plan: ProfilePlan) -> None:
+    """First calls pay one-time costs (allocator, thread pools, kernel selection) that no
+    iteration in service pays; run a few of each kind before timing anything."""
+    for length in (plan.min_len, plan.max_len):
+        for _ in range(2):
+            time_prefill(engine, ids, length)
+    time_decode(engine, ids, min(4, plan.max_batch), plan.min_len, 3)
+
+
 def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, vocab: int,
             load_s: float, seed: int = 0, tick: Callable[[], None] = lambda: None) -> Profile:
     ids = _Ids(vocab, seed)
     block_slack = 64  # paged blocks round each request up
     ensure_kv(engine, plan.max_batch * (plan.max_len + plan.repeats + plan.warmup + block_slack))
+    warm_up(engine, ids, plan)
     prefill = []
     for length in plan.lengths:
         runs = [time_prefill(engine, ids, length) for _ in range(plan.warmup + plan.repeats)]
@@ -113,9 +132,11 @@ def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, v
             runs = time_decode(engine, ids, batch, length, plan.warmup + plan.repeats)
             row.append(statistics.median(runs[plan.warmup:]))
             tick()
-        grid.append(row)
+        grid.append(monotone(row))
+    columns = [monotone([row[j] for row in grid]) for j in range(len(plan.lengths))]
+    grid = [[columns[j][i] for j in range(len(plan.lengths))] for i in range(len(plan.batches))]
     scale_fixed, scale_rate = measure_kv_scaling(engine)
-    return Profile(model, hardware, PrefillTable(plan.lengths, prefill),
+    return Profile(model, hardware, PrefillTable(plan.lengths, monotone(prefill)),
                    DecodeTable(plan.batches, plan.lengths, grid), load_s=load_s,
                    kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate,
                    source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats})")
