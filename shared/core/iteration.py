@@ -30,7 +30,10 @@ class IterationChoice:
 
 
 def least_headroom(instance: InstanceView, now: float) -> float:
-    return min(r.headroom(now) for r in instance.requests)
+    # Eq. 1 inlined (RequestView.headroom): this runs for every instance on every cycle and on
+    # every simulated step of shadow validation.
+    return min(r.arrival + r.grace_s + r.slo.ttft_s + r.slo.tpot_s * r.generated
+               for r in instance.requests) - now
 
 
 def choose_iteration(instances: Collection[InstanceView], now: float,

@@ -21,7 +21,7 @@ def _segment(xs: list[float], x: float) -> int:
     return max(0, min(i, len(xs) - 2))
 
 
-def interp1(xs: list[float], ys: list[float], x: float) -> float:
+def interp1(xs: list[float] | list[int], ys: list[float], x: float) -> float:
     if len(xs) == 1:
         return ys[0]
     i = _segment(xs, x)
@@ -40,7 +40,7 @@ class PrefillTable:
     seconds: list[float]  # measured prefill time at each length
 
     def predict(self, input_len: int) -> float:
-        return interp1([float(v) for v in self.lengths], self.seconds, float(input_len))
+        return interp1(self.lengths, self.seconds, float(input_len))
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,12 @@ class DecodeTable:
 
     def predict(self, batch_size: int, avg_len: float) -> float:
         """Bilinear: interpolate along length in the two bracketing batch rows, then along batch."""
-        lengths = [float(v) for v in self.lengths]
-        rows = [interp1(lengths, row, avg_len) for row in self.seconds]
-        return interp1([float(b) for b in self.batch_sizes], rows, float(batch_size))
+        if len(self.batch_sizes) == 1:
+            return interp1(self.lengths, self.seconds[0], avg_len)
+        i = _segment(self.batch_sizes, batch_size)
+        pair = self.batch_sizes[i:i + 2]
+        rows = [interp1(self.lengths, self.seconds[k], avg_len) for k in (i, i + 1)]
+        return interp1(pair, rows, float(batch_size))
 
 
 @dataclass(frozen=True)
