@@ -37,6 +37,7 @@ LOG_TAIL_LINES = 30
 
 # Role -> module run with `python -m`; the tests point these at stand-ins.
 CHILD_MODULES = {"placer": "services.placer", "node": "services.node", "gateway": "services.gateway"}
+PROFILER_MODULE: str | None = "services.profiler"
 
 
 class Shutdown(Exception):
@@ -149,6 +150,52 @@ def resolve_model(opts: Options) -> tuple[str, Path]:
     return opts.model_name or path.name, path
 
 
+# ---------------------------------------------------------------- profile
+
+
+def ensure_profile(opts: Options, name: str, path: Path, servers: list[ServerProcess],
+                   gate: SignalGate, children: list[Child]) -> None:
+    """The placer admits a request only with a timing profile of the model on the node's
+    hardware. Measure it once with `slinfer profile` (about a minute for the demo model on
+    two cores), cache it under data_dir/profiles, and load it into this run's Redis."""
+    cache = opts.data_dir / "profiles" / f"{name.replace('/', '_')}-cpu.json"
+    if not cache.is_file():
+        print(f"profiling {name} on cpu once (log: {opts.data_dir / 'logs' / 'profile.log'}) ...",
+              flush=True)
+        args = ("--model", str(path), "--name", name, "--device", "cpu", "--out", str(cache),
+                "--redis", "")
+        with gate.deferred():
+            env = child_env(opts, servers[0].url, servers[1].url)
+            job = spawn("profile", PROFILER_MODULE, env, opts.data_dir / "logs", args)
+            children.append(job)
+        if job.proc.wait() != 0:
+            raise ChildDied(job)
+        children.remove(job)
+    store_profile(cache, servers[1].url)
+
+
+def store_profile(cache: Path, redis_url: str) -> None:
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from services.profiler.run import read_report
+    from shared.cluster import save_profile
+
+    async def store() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            await save_profile(redis, read_report(cache))
+        finally:
+            await redis.aclose()
+
+    try:
+        asyncio.run(store())
+    except (ValueError, KeyError) as exc:
+        raise RuntimeError(f"cannot load the cached profile {cache} ({exc}); delete it to "
+                           "measure again") from exc
+
+
 # ---------------------------------------------------------------- children
 
 
@@ -162,6 +209,9 @@ def child_env(opts: Options, nats_url: str, redis_url: str, **extra: str) -> dic
         SLINFER_DATA_DIR=str(opts.data_dir),
         PYTHONUNBUFFERED="1",
     )
+    # The local stack has CPU nodes only, and most dev machines have no AMX: let the placer use
+    # them anyway (the demo model is tiny). An explicit setting in the environment wins.
+    env.setdefault("SLINFER_REQUIRE_MATRIX_ACCEL", "false")
     env.update(extra)
     return env
 
@@ -174,12 +224,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(name: str, module: str, env: dict[str, str], log_dir: Path) -> Child:
+def spawn(name: str, module: str, env: dict[str, str], log_dir: Path,
+          args: tuple[str, ...] = ()) -> Child:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL, stdout=log,
+            [sys.executable, "-m", module, *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -358,6 +409,8 @@ def start_everything(opts: Options, gate: SignalGate, servers: list[ServerProces
         servers.append(start_nats(opts.data_dir / "nats"))
     with gate.deferred():
         servers.append(start_redis(opts.data_dir / "redis"))
+    if PROFILER_MODULE:  # None only in tests with stand-in services
+        ensure_profile(opts, model_name, model_path, servers, gate, children)
     with gate.deferred():
         start_children(opts, servers[0].url, servers[1].url, children)
         write_pidfile(opts, servers, children)

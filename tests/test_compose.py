@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,20 @@ def test_every_service_runs_a_known_slinfer_subcommand() -> None:
         command = s["command"]
         assert command[0] == "slinfer", f"{name}: command {command} is not `slinfer ...`"
         assert command[1] in cli.COMMANDS, f"{name}: `slinfer {command[1]}` is not a CLI command"
+
+
+def test_every_command_flag_is_one_the_subcommand_accepts() -> None:
+    for name, s in slinfer_services("gpu", "profiler").items():
+        flags = [a for a in s["command"][2:] if a.startswith("--")]
+        if not flags:
+            continue
+        if not (REPO / (cli.COMMANDS[s["command"][1]].module.replace(".", "/") + ".py")).exists():
+            pytest.skip(f"`slinfer {s['command'][1]}` is not written yet")
+        done = subprocess.run([sys.executable, "-m", "services.cli", s["command"][1], "--help"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        for flag in flags:
+            assert re.search(rf"{re.escape(flag)}\b", done.stdout), f"{name}: {flag} unknown"
 
 
 def _otel_variables() -> set[str]:

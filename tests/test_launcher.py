@@ -99,6 +99,7 @@ DRIVER = textwrap.dedent('''
     from services import launcher
     launcher.CHILD_MODULES = {"placer": "fake_worker", "node": "fake_worker",
                               "gateway": "fake_gateway"}
+    launcher.PROFILER_MODULE = None  # stand-ins need no timing profile
     launcher.STOP_TIMEOUT_S = 2.0
     sys.exit(launcher.main(sys.argv[1:]))
 ''')
@@ -291,6 +292,18 @@ def test_child_crash_stops_everything_and_fails(tmp_path, fakes) -> None:
 # ---------------------------------------------------------------- the real stack
 
 
+def stream_one_chat_completion(base: str, model: str) -> None:
+    """What the README tells a newcomer to do right after `make run`."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finish in (["length"], ["stop"]), (text, finish)
+
+
 def _missing_services() -> list[str]:
     needed = ["services/placer/__main__.py", "services/node/__main__.py",
               "services/gateway/__main__.py", "shared/modelgen.py"]
@@ -314,8 +327,11 @@ def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
                  "a model in /v1/models")
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
         assert "auth is off" in _read(out)
+        model = get_json(f"{base}/v1/models")["data"][0]["id"]
+        stream_one_chat_completion(base, model)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, _read(out)
+        assert "did not stop" not in _read(out), f"a service ignored SIGTERM:\n{_read(out)}"
         assert_nothing_left(data_dir, proc)
     finally:
         stop_forcefully(proc)
