@@ -162,8 +162,10 @@ def ensure_profile(opts: Options, name: str, path: Path, servers: list[ServerPro
     if not cache.is_file():
         print(f"profiling {name} on cpu once (log: {opts.data_dir / 'logs' / 'profile.log'}) ...",
               flush=True)
+        # The demo's traffic is a handful of concurrent requests: batches up to 16 keep the
+        # first start short; `slinfer profile` with larger bounds refines it for real models.
         args = ("--model", str(path), "--name", name, "--device", "cpu", "--out", str(cache),
-                "--redis", "")
+                "--redis", "", "--max-len", "1024", "--max-batch", "16", "--repeats", "2")
         with gate.deferred():
             env = child_env(opts, servers[0].url, servers[1].url)
             job = spawn("profile", PROFILER_MODULE, env, opts.data_dir / "logs", args)

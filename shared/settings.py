@@ -114,3 +114,18 @@ class CommonSettings:
             redis_url=env_str("SLINFER_REDIS_URL", DEFAULT_REDIS_URL, env=env),
             data_dir=Path(env_str("SLINFER_DATA_DIR", DEFAULT_DATA_DIR, env=env)),
         )
+
+
+def core_config_from_env(env: Mapping[str, str] | None = None) -> "CoreConfig":
+    """The policy core's knobs. The placer and every node read the same variables, so a node's
+    re-check applies the rules the placer planned with."""
+    from shared.core.config import CoreConfig
+
+    return CoreConfig(
+        watermark=env_float("SLINFER_WATERMARK", 0.25, env=env, minimum=0.0),
+        keep_alive_s=env_float("SLINFER_KEEP_ALIVE_S", 1.0, env=env, minimum=0.0),
+        enable_cpu=env_bool("SLINFER_ENABLE_CPU", True, env=env),
+        enable_sharing=env_bool("SLINFER_ENABLE_SHARING", True, env=env),
+        enable_consolidation=env_bool("SLINFER_ENABLE_CONSOLIDATION", True, env=env),
+        require_matrix_accel=env_bool("SLINFER_REQUIRE_MATRIX_ACCEL", True, env=env),
+    )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
-from shared.settings import env_float, env_int, env_str
+from shared.core.config import CoreConfig
+from shared.settings import core_config_from_env, env_float, env_int, env_str
 
 GiB = 1024**3
 
@@ -19,8 +20,7 @@ class NodeSettings:
     matrix_accel: bool
     nats_url: str
     redis_url: str
-    keep_alive_s: float = 1.0
-    watermark: float = 0.25
+    core: CoreConfig = CoreConfig()
     heartbeat_s: float = 0.25
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     hardware_name: str = ""
@@ -44,8 +44,7 @@ class NodeSettings:
             matrix_accel=matrix,
             nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
             redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
-            keep_alive_s=env_float("SLINFER_KEEP_ALIVE_S", 1.0, minimum=0.0),
-            watermark=env_float("SLINFER_WATERMARK", 0.25, minimum=0.0),
+            core=core_config_from_env(),
             heartbeat_s=env_float("SLINFER_HEARTBEAT_S", 0.25, minimum=0.01),
             metrics_port=env_int("SLINFER_NODE_METRICS_PORT", 0, minimum=0),
             hardware_name=info.name,

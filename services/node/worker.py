@@ -24,7 +24,6 @@ from services.node.settings import NodeSettings
 from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
-from shared.core.config import CoreConfig
 from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import Eviction, NodeScheduler, new_node
@@ -62,9 +61,8 @@ class NodeWorker:
     def __init__(self, settings: NodeSettings, nc: NATS, redis: Redis) -> None:
         self.s = settings
         self.nc, self.js, self.redis = nc, nc.jetstream(), redis
-        config = CoreConfig(keep_alive_s=settings.keep_alive_s, watermark=settings.watermark)
         self.sched: NodeScheduler = new_node(settings.node_id, Hardware(settings.hardware),
-                                             settings.memory_bytes, PerfModel(), config=config,
+                                             settings.memory_bytes, PerfModel(), config=settings.core,
                                              matrix_accel=settings.matrix_accel)
         self.engines: dict[str, Engine] = {}
         self.records: dict[str, ModelRecord] = {}
@@ -260,7 +258,7 @@ class NodeWorker:
             if plan.iteration is None:
                 self.wake.clear()
                 try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.keep_alive_s / 4))
+                    await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.core.keep_alive_s / 4))
                 except TimeoutError:
                     pass
                 continue

@@ -34,6 +34,7 @@ from shared.subjects import (CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT, no
 log = logging.getLogger("slinfer.placer")
 ACK_WAIT_S = 30.0
 PERF_REFRESH_S = 2.0
+MAX_REFUSALS = 8  # a request refused this often is failed with the nodes' reason, not retried forever
 
 
 @dataclass
@@ -41,7 +42,9 @@ class Pending:
     msg: Msg
     request: InferenceRequest
     received: float  # placer clock when first seen
-    tries: int = 0
+    tries: int = 0  # nodes that refused it so far
+    next_try: float = 0.0  # back off after a refusal: the next view may be fresher
+    last_refusal: str = ""
     last_progress: float = 0.0  # last in_progress() sent to JetStream
 
 
@@ -97,9 +100,10 @@ class Placer:
         nodes = await read_nodes(self.redis)
         await self._refresh_perf()
         records = {r.name: r for r in await self.registry.list()}
+        now = time.time()
         for rid in list(self.queue):
             pending = self.queue.get(rid)
-            if pending is not None:
+            if pending is not None and pending.next_try <= now:
                 nodes = await self._place_one(pending, nodes, records)
 
     async def _refresh_perf(self) -> None:
@@ -141,12 +145,19 @@ class Placer:
             log.info("placed %s on %s/%s (%s)", p.request.request_id, plan.node_id,
                      reply.instance_id, plan.action.value)
         else:
-            p.tries += 1
-            log.info("node %s refused %s: %s", plan.node_id, p.request.request_id,
-                     reply.reason if reply else "no reply")
+            await self._refused(p, plan.node_id, reply.reason if reply else "no reply")
         if reply is not None and reply.node is not None:  # fresher than Redis: use it
             nodes = [reply.node if n.node_id == reply.node.node_id else n for n in nodes]
         return nodes
+
+    async def _refused(self, p: Pending, node_id: str, reason: str) -> None:
+        p.tries += 1
+        p.last_refusal = f"{node_id}: {reason}"
+        log.info("node %s refused %s: %s", node_id, p.request.request_id, reason)
+        if p.tries >= MAX_REFUSALS:
+            await self._fail(p, FinishReason.ERROR, f"refused {p.tries} times (last: {p.last_refusal})")
+        else:
+            p.next_try = time.time() + min(1.0, 0.02 * 2**p.tries)
 
     async def _command(self, node_id: str, cmd: NodeCommand) -> NodeReply | None:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.core.config import CoreConfig
-from shared.settings import env_bool, env_float, env_str
+from shared.settings import core_config_from_env, env_float, env_str
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,7 @@ class PlacerSettings:
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
-        core = CoreConfig(
-            watermark=env_float("SLINFER_WATERMARK", 0.25, minimum=0.0),
-            keep_alive_s=env_float("SLINFER_KEEP_ALIVE_S", 1.0, minimum=0.0),
-            enable_cpu=env_bool("SLINFER_ENABLE_CPU", True),
-            enable_sharing=env_bool("SLINFER_ENABLE_SHARING", True),
-            enable_consolidation=env_bool("SLINFER_ENABLE_CONSOLIDATION", True),
-            require_matrix_accel=env_bool("SLINFER_REQUIRE_MATRIX_ACCEL", True),
-        )
+        core = core_config_from_env()
         return cls(nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
                    redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    core=core,

@@ -61,3 +61,47 @@ def test_bad_input_then_good_request(stack):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     ok = _client(stack).completions.create(model=stack.model, prompt="still serving", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
+
+
+def _requests_on_node(stack) -> set[str]:
+    data = httpx.get(f"{stack.url}/admin/instances").json()["data"]
+    return {rid for inst in data for rid in inst["requests"]}
+
+
+async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
+    import json
+
+    import nats
+
+    from shared import wire
+    from shared.schemas import FinishReason, TokenMessage
+    from shared.subjects import token_subject
+
+    nc = await nats.connect(stack.nats_url)
+    finals: asyncio.Queue = asyncio.Queue()
+
+    async def on_token(msg):
+        message = wire.decode(TokenMessage, msg.data)
+        if message.finished:
+            await finals.put(message)
+
+    body = {"model": stack.model, "prompt": "a long story", "max_tokens": 2000, "stream": True,
+            "temperature": 0.7, "seed": 1}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    request_id = json.loads(line[6:])["id"]
+                    break
+            await nc.subscribe(token_subject(request_id), cb=on_token)
+            assert request_id in _requests_on_node(stack)  # generating on the node right now
+        # leaving the block closed the connection mid-stream
+    final = await asyncio.wait_for(finals.get(), timeout=15)
+    await nc.close()
+    assert final.finish_reason is FinishReason.CANCELLED  # the node stopped it, not max_tokens
+    assert len(final.output_token_ids) < 2000
+    for _ in range(40):  # the admin view is the node's heartbeat snapshot: give it a beat
+        if request_id not in _requests_on_node(stack):
+            break
+        await asyncio.sleep(0.05)
+    assert request_id not in _requests_on_node(stack)  # and dropped it (its KV blocks with it)
