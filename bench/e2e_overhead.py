@@ -108,11 +108,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=50)
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024])
+    p.add_argument("--work-dir", help="keep servers' data and service logs here (default: a temp dir)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp)
+        data = Path(args.work_dir or tmp)
         model_dir = Path(ensure_demo_model(data))
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompts = {n: prompt_ids(tok, n) for n in args.lengths}
