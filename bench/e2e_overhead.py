@@ -1,15 +1,18 @@
 """End-to-end overhead of the request path: the gateway's time to first token (streaming, through
 JetStream, the placer, the node worker and back) against the engine's own prefill time for the
-same prompt tokens. Median of N warm requests each (the cold start is reported on its own).
+*same request*, which the node reports on its first token message (`TokenMessage.prefill_s`).
+Pairing per request makes the difference immune to the machine's noise between two phases.
 
     .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024]
 
-Writes bench/results/e2e_overhead.json and prints a table.
+Sequential warm requests (the cold start is reported on its own). Writes
+bench/results/e2e_overhead.json and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -25,54 +28,70 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.launcher import spawn, stop_child  # noqa: E402
-from services.node.engines import SamplingParams, create_engine  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
+from shared import wire  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
+from shared.schemas import TokenMessage  # noqa: E402
 from shared.servers import free_port, start_nats, start_redis  # noqa: E402
 
 NAME = "tiny-llama"
 
 
-def prompt_ids(tokenizer, length: int) -> tuple[str, list[int]]:
-    """A text prompt whose tokenization (with BOS, as the gateway does it) has `length` tokens."""
-    words = " ".join(f"word{i}" for i in range(length * 2))
-    ids = tokenizer(words)["input_ids"][:length]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return text, tokenizer(text)["input_ids"]
+def prompt_of(tokenizer, length: int) -> str:
+    """A text prompt whose tokenization (with BOS, as the gateway does it) has ~`length` tokens."""
+    ids = tokenizer(" ".join(f"word{i}" for i in range(length * 2)))["input_ids"][1:length]
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def engine_prefill_s(model_dir: Path, ids: list[int], n: int) -> list[float]:
-    engine = create_engine("torch", model_dir)
-    engine.load()
-    out = []
-    for k in range(n + 3):
-        rid = f"b{k}"
-        engine.add_request(rid, ids, SamplingParams(max_tokens=1))
-        start = time.perf_counter()
-        engine.prefill(rid)
-        elapsed = time.perf_counter() - start
-        engine.release(rid)
-        if k >= 3:  # warm-up
-            out.append(elapsed)
-    engine.unload()
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float, int]:
+    """(request id, seconds to the first token chunk, prompt tokens)."""
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, rid, prompt_tokens = None, "", 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"]
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return rid, ttft, prompt_tokens
+
+
+async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> dict:
+    import nats
+
+    prefill: dict[str, float] = {}
+    nc = await nats.connect(nats_url)
+
+    async def on_token(msg) -> None:
+        m = wire.decode(TokenMessage, msg.data)
+        if m.prefill_s is not None:
+            prefill.setdefault(m.request_id, m.prefill_s)
+
+    await nc.subscribe("slinfer.tokens.>", cb=on_token)
+    out: dict = {}
+    async with httpx.AsyncClient(timeout=60) as client:
+        _, cold, _ = await one_request(client, url, prompts[min(prompts)])
+        out["cold_start_ttft_ms"] = round(cold * 1e3, 1)
+        for length, prompt in prompts.items():
+            pairs, tokens = [], 0
+            for _ in range(n):
+                rid, ttft, tokens = await one_request(client, url, prompt)
+                await asyncio.sleep(0.02)  # let the token subscription catch up
+                pairs.append((ttft, prefill[rid]))
+            out[length] = (pairs, tokens)
+    await nc.close()
     return out
 
 
-def gateway_ttft_s(url: str, prompt: str) -> float:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0}
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"choices"' in line:
-                return time.perf_counter() - start
-    raise RuntimeError("no token came back")
-
-
-def start_stack(data: Path, model_dir: Path) -> tuple[str, list]:
-    import asyncio
-
+def start_stack(data: Path, model_dir: Path) -> tuple[str, str, list]:
     from redis.asyncio import Redis
 
     from shared.cluster import save_profile
@@ -88,7 +107,8 @@ def start_stack(data: Path, model_dir: Path) -> tuple[str, list]:
     asyncio.run(store())
     port = free_port()
     env = {**os.environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
-           "SLINFER_GATEWAY_PORT": str(port), "SLINFER_API_KEYS": "", "SLINFER_MATRIX_ACCEL": "true",
+           "SLINFER_GATEWAY_PORT": str(port), "SLINFER_API_KEYS": "",
+           "SLINFER_REQUIRE_MATRIX_ACCEL": "false",
            "SLINFER_KEEP_ALIVE_S": "60"}  # keep the instance warm between sequential requests
     children = [spawn("placer", "services.placer", env, data / "logs"),
                 spawn("node-0", "services.node", {**env, "SLINFER_NODE_ID": "node-0"}, data / "logs"),
@@ -101,7 +121,17 @@ def start_stack(data: Path, model_dir: Path) -> tuple[str, list]:
         except httpx.HTTPError:
             time.sleep(0.1)
     httpx.post(f"{url}/admin/models", json={"name": NAME, "path": str(model_dir), "public": True}).raise_for_status()
-    return url, [*children, redis, nats]
+    return url, nats.url, [*children, redis, nats]
+
+
+def summarize(pairs: list[tuple[float, float]], tokens: int) -> dict:
+    ttft = [t for t, _ in pairs]
+    engine = [p for _, p in pairs]
+    overhead = [t - p for t, p in pairs]
+    return {"prompt_tokens": tokens, "engine_prefill_ms_p50": round(statistics.median(engine) * 1e3, 2),
+            "gateway_ttft_ms_p50": round(statistics.median(ttft) * 1e3, 2),
+            "overhead_ms_p50": round(statistics.median(overhead) * 1e3, 2),
+            "overhead_ms_p90": round(statistics.quantiles(overhead, n=10)[-1] * 1e3, 2)}
 
 
 def main() -> int:
@@ -116,25 +146,17 @@ def main() -> int:
         data = Path(args.work_dir or tmp)
         model_dir = Path(ensure_demo_model(data))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        prompts = {n: prompt_ids(tok, n) for n in args.lengths}
-        engine = {n: engine_prefill_s(model_dir, ids, args.n) for n, (_, ids) in prompts.items()}
-        url, procs = start_stack(data, model_dir)
+        prompts = {n: prompt_of(tok, n) for n in args.lengths}
+        url, nats_url, procs = start_stack(data, model_dir)
         try:
-            cold = gateway_ttft_s(url, prompts[args.lengths[0]][0])
-            gateway = {n: [gateway_ttft_s(url, text) for _ in range(args.n)] for n, (text, _) in prompts.items()}
+            raw = asyncio.run(measure(url, nats_url, prompts, args.n))
         finally:
             for proc in procs:
                 stop_child(proc, 10) if hasattr(proc, "log_path") else proc.stop()
-    rows = []
-    for n in args.lengths:
-        e, g = statistics.median(engine[n]), statistics.median(gateway[n])
-        rows.append({"prompt_tokens": len(prompts[n][1]), "engine_prefill_ms_p50": round(e * 1e3, 2),
-                     "gateway_ttft_ms_p50": round(g * 1e3, 2), "overhead_ms_p50": round((g - e) * 1e3, 2),
-                     "gateway_ttft_ms_p90": round(statistics.quantiles(gateway[n], n=10)[-1] * 1e3, 2)})
     result = {"command": "python bench/e2e_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
-              "cold_start_ttft_ms": round(cold * 1e3, 1), "rows": rows,
-              "date": time.strftime("%Y-%m-%d")}
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+              "date": time.strftime("%Y-%m-%d"), "cold_start_ttft_ms": raw["cold_start_ttft_ms"],
+              "rows": [summarize(*raw[n]) for n in args.lengths]}
     out = ROOT / "bench" / "results" / "e2e_overhead.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

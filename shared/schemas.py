@@ -76,6 +76,9 @@ class TokenMessage:
     prompt_tokens: int = 0
     error: str | None = None
     node_id: str | None = None
+    # On the message carrying a request's first token from a node: how long the engine's
+    # prefill iteration took there (for overhead accounting and traces).
+    prefill_s: float | None = None
 
 
 class CommandKind(str, enum.Enum):

@@ -267,10 +267,12 @@ class NodeWorker:
     async def _run_iteration(self, choice: IterationChoice) -> None:
         engine = self.engines[choice.instance_id]
         try:
+            started = time.perf_counter()
             if choice.kind is IterationKind.PREFILL:
                 result = await asyncio.to_thread(engine.prefill, choice.request_ids[0])
             else:
                 result = await asyncio.to_thread(engine.decode, list(choice.request_ids))
+            elapsed = time.perf_counter() - started
         except KVCacheFull:
             eviction = self.sched.evict_for_memory(choice.instance_id, time.time())
             if eviction is not None:
@@ -284,6 +286,7 @@ class NodeWorker:
                     await self._finish(self.live[rid], FinishReason.ERROR, f"engine error: {exc}")
             return
         self.iterations += 1
+        prefill_s = elapsed if choice.kind is IterationKind.PREFILL else None
         finished: set[str] = set()
         for rid, token in result.tokens.items():
             live = self.live.get(rid)
@@ -292,10 +295,11 @@ class NodeWorker:
             live.output.append(token)
             reason = self._finish_reason(live, token)
             if reason is None:
-                await self._publish(TokenMessage(rid, len(live.output) - 1, [token], node_id=self.s.node_id))
+                await self._publish(TokenMessage(rid, len(live.output) - 1, [token],
+                                                 node_id=self.s.node_id, prefill_s=prefill_s))
             else:
                 finished.add(rid)
-                await self._finish(live, reason, count_in_core=False)
+                await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
         self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
 
     def _finish_reason(self, live: Live, token: int) -> FinishReason | None:
@@ -309,7 +313,7 @@ class NodeWorker:
         return None
 
     async def _finish(self, live: Live, reason: FinishReason, error: str | None = None,
-                      count_in_core: bool = True) -> None:
+                      count_in_core: bool = True, prefill_s: float | None = None) -> None:
         """Send the final message (whole output, so the gateway can fill gaps) and forget it."""
         self.live.pop(live.request.request_id, None)
         engine = self.engines.get(live.instance_id)
@@ -321,7 +325,8 @@ class NodeWorker:
         await self._publish(TokenMessage(
             live.request.request_id, max(0, len(live.output) - len(last)), last, finished=True,
             finish_reason=reason, output_token_ids=list(live.output),
-            prompt_tokens=len(live.request.prompt_token_ids), error=error, node_id=self.s.node_id))
+            prompt_tokens=len(live.request.prompt_token_ids), error=error, node_id=self.s.node_id,
+            prefill_s=prefill_s))
 
     async def _drop_cancelled(self) -> None:
         for live in [lv for lv in self.live.values() if lv.cancelled]:
