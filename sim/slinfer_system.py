@@ -1,0 +1,292 @@
+"""SLINFER under simulation: the real policy core (`shared.core`) driving profile-timed nodes.
+
+Nothing here decides anything the services would decide differently. The placer's decision is
+`shared.core.placement.place` on the nodes' views; each node is a `NodeScheduler` that re-checks
+admissions, picks the next iteration and runs the memory ledger. This module only plays the
+engines and the clock: an iteration takes the time the profile predicts, a memory operation takes
+its load / resize / unload time, and outcomes are fed back exactly as a node worker would.
+
+Timing of memory operations (the engines' side, not the core's):
+- LOAD: the profile's `load_s` (ServerlessLLM loader; the initial KV pool comes with it).
+- SCALE: `Profile.kv_scale_s` (Fig. 17's magnitudes); the instance runs no iteration meanwhile
+  (the node scheduler blocks an instance with a running op), and the time counts in
+  `scaling_time_fraction`.
+- UNLOAD: UNLOAD_S, freeing device memory (ASSUMPTION: tens of milliseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shared.core.config import CoreConfig
+from shared.core.iteration import IterationChoice, IterationKind
+from shared.core.memory import MemOp, MemOpKind
+from shared.core.node_scheduler import NodeScheduler
+from shared.core.perf_model import PerfModel
+from shared.core.placement import PlaceAction, PlacementPlan, place
+from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
+from sim.engine import Event, EventLoop, Recorder, SimRequest, Usage
+
+UNLOAD_S = 0.05
+
+
+@dataclass
+class SimNode:
+    sched: NodeScheduler
+    busy: bool = False  # an iteration is in flight
+    reclaim_at: float | None = None  # a keep-alive check is scheduled for this time
+    checked_at: float = -1.0  # time of the last keep-alive check (to avoid re-checking at once)
+    ops_running: dict[int, MemOp] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        return self.sched.node.node_id
+
+
+class SlinferSystem:
+    name = "slinfer"
+
+    def __init__(self, nodes: list[NodeView], perf: PerfModel, models: dict[str, ModelSpec],
+                 config: CoreConfig):
+        self.config = config
+        self.perf = perf
+        self.models = models
+        self.nodes = {n.node_id: SimNode(NodeScheduler(n, perf, config)) for n in nodes}
+        self.reqs: dict[str, SimRequest] = {}  # every request the system has seen, by id
+        self.queue: list[RequestView] = []  # placed nowhere yet (QUEUE), FIFO
+        self._born: dict[str, float] = {}  # instance id -> creation time (lifetime accounting)
+        self.loop: EventLoop | None = None
+        self.rec: Recorder | None = None
+
+    # --- System protocol ----------------------------------------------------------------------
+    def bind(self, loop: EventLoop, rec: Recorder) -> None:
+        self.loop, self.rec = loop, rec
+
+    def on_arrival(self, req: SimRequest) -> None:
+        self.reqs[req.rid] = req
+        spec = self.models[req.model]
+        view = RequestView(req.rid, req.model, req.input_len, req.arrival, req.slo,
+                           max_tokens=max(1, spec.max_context - req.input_len))
+        self._place(view)
+
+    def handle(self, ev: Event) -> None:
+        getattr(self, f"_on_{ev.kind}")(ev.data)
+
+    def usage(self) -> Usage:
+        used = {Hardware.CPU: 0, Hardware.GPU: 0}
+        alloc = held = 0
+        for sn in self.nodes.values():
+            node = sn.sched.node
+            if node.instances:
+                used[node.hardware] += 1
+            for inst in node.instances:
+                alloc += sn.sched.kv_capacity_bytes(inst.instance_id)
+                per_token = inst.model.kv_bytes_per_token
+                held += per_token * sum(r.context_len() for r in inst.requests if r.prefilled)
+        return Usage(used[Hardware.CPU], used[Hardware.GPU], alloc, held)
+
+    def shutdown(self) -> None:
+        now = self.loop.now
+        for sn in self.nodes.values():
+            for inst in sn.sched.node.instances:
+                self.rec.add_instance_lifetime(now - self._born.pop(inst.instance_id, now))
+
+    # --- placement ----------------------------------------------------------------------------
+    def _views(self) -> list[NodeView]:
+        return [sn.sched.view() for sn in self.nodes.values()]
+
+    def _place(self, view: RequestView, from_queue: bool = False) -> bool:
+        """Ask the core where the request goes and carry the plan out. True if it went somewhere
+        (or was dropped); False if it stays queued."""
+        now = self.loop.now
+        model = self.models[view.model]
+        plan = place(view, model, self._views(), self.perf, now, self.config, self.models)
+        if plan.action is PlaceAction.DROP:
+            self._drop(view.request_id)
+            return True
+        if plan.action is PlaceAction.QUEUE:
+            if not from_queue:
+                self.queue.append(view)
+                self.loop.schedule(view.arrival + view.grace_s + view.slo.ttft_s, "deadline",
+                                   view.request_id)
+            return False
+        if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
+            self._preempt(plan)
+        return self._admit(plan.node_id, plan.instance_id, view)
+
+    def _admit(self, node_id: str, instance_id: str | None, view: RequestView) -> bool:
+        sn = self.nodes[node_id]
+        now = self.loop.now
+        result = sn.sched.admit(view, instance_id, self.models[view.model], now)
+        if not result.admission.ok:  # the node's re-check disagreed: wait for the next change
+            self.rec.count("node_rejections")
+            if view not in self.queue:
+                self.queue.append(view)
+                self.loop.schedule(max(now, view.arrival + view.grace_s + view.slo.ttft_s),
+                                   "deadline", view.request_id)
+            return False
+        if instance_id is None:
+            self.rec.count("cold_starts")
+            self._born[result.instance_id] = now
+        inst = sn.sched.node.instance(result.instance_id)
+        admitted = next(r for r in inst.requests if r.request_id == view.request_id)
+        self.reqs[view.request_id].grace_s = admitted.grace_s
+        self._start_ops(sn, result.start_ops)
+        self._kick(sn)
+        return True
+
+    def _preempt(self, plan: PlacementPlan) -> None:
+        sn = self.nodes[plan.node_id]
+        now = self.loop.now
+        evicted, ops = sn.sched.preempt(list(plan.preempt), now)
+        self.rec.count("preemptions", len(plan.preempt))
+        for iid in plan.preempt:
+            self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
+        self._start_ops(sn, ops)
+        dest = {m.request_id: m for m in plan.migrations}
+        for req in evicted:
+            moved = replace(req, prefilled=False)  # recomputes its KV cache where it lands
+            self.rec.count("migrations")
+            m = dest.get(req.request_id)
+            if m is None:
+                self._place(moved)
+            else:  # the core validated this destination; the node re-checks (else: queued)
+                self._admit(m.to_node, m.to_instance, moved)
+
+    def _retry_queue(self) -> None:
+        """Something was freed: give queued requests another placement, oldest first."""
+        if not self.queue:
+            return
+        waiting, self.queue = self.queue, []
+        blocked: set[str] = set()  # models that found no room in this round
+        for view in waiting:
+            if self.reqs[view.request_id].done:
+                continue
+            # One failed placement per model per round: the next request of that model meets
+            # the same cluster (a simulator economy; the deadline still drops it on time).
+            if view.model in blocked or not self._place(view, from_queue=True):
+                blocked.add(view.model)
+                self.queue.append(view)
+
+    def _drop(self, request_id: str) -> None:
+        req = self.reqs[request_id]
+        if req.done:
+            return
+        req.dropped = True
+        self.rec.count("dropped")
+        self.rec.request_done(req)
+
+    # --- node execution -----------------------------------------------------------------------
+    def _kick(self, sn: SimNode) -> None:
+        if sn.busy:
+            return
+        now = self.loop.now
+        plan = sn.sched.step(now)
+        self._start_ops(sn, plan.start_ops)
+        for ev in plan.evictions:  # §VII-D: memory could not grow; reschedule elsewhere
+            self.rec.count("evictions")
+            self.reqs[ev.request.request_id].evictions += 1
+            self._place(replace(ev.request, prefilled=False))
+        if plan.iteration is not None:
+            sn.busy = True
+            self.loop.schedule(now + plan.predicted_s, "iter_done",
+                               (sn.node_id, plan.iteration, plan.predicted_s))
+        self._schedule_reclaim(sn)
+
+    def _on_iter_done(self, data: tuple[str, IterationChoice, float]) -> None:
+        node_id, choice, seconds = data
+        sn = self.nodes[node_id]
+        sn.busy = False
+        now = self.loop.now
+        hw = sn.sched.node.hardware
+        prefill = choice.kind is IterationKind.PREFILL
+        self.rec.iteration(now, hw, prefill, len(choice.request_ids), seconds)
+        finished: set[str] = set()
+        for rid in choice.request_ids:
+            req = self.reqs[rid]
+            if req.done:  # dropped meanwhile (cannot happen for placed requests; defensive)
+                finished.add(rid)
+                continue
+            if req.first_token_at is None:
+                req.first_token_at, req.hardware = now, hw
+            req.generated += 1
+            if req.generated >= req.output_len:
+                req.finished_at = now
+                self.rec.request_done(req)
+                finished.add(rid)
+        ops = sn.sched.finish_iteration(choice, now, finished)
+        self._start_ops(sn, ops)
+        if finished:
+            self._retry_queue()
+        self._kick(sn)
+
+    def _start_ops(self, sn: SimNode, ops) -> None:
+        for op in ops:
+            seconds = self._op_seconds(sn, op)
+            sn.ops_running[op.op_id] = op
+            self.loop.schedule(self.loop.now + seconds, "memop_done", (sn.node_id, op))
+
+    def _op_seconds(self, sn: SimNode, op: MemOp) -> float:
+        if op.kind is MemOpKind.UNLOAD:
+            return UNLOAD_S
+        inst = sn.sched.node.instance(op.instance_id)
+        if inst is None:
+            return UNLOAD_S
+        profile = self.perf.get(inst.model.name, sn.sched.node.hardware)
+        if op.kind is MemOpKind.LOAD:
+            return profile.load_s
+        w = inst.model.weight_bytes
+        seconds = profile.kv_scale_s(op.bytes_before - w, op.bytes_after - w)
+        self.rec.add_scaling(seconds)
+        self.rec.count("kv_scalings")
+        return seconds
+
+    def _on_memop_done(self, data: tuple[str, MemOp]) -> None:
+        node_id, op = data
+        sn = self.nodes[node_id]
+        sn.ops_running.pop(op.op_id, None)
+        started = sn.sched.memop_done(op, self.loop.now)
+        self._start_ops(sn, started)
+        if op.kind is MemOpKind.UNLOAD or not op.grows:
+            self._retry_queue()
+        self._kick(sn)
+
+    def _schedule_reclaim(self, sn: SimNode) -> None:
+        """Keep-alive: wake up when the earliest idle READY instance expires."""
+        now = self.loop.now
+        # An instance with a memory op in flight cannot be reclaimed yet; its op's completion
+        # kicks the node, which comes back here.
+        idle = [i.last_active for i in sn.sched.node.instances
+                if i.status is InstanceStatus.READY and not i.requests
+                and not sn.sched.ledger.busy(i.instance_id)]
+        if not idle:
+            return
+        at = min(idle) + self.config.keep_alive_s
+        if at <= now and sn.checked_at == now:
+            at = now + self.config.keep_alive_s  # just checked and still there: do not spin
+        if sn.reclaim_at is not None and now <= sn.reclaim_at <= at:
+            return
+        sn.reclaim_at = max(at, now)
+        self.loop.schedule(sn.reclaim_at, "reclaim", sn.node_id)
+
+    def _on_reclaim(self, node_id: str) -> None:
+        sn = self.nodes[node_id]
+        now = self.loop.now
+        if sn.reclaim_at is not None and sn.reclaim_at > now:
+            return  # superseded by a later check
+        sn.reclaim_at = None
+        sn.checked_at = now
+        idle_before = {i.instance_id for i in sn.sched.node.instances}
+        ops = sn.sched.reclaim_idle(now)
+        self._start_ops(sn, ops)
+        gone = idle_before - {i.instance_id for i in sn.sched.node.instances
+                              if i.status is not InstanceStatus.UNLOADING}
+        for iid in sorted(gone):
+            self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
+        self._kick(sn)
+
+    def _on_deadline(self, request_id: str) -> None:
+        view = next((v for v in self.queue if v.request_id == request_id), None)
+        if view is not None:
+            self.queue.remove(view)
+            self._drop(request_id)
