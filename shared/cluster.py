@@ -17,9 +17,14 @@ from shared.subjects import NODES_SET, PROFILES_HASH, node_key, profile_field
 log = logging.getLogger("slinfer.cluster")
 
 
+# Tokens per KV block of each engine's paged cache (the torch engine's DEFAULT_BLOCK_SIZE).
+ENGINE_KV_BLOCK_TOKENS = {"torch": 16, "openvino": 32, "vllm": 16}
+
+
 def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
     return ModelSpec(record.name, record.weight_bytes, record.kv_bytes_per_token,
-                     record.max_context, avg_output_len)
+                     record.max_context, avg_output_len,
+                     kv_block_tokens=ENGINE_KV_BLOCK_TOKENS.get(record.engine, 16))
 
 
 def request_view(req: InferenceRequest) -> RequestView:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.memory import m_require, watermark_target
+from shared.core.memory import kv_demand, watermark_target
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
@@ -40,8 +40,7 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
     """Memory side: M_require with the newcomer; scale to M_recommend, or compromise to M_require,
     within the node's optimistic budget (§VII-B, §VII-D)."""
     spec = instance.model
-    need = m_require([*instance.requests, request], spec.kv_bytes_per_token, spec.avg_output_len,
-                     spec.max_context)
+    need = kv_demand(spec, [*instance.requests, request])
     if instance.kv_bytes >= need:
         return Admission(AdmitReason.ADMITTED)
     recommend = watermark_target(instance.kv_bytes, need, config.watermark) or need

@@ -12,6 +12,7 @@ import enum
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from shared.core.memory import in_blocks
 from shared.core.perf_model import Profile
 from shared.core.types import InstanceStatus, InstanceView, RequestView
 
@@ -36,13 +37,18 @@ def least_headroom(instance: InstanceView, now: float) -> float:
                for r in instance.requests) - now
 
 
+def runnable(inst: InstanceView, now: float, blocked: Collection[str] = ()) -> bool:
+    """Has work and may run an iteration now (loaded, not unloading, no memory op holding it)."""
+    return bool(inst.requests) and inst.status is not InstanceStatus.UNLOADING \
+        and inst.ready_at <= now and inst.instance_id not in blocked
+
+
 def choose_iteration(instances: Collection[InstanceView], now: float,
                      blocked: Collection[str] = ()) -> IterationChoice | None:
     best: InstanceView | None = None
     best_key: tuple[float, str] | None = None
     for inst in instances:
-        if (not inst.requests or inst.status is InstanceStatus.UNLOADING
-                or inst.ready_at > now or inst.instance_id in blocked):
+        if not runnable(inst, now, blocked):
             continue
         key = (least_headroom(inst, now), inst.instance_id)
         if best_key is None or key < best_key:
@@ -80,9 +86,13 @@ def apply_iteration(choice: IterationChoice, instance: InstanceView) -> None:
 
 
 def kv_tokens_needed(choice: IterationChoice, instance: InstanceView) -> int:
-    """KV slots the instance holds once this iteration has run (prefilled requests + new one)."""
-    held = sum(r.context_len() for r in instance.requests if r.prefilled)
-    if choice.kind is IterationKind.PREFILL:
-        req = next(r for r in instance.requests if r.request_id == choice.request_ids[0])
-        return held + req.context_len() + 1
-    return held + len(instance.requests)
+    """KV slots (in whole blocks per request) the instance holds once this iteration has run."""
+    block = instance.model.kv_block_tokens
+    chosen = set(choice.request_ids)
+    total = 0
+    for r in instance.requests:
+        if r.request_id in chosen:
+            total += in_blocks(r.context_len() + 1, block)  # the token this iteration writes
+        elif r.prefilled:
+            total += in_blocks(r.context_len(), block)
+    return total

@@ -18,8 +18,8 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate
 from shared.core.iteration import (IterationChoice, apply_iteration, choose_iteration,
-                                   kv_tokens_needed, predict_seconds)
-from shared.core.memory import MemOp, MemOpKind, MemoryLedger, m_require, watermark_target
+                                   kv_tokens_needed, least_headroom, predict_seconds, runnable)
+from shared.core.memory import MemOp, MemOpKind, MemoryLedger, in_blocks, kv_demand, watermark_target
 from shared.core.consolidation import idle_instances
 from shared.core.perf_model import PerfModel
 from shared.core.shadow import copy_instances
@@ -45,6 +45,8 @@ class StepPlan:
     predicted_s: float = 0.0  # profile's estimate of its duration
     start_ops: tuple[MemOp, ...] = ()  # memory ops to begin now (underestimation scale-ups)
     evictions: tuple[Eviction, ...] = ()  # requests evicted because memory could not grow
+    # Every instance that could have run, with its least headroom at the pick: why this one won.
+    considered: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -105,7 +107,9 @@ class NodeScheduler:
             if kv_tokens_needed(choice, inst) <= self._kv_capacity_tokens(inst):
                 predicted = predict_seconds(choice, inst, self._profile(inst))
                 self.node.busy_until = now + predicted
-                return StepPlan(choice, predicted, tuple(ops), tuple(evictions))
+                considered = tuple((i.instance_id, least_headroom(i, now)) for i in self.node.instances
+                                   if runnable(i, now, blocked))
+                return StepPlan(choice, predicted, tuple(ops), tuple(evictions), considered)
             blocked.add(inst.instance_id)
             if self.ledger.busy(inst.instance_id):
                 continue  # its scale-up is parked or running: others go first meanwhile
@@ -121,8 +125,7 @@ class NodeScheduler:
     def _grow_for(self, inst: InstanceView, tokens: int, now: float) -> list[MemOp] | None:
         """Underestimation (§VII-D): try to scale up again; None if the node has no room."""
         spec = inst.model
-        need = max(tokens * spec.kv_bytes_per_token,
-                   m_require(inst.requests, spec.kv_bytes_per_token, spec.avg_output_len, spec.max_context))
+        need = max(tokens * spec.kv_bytes_per_token, kv_demand(spec, inst.requests))
         target = int(need * (1 + self.config.watermark))
         for size in (target, need):
             if self.ledger.fits(inst.instance_id, spec.weight_bytes + size):
@@ -167,7 +170,7 @@ class NodeScheduler:
         inst.requests = [r for r in inst.requests if r.request_id not in ids]
         inst.last_active = now
         spec = inst.model
-        need = m_require(inst.requests, spec.kv_bytes_per_token, spec.avg_output_len, spec.max_context)
+        need = kv_demand(spec, inst.requests)
         target = watermark_target(inst.kv_bytes, need, self.config.watermark)
         if target is not None and target < inst.kv_bytes and inst.status is InstanceStatus.READY:
             return self._resize(inst, target, now)  # lazy scale-down (§VII-B)
@@ -216,7 +219,10 @@ class NodeScheduler:
         return ops
 
     def _resize(self, inst: InstanceView, kv_bytes: int, now: float) -> list[MemOp]:
-        kind = MemOpKind.LOAD if inst.status is InstanceStatus.LOADING else MemOpKind.SCALE
+        # A load not yet started absorbs the new size (the ledger merges it); once the load is
+        # running, the growth is a separate scale-up that runs after it.
+        loading = inst.status is InstanceStatus.LOADING and inst.instance_id not in self._running_ops()
+        kind = MemOpKind.LOAD if loading else MemOpKind.SCALE
         ok, ops = self.ledger.request(kind, inst.instance_id, inst.model.weight_bytes + kv_bytes, now)
         if ok:
             inst.kv_bytes = kv_bytes
@@ -234,7 +240,9 @@ class NodeScheduler:
         return max(0, self.ledger.allocated(instance_id) - inst.model.weight_bytes)
 
     def _kv_capacity_tokens(self, inst: InstanceView) -> int:
-        return self.kv_capacity_bytes(inst.instance_id) // max(1, inst.model.kv_bytes_per_token)
+        """Whole blocks only: the engine rounds its pool down to blocks."""
+        block_bytes = max(1, inst.model.kv_bytes_per_token) * inst.model.kv_block_tokens
+        return self.kv_capacity_bytes(inst.instance_id) // block_bytes * inst.model.kv_block_tokens
 
     def _running_ops(self) -> set[str]:
         return {op.instance_id for op in self.ledger.running()}

@@ -50,6 +50,9 @@ class ModelSpec:
     kv_bytes_per_token: int  # C in SLINFER eq. 2 (all layers, K and V)
     max_context: int  # longest sequence; also L_min, the floor of eq. 2 (§VII-A)
     avg_output_len: float = 128.0  # Ō of eq. 2, from historical logs
+    # A paged engine gives each request whole blocks of this many tokens; counting KV in the
+    # same blocks keeps the core's accounting equal to what the engine really allocates.
+    kv_block_tokens: int = 1
 
 
 @dataclass

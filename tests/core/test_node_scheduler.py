@@ -93,3 +93,14 @@ def test_budget_snapshot_matches_ledger():
     loaded(sched, None, request("a"), spec)
     view = sched.view()
     assert view.budget_bytes == sched.ledger.budget >= 2 * GB
+
+
+def test_growth_while_the_load_runs_is_a_scale_after_it():
+    spec = model("m", kv_per_token=1024 * 1024, max_context=256)
+    sched = node(perf=perf_for(flat_profile("m", Hardware.GPU, load_s=0.5)))
+    first = sched.admit(request("a", input_len=60, ttft=5), None, spec, 0.0)
+    assert [op.kind for op in first.start_ops] == [MemOpKind.LOAD]  # the load runs now
+    grow = sched.admit(request("b", input_len=200, ttft=5, max_tokens=50), first.instance_id, spec, 0.1)
+    assert grow.admission.ok and grow.start_ops == ()  # queued behind the running load
+    released = sched.memop_done(first.start_ops[0], 0.5)
+    assert [op.kind for op in released] == [MemOpKind.SCALE]  # not a second load
