@@ -196,6 +196,15 @@ class NodeScheduler:
                 ops.extend(self._unload(inst, now))
         return ops
 
+    def next_reclaim_at(self) -> float | None:
+        """When the next idle instance's keep-alive expires (None: no idle instance waits for
+        one). An idle instance with a memory op in flight is not counted: that op's completion
+        is the next event that matters for it."""
+        times = [i.last_active + self.config.keep_alive_s for i in self.node.instances
+                 if i.status is InstanceStatus.READY and not i.requests
+                 and not self.ledger.busy(i.instance_id)]
+        return min(times, default=None)
+
     def preempt(self, instance_ids: list[str], now: float) -> tuple[list[RequestView], list[MemOp]]:
         """Unload these instances; their requests come back for rescheduling elsewhere."""
         evicted: list[RequestView] = []

@@ -104,3 +104,18 @@ def test_growth_while_the_load_runs_is_a_scale_after_it():
     assert grow.admission.ok and grow.start_ops == ()  # queued behind the running load
     released = sched.memop_done(first.start_ops[0], 0.5)
     assert [op.kind for op in released] == [MemOpKind.SCALE]  # not a second load
+
+
+def test_next_reclaim_at_names_the_keep_alive_expiry():
+    spec = model("m")
+    sched = node(perf=perf_for(flat_profile("m", Hardware.GPU)), config=CoreConfig(keep_alive_s=1.0))
+    assert sched.next_reclaim_at() is None
+    loaded(sched, None, request("a", max_tokens=1), spec)
+    assert sched.next_reclaim_at() is None  # busy with a request
+    plan = sched.step(0.0)
+    sched.finish_iteration(plan.iteration, 0.2, finished={"a"})
+    # finishing scaled the KV down lazily? then the op must complete before the clock matters
+    for op in sched.ledger.running():
+        sched.memop_done(op, 0.2)
+    assert sched.next_reclaim_at() == 1.2
+    assert sched.reclaim_idle(1.2) and sched.next_reclaim_at() is None
