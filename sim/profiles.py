@@ -23,13 +23,11 @@ GPU (no per-model numbers in the paper): roofline with efficiency factors,
 
 from __future__ import annotations
 
-import bisect
 import json
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile, interp1
+from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
 from shared.core.types import Hardware, ModelSpec, NodeView
 from shared.wire import from_plain, to_plain
 
@@ -164,44 +162,8 @@ def load_s(shape: ModelShape) -> float:
     return shape.weight_bytes / LOAD_BYTES_PER_S
 
 
-class FastProfile(Profile):
-    """A Profile whose predictions are the core's (`interp1` on the same tables) but computed on
-    precomputed float axes and only the two bracketing decode rows. Bilinear interpolation only
-    ever reads those two rows, so the numbers are identical; shadow validation calls this
-    hundreds of thousands of times per simulated hour."""
-
-    @classmethod
-    def of(cls, p: Profile, model: str | None = None) -> FastProfile:
-        return cls(model or p.model, p.hardware, p.prefill, p.decode, p.load_s,
-                   p.kv_scale_fixed_s, p.kv_scale_bytes_per_s, p.source)
-
-    @cached_property
-    def _axes(self) -> tuple[list[float], list[float], list[float], list[float], list[list[float]]]:
-        return ([float(v) for v in self.prefill.lengths], list(self.prefill.seconds),
-                [float(v) for v in self.decode.batch_sizes], [float(v) for v in self.decode.lengths],
-                [list(row) for row in self.decode.seconds])
-
-    def prefill_s(self, input_len: int) -> float:
-        xs, ys, _, _, _ = self._axes
-        return interp1(xs, ys, float(input_len))
-
-    def decode_s(self, batch_size: int, avg_len: float) -> float:
-        if batch_size <= 0:
-            return 0.0
-        _, _, bs, ls, rows = self._axes
-        if len(bs) == 1:
-            return interp1(ls, rows[0], avg_len)
-        i = max(0, min(bisect.bisect_right(bs, batch_size) - 1, len(bs) - 2))
-        pair = [interp1(ls, rows[i], avg_len), interp1(ls, rows[i + 1], avg_len)]
-        x = float(batch_size)
-        y = interp1(bs[i:i + 2], pair, x)
-        if x > bs[-1]:  # interp1 over all rows clamps up to the last row's value
-            y = max(y, pair[1])
-        return y
-
-
 def _profile(shape: ModelShape, hw: Hardware, prefill, decode, source: str) -> Profile:
-    return FastProfile(
+    return Profile(
         model=shape.name,
         hardware=hw,
         prefill=PrefillTable(PREFILL_LENGTHS, [prefill(shape, n) for n in PREFILL_LENGTHS]),
@@ -265,7 +227,7 @@ class ProfileBook:
             for hw in (Hardware.CPU, Hardware.GPU):
                 p = self.by_base.get((base, hw))
                 if p is not None:
-                    perf.add(FastProfile.of(p, model))
+                    perf.add(replace(p, model=model))
         return perf
 
     def override(self, measured: list[Profile]) -> None:
