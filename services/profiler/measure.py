@@ -135,21 +135,44 @@ def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, v
         grid.append(monotone(row))
     columns = [monotone([row[j] for row in grid]) for j in range(len(plan.lengths))]
     grid = [[columns[j][i] for j in range(len(plan.lengths))] for i in range(len(plan.batches))]
-    scale_fixed, scale_rate = measure_kv_scaling(engine)
+    scale_fixed, scale_rate = measure_kv_scaling(engine, _Ids(vocab, seed + 7),
+                                                 max_len=plan.max_len)
     return Profile(model, hardware, PrefillTable(plan.lengths, monotone(prefill)),
                    DecodeTable(plan.batches, plan.lengths, grid), load_s=load_s,
                    kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate,
                    source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats})")
 
 
-def measure_kv_scaling(engine: Engine) -> tuple[float, float]:
-    """Fit seconds = fixed + new_bytes / rate from resizes to 1x and 4x the current pool."""
-    base = max(engine.memory().kv_capacity_bytes, 1 << 20)
-    small = _time(lambda: engine.resize_kv(base))
-    big = _time(lambda: engine.resize_kv(4 * base))
+def measure_kv_scaling(engine: Engine, ids: _Ids, rounds: int = 3,
+                       max_len: int = 256) -> tuple[float, float]:
+    """Fit seconds = fixed + new_bytes / rate from resizes of the pool to 2x and 4x its size,
+    with requests in flight holding about a quarter of it (so an engine that resizes by
+    rebuilding, openvino and vllm, pays its recompute here as it would in service; the torch
+    engine copies their blocks). Each time is the median of `rounds`; the pool returns to its
+    size after each round."""
+    report = engine.memory()
+    base = max(report.kv_capacity_bytes, 1 << 20)
+    per_token = max(report.kv_bytes_per_token, 1)
+    length = max(1, min(max_len, base // per_token // 16))
+    rids = [ids.new() for _ in range(4)]
+    times: dict[int, list[float]] = {2: [], 4: []}
+    try:
+        for rid in rids:
+            engine.add_request(rid, ids.prompt(length), GREEDY_ONE)
+            engine.prefill(rid)
+        for _ in range(rounds):
+            for factor in (2, 4):
+                times[factor].append(_time(lambda f=factor: engine.resize_kv(f * base)))
+            engine.resize_kv(base)
+    finally:
+        for rid in rids:
+            engine.release(rid)
     engine.resize_kv(base)
-    rate = (3 * base) / max(big - small, 1e-6)
-    return max(0.0, small - base / rate), rate
+    t2, t4 = statistics.median(times[2]), statistics.median(times[4])
+    if t4 <= t2:  # the size does not show through the noise: all of it is fixed cost
+        return t4, 1e12
+    rate = 2 * base / (t4 - t2)
+    return max(0.0, t2 - 2 * base / rate), rate
 
 
 @dataclass(frozen=True)

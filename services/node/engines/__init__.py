@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .base import Engine, KVCacheFull, MemoryReport, SamplingParams, StepResult
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "openvino", "vllm")
 
 __all__ = ["ENGINES", "Engine", "KVCacheFull", "MemoryReport", "SamplingParams", "StepResult",
            "create_engine"]
@@ -24,4 +24,14 @@ def create_engine(name: str, model_dir: str | Path, device: str = "cpu",
 
         return TorchEngine(model_dir, device=device, kv_capacity_bytes=kv_capacity_bytes,
                            dtype=dtype)
+    if name == "openvino":  # OpenVINO GenAI in this environment; IR conversion in .venv-openvino
+        from .openvino_engine import OpenVINOEngine
+
+        return OpenVINOEngine(model_dir, device=device, kv_capacity_bytes=kv_capacity_bytes,
+                              dtype=dtype)
+    if name == "vllm":  # a child process in .venv-vllm
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir, device=device, kv_capacity_bytes=kv_capacity_bytes,
+                          dtype=dtype)
     raise ValueError(f"unknown engine {name!r}; available engines: {', '.join(ENGINES)}")
