@@ -1,10 +1,10 @@
-"""The common shape of a NATS + Redis service process: read settings once, connect, run until
-SIGINT/SIGTERM, close. Used by `slinfer placer` and `slinfer node`."""
+"""The common shape of a NATS + Redis service process: set up telemetry and read settings once,
+connect, run until SIGINT/SIGTERM, close (flushing buffered spans). Used by `slinfer placer` and
+`slinfer node`."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -13,13 +13,16 @@ from typing import TypeVar
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
+from shared import telemetry
 from shared.bus import connect
 
 S = TypeVar("S")
 
 
-async def _serve(settings, client_name: str,
-                 body: Callable[[S, NATS, Redis, asyncio.Event], Awaitable[None]]) -> None:
+Body = Callable[[S, NATS, Redis, asyncio.Event, telemetry.Telemetry], Awaitable[None]]
+
+
+async def _serve(settings, client_name: str, body: Body, tel: telemetry.Telemetry) -> None:
     nc = await connect(settings.nats_url, client_name)
     redis = Redis.from_url(settings.redis_url)
     stop = asyncio.Event()
@@ -27,7 +30,7 @@ async def _serve(settings, client_name: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await body(settings, nc, redis, stop)
+        await body(settings, nc, redis, stop, tel)
     finally:
         await nc.flush(timeout=2)
         await nc.close()  # not drain(): a pull subscription can hold drain() for its full timeout
@@ -35,12 +38,15 @@ async def _serve(settings, client_name: str,
 
 
 def run_service(name: str, load_settings: Callable[[], S], client_name: Callable[[S], str],
-                body: Callable[[S, NATS, Redis, asyncio.Event], Awaitable[None]]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+                body: Body) -> int:
     try:
+        tel = telemetry.setup(name)  # logs, traces, metrics from OTEL_* and SLINFER_LOG_FORMAT
         settings = load_settings()
     except ValueError as exc:
         print(f"slinfer {name}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(settings, client_name(settings), body))
+    try:
+        asyncio.run(_serve(settings, client_name(settings), body, tel))
+    finally:
+        tel.shutdown()
     return 0

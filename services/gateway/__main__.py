@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 
 import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
+from shared import telemetry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,19 +22,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # Logs (JSON by default, trace ids inside a request), traces and metrics, from OTEL_*.
+        tel = telemetry.setup("gateway", level=args.log_level.upper())
         settings = GatewaySettings.from_env()
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = dataclasses.replace(settings, **overrides)
     except ValueError as exc:
         print(f"slinfer gateway: configuration error: {exc}", file=sys.stderr)
         return 2
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's own loggers go through the handler telemetry installed.
+    config = uvicorn.Config(create_app(settings, tel), host=settings.host, port=settings.port,
+                            log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
+                            log_config=None)
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        tel.shutdown()  # flush the spans still buffered
     return 0 if server.started else 1
 
 

@@ -1,8 +1,10 @@
-"""`create_app(settings)`: the gateway's FastAPI application.
+"""`create_app(settings, telemetry)`: the gateway's FastAPI application.
 
 NATS (and JetStream's request stream) and Redis are opened in the lifespan and handed to the
 routes through dependencies (`deps.py`); the routes are split by role (`openai_routes.py`,
-`admin_routes.py`); every error leaves through `errors.py`.
+`admin_routes.py`); every error leaves through `errors.py`. `GET /metrics` is the Prometheus
+exposition of the process's metrics; with tracing on, FastAPI's instrumentation makes the HTTP
+server span (no per-chunk send/receive spans) under which each request's GenAI span sits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import nats
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.asyncio import Redis
 
 from services.gateway import admin_routes, openai_routes
@@ -25,12 +27,16 @@ from services.gateway.errors import install_error_handlers
 from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
+from shared import telemetry as tm
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None) -> FastAPI:
+    tel = telemetry or tm.local("gateway")
+    metrics = tm.GenAIMetrics(tel.meter("slinfer.gateway"))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not settings.auth_enabled:
@@ -44,7 +50,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             js = nc.jetstream()
             await ensure_request_stream(js)
             registry = ModelRegistry(redis)
-            service = GatewayService(settings, registry, InferenceBackend(nc, js), TokenizerCache())
+            service = GatewayService(settings, registry, InferenceBackend(nc, js), TokenizerCache(),
+                                     metrics)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
             log.info("gateway ready: NATS %s, Redis %s", settings.nats_url, settings.redis_url)
@@ -71,4 +78,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "degraded", "nats": nats_ok, "redis": redis_ok,
                              "auth": settings.auth_enabled}, status_code=200 if ok else 503)
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(tel.metrics_text(), media_type=tm.PROMETHEUS_CONTENT_TYPE)
+
+    if tel.tracing:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=tel.tracer_provider, meter_provider=tel.meter_provider,
+            excluded_urls="/health,/metrics", exclude_spans=["receive", "send"])
     return app

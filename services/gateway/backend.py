@@ -29,6 +29,7 @@ from shared.subjects import (
     REQUEST_SUBJECT,
     token_subject,
 )
+from shared.telemetry import inject_headers
 
 log = logging.getLogger("slinfer.gateway")
 
@@ -110,8 +111,9 @@ class InferenceBackend:
         return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s)
 
     def request_headers(self, request: InferenceRequest) -> dict[str, str]:
-        """NATS headers on the request stream: dedup by request id. (Trace context goes here too.)"""
-        return {"Nats-Msg-Id": request.request_id}
+        """NATS headers on the request stream: dedup by request id, and the current trace context
+        (W3C traceparent/tracestate; nothing when tracing is off)."""
+        return inject_headers({"Nats-Msg-Id": request.request_id})
 
     async def cancel(self, request_id: str, reason: str) -> None:
         try:
@@ -133,6 +135,8 @@ class TokenStream:
         self._pending: dict[int, int] = {}  # output index -> token id, beyond a gap
         self.prompt_tokens = 0  # as counted by the node (0 until it says)
         self.finished: Finished | None = None
+        self.node_headers: dict[str, str] | None = None  # trace context of the first token message
+        self.prefill_s: float | None = None  # the node's engine prefill time (first token message)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while self.finished is None:
@@ -148,6 +152,10 @@ class TokenStream:
             except wire.WireError:
                 log.warning("undecodable token message for %s dropped", self.request_id)
                 continue
+            if self.node_headers is None and msg.headers:
+                self.node_headers = msg.headers
+            if self.prefill_s is None and token_msg.prefill_s is not None:
+                self.prefill_s = token_msg.prefill_s
             for event in self._accept(token_msg):
                 yield event
 

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+from opentelemetry import trace
 
 from services.gateway import errors
 from services.gateway.backend import Finished, InferenceBackend, StreamTimeout, Tokens, TokenStream
+from services.gateway.observe import RequestObserver
 from services.gateway.tokenization import IncrementalDetokenizer
 from shared.schemas import FinishReason
 
@@ -45,6 +47,7 @@ class Generation:
         detokenizer: IncrementalDetokenizer,
         stop: tuple[str, ...],
         timeout_s: float,
+        observer: RequestObserver | None = None,
     ) -> None:
         self.request_id = stream.request_id
         self._backend = backend
@@ -59,6 +62,9 @@ class Generation:
         self.timings = RequestTimings()
         self._node_done = False  # the node finished the request itself: nothing to cancel
         self._closed = False
+        self._observer = observer  # span and metrics of this request
+        self.failure: str | None = None  # why it ended without output: dropped, timeout, ...
+        self.failure_detail: str | None = None
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas, in order; one per token message (possibly empty while a character or a
@@ -68,6 +74,8 @@ class Generation:
                 if isinstance(event, Tokens):
                     if self.timings.first_token is None:
                         self.timings.first_token = time.monotonic()
+                        if self._observer is not None:
+                            self._observer.first_token(self.timings.first_token)
                     self.completion_tokens += len(event.token_ids)
                     self._text += self._detok.push(event.token_ids)
                     delta, stopped = self._take()
@@ -87,12 +95,14 @@ class Generation:
                         yield delta
                     return
         except StreamTimeout:
+            self.failure = "timeout"
             await self._cancel("timeout")
             raise errors.request_timeout(self._timeout_s) from None
 
     def _check(self, event: Finished) -> None:
         if event.reason in OPENAI_FINISH:
             return
+        self.failure, self.failure_detail = event.reason.value, event.error
         if event.reason is FinishReason.DROPPED:
             raise errors.request_dropped(event.error)
         if event.reason is FinishReason.CANCELLED:
@@ -149,9 +159,22 @@ class Generation:
         self._closed = True
         with anyio.CancelScope(shield=True):
             if self.finish_reason is None:
+                if self.failure is None:
+                    self.failure, self.failure_detail = "cancelled", reason
                 await self._cancel(reason)
             await self._stream.close()
-        if self.finish_reason is not None:
+        if self._observer is None:
+            self._log_finished()
+            return
+        with trace.use_span(self._observer.span, end_on_exit=False):  # ids on the log line
+            self._log_finished()
+        self._observer.finished(self, self._stream.node_headers, self._stream.prefill_s)
+
+    def _log_finished(self) -> None:
+        if self.finish_reason is None:
+            log.info("request %s ended without output: %s (%s)", self.request_id, self.failure,
+                     self.failure_detail)
+        else:
             t = self.timings
             log.info("request %s finished: %s, %d tokens, ttft %.3fs, total %.3fs", self.request_id,
                      self.finish_reason, self.completion_tokens,

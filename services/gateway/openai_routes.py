@@ -50,7 +50,7 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
     params = sampling_params(body, body.max_tokens)
     prepared = await service.prepare(body.model, tenant, params, completion_input(body))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant)
+    gen = await service.start(prepared, request_id, tenant, "text_completion")
     fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage)
     return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)
 
@@ -61,6 +61,6 @@ async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, servi
     params = sampling_params(body, *chat_max_tokens(body))
     prepared = await service.prepare(body.model, tenant, params, chat_input(body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant)
+    gen = await service.start(prepared, request_id, tenant, "chat")
     fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage)
     return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)

@@ -7,11 +7,13 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway import errors
 from services.gateway.backend import BackendUnavailable, InferenceBackend
 from services.gateway.generation import Generation
+from services.gateway.observe import RequestObserver
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import (
     IncrementalDetokenizer,
@@ -26,6 +28,7 @@ from services.gateway.validation import ChatInput, CompletionInput, SamplingPara
 from shared.core.types import slo_for_class
 from shared.registry import ModelRegistry
 from shared.schemas import InferenceRequest, ModelRecord
+from shared.telemetry import GenAIMetrics
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,12 @@ class Prepared:
 
 class GatewayService:
     def __init__(self, settings: GatewaySettings, registry: ModelRegistry, backend: InferenceBackend,
-                 tokenizers: TokenizerCache) -> None:
+                 tokenizers: TokenizerCache, metrics: GenAIMetrics) -> None:
         self.settings = settings
         self.registry = registry
         self.backend = backend
         self.tokenizers = tokenizers
+        self.metrics = metrics
 
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
         record = await self.registry.get_visible(name, tenant)
@@ -122,12 +126,18 @@ class GatewayService:
             eos_token_ids=eos,
         )
 
-    async def start(self, prepared: Prepared, request_id: str, tenant: str) -> Generation:
+    async def start(self, prepared: Prepared, request_id: str, tenant: str,
+                    operation: str = "text_completion") -> Generation:
+        """Submit the request. `operation` is its GenAI operation name (chat, text_completion)."""
         request = self.build_request(prepared, request_id, tenant)
         timeout = self.settings.request_timeout_s
+        observer = RequestObserver(self.metrics, request, operation)
         try:
-            stream = await self.backend.submit(request, timeout)
+            # The request span is current while publishing: its context rides the NATS headers.
+            with trace.use_span(observer.span, end_on_exit=False):
+                stream = await self.backend.submit(request, timeout)
         except BackendUnavailable as exc:
+            observer.failed_to_submit(exc)
             raise errors.backend_unavailable(str(exc)) from exc
         detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
-        return Generation(self.backend, stream, detok, prepared.params.stop, timeout)
+        return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer)

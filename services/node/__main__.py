@@ -9,8 +9,8 @@ from services.node.worker import NodeWorker
 from shared.service import run_service
 
 
-async def serve(settings: NodeSettings, nc, redis, stop) -> None:
-    worker = NodeWorker(settings, nc, redis)
+async def serve(settings: NodeSettings, nc, redis, stop, telemetry) -> None:
+    worker = NodeWorker(settings, nc, redis, telemetry)
     await worker.start()
     await stop.wait()
     await worker.stop()

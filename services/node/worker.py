@@ -20,7 +20,9 @@ from redis.asyncio import Redis
 
 from services.node.engines import KVCacheFull, SamplingParams, create_engine
 from services.node.engines.base import Engine
+from services.node.observe import NodeObserver
 from services.node.settings import NodeSettings
+from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
@@ -58,7 +60,8 @@ def warm_imports() -> None:
 
 
 class NodeWorker:
-    def __init__(self, settings: NodeSettings, nc: NATS, redis: Redis) -> None:
+    def __init__(self, settings: NodeSettings, nc: NATS, redis: Redis,
+                 telemetry: tm.Telemetry | None = None) -> None:
         self.s = settings
         self.nc, self.js, self.redis = nc, nc.jetstream(), redis
         self.sched: NodeScheduler = new_node(settings.node_id, Hardware(settings.hardware),
@@ -72,6 +75,8 @@ class NodeWorker:
         self.iterations = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        # Spans of requests, commands and memory ops; gauges for /metrics and OTLP.
+        self.obs = NodeObserver(telemetry or tm.local("node"), settings.node_id, settings.hardware)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +90,7 @@ class NodeWorker:
         await self.js.subscribe(memop_subject(self.s.node_id), cb=self._on_memop_done,
                                 deliver_policy=DeliverPolicy.NEW)
         await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+        await self.obs.start(self, self.s.metrics_port)
         self._tasks = [asyncio.create_task(self._token_loop(), name="token-loop"),
                        asyncio.create_task(self._heartbeat(), name="heartbeat")]
         log.info("node %s (%s, %s) ready: %.1f GiB, matrix accel %s", self.s.node_id,
@@ -98,6 +104,7 @@ class NodeWorker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
+        await self.obs.close()
         await remove_node(self.redis, self.s.node_id)
 
     async def _heartbeat(self) -> None:
@@ -107,6 +114,7 @@ class NodeWorker:
             if time.monotonic() - last_perf > PERF_REFRESH_S:
                 self.sched.perf, last_perf = await load_perf(self.redis), time.monotonic()
             await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+            self.obs.sample(self)
             await asyncio.sleep(self.s.heartbeat_s)
 
     def _view(self):
@@ -116,18 +124,22 @@ class NodeWorker:
 
     # --- commands (placer -> node) -----------------------------------------------------------
     async def _on_command(self, msg: Msg) -> None:
-        try:
-            cmd = wire.decode(NodeCommand, msg.data)
-            if cmd.kind is CommandKind.ADMIT:
-                reply = await self._admit(cmd)
-            else:
-                reply = await self._preempt(cmd.preempt_instance_ids)
-        except wire.WireError as exc:
-            reply = NodeReply(False, f"bad_command: {exc}")
-        except Exception as exc:  # one bad command must not take the node down
-            log.exception("command failed")
-            reply = NodeReply(False, f"error: {exc}")
-        await msg.respond(wire.encode(replace(reply, node=self._view())))
+        with self.obs.command(msg.headers) as span:  # child of the placer's decision
+            kind = "unknown"
+            try:
+                cmd = wire.decode(NodeCommand, msg.data)
+                kind = cmd.kind.value
+                if cmd.kind is CommandKind.ADMIT:
+                    reply = await self._admit(cmd)
+                else:
+                    reply = await self._preempt(cmd.preempt_instance_ids)
+            except wire.WireError as exc:
+                reply = NodeReply(False, f"bad_command: {exc}")
+            except Exception as exc:  # one bad command must not take the node down
+                log.exception("command failed")
+                reply = NodeReply(False, f"error: {exc}")
+            self.obs.command_result(span, kind, reply.accepted, reply.reason, reply.instance_id)
+            await msg.respond(wire.encode(replace(reply, node=self._view())))
 
     async def _admit(self, cmd: NodeCommand) -> NodeReply:
         req = cmd.request
@@ -146,6 +158,7 @@ class NodeWorker:
         iid = result.instance_id
         self.records[iid] = record
         self.live[req.request_id] = Live(req, iid, output=list(req.resumed_token_ids))
+        self.obs.admitted(req, iid, cold=cmd.instance_id is None)
         if iid in self.engines:
             self._engine_add(self.live[req.request_id])
         self._start_ops(result.start_ops)
@@ -166,7 +179,10 @@ class NodeWorker:
         engine = self.engines.get(live.instance_id)
         if engine is not None:
             engine.release(request_id)
-        return replace(live.request, resumed_token_ids=list(live.output))
+        # Its trace goes with it (in the body: a preemption hands it back inside the reply).
+        trace_context = self.obs.headers(request_id) or live.request.trace_context
+        self.obs.ended(request_id, "handed_back", len(live.output) - len(live.request.resumed_token_ids))
+        return replace(live.request, resumed_token_ids=list(live.output), trace_context=trace_context)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -196,6 +212,7 @@ class NodeWorker:
         done = MemOpCompletion(self.s.node_id, op.op_id, op.instance_id, op.kind, op.bytes_before,
                                op.bytes_after, started, time.time(), parked_s=started - op.issued_at,
                                ok=error is None, error=error)
+        self.obs.memop_done(op, done)
         await self.js.publish(memop_subject(self.s.node_id), wire.encode(done))
 
     def _run_op(self, op: MemOp) -> None:
@@ -266,6 +283,9 @@ class NodeWorker:
 
     async def _run_iteration(self, choice: IterationChoice) -> None:
         engine = self.engines[choice.instance_id]
+        if self.obs.tracing:
+            first = self.live.get(choice.request_ids[0])
+            self.obs.iteration_started(choice, len(first.all_tokens) if first else 0)
         try:
             started = time.perf_counter()
             if choice.kind is IterationKind.PREFILL:
@@ -274,6 +294,8 @@ class NodeWorker:
                 result = await asyncio.to_thread(engine.decode, list(choice.request_ids))
             elapsed = time.perf_counter() - started
         except KVCacheFull:
+            for rid in choice.request_ids:
+                self.obs.event(rid, "kv_cache_full", **{"slinfer.instance_id": choice.instance_id})
             eviction = self.sched.evict_for_memory(choice.instance_id, time.time())
             if eviction is not None:
                 await self._reschedule(eviction)
@@ -287,6 +309,8 @@ class NodeWorker:
             return
         self.iterations += 1
         prefill_s = elapsed if choice.kind is IterationKind.PREFILL else None
+        if prefill_s is not None:
+            self.obs.prefill_done(choice.request_ids[0], prefill_s)
         finished: set[str] = set()
         for rid, token in result.tokens.items():
             live = self.live.get(rid)
@@ -327,6 +351,8 @@ class NodeWorker:
             finish_reason=reason, output_token_ids=list(live.output),
             prompt_tokens=len(live.request.prompt_token_ids), error=error, node_id=self.s.node_id,
             prefill_s=prefill_s))
+        self.obs.ended(live.request.request_id, reason.value,
+                       len(live.output) - len(live.request.resumed_token_ids), error)
 
     async def _drop_cancelled(self) -> None:
         for live in [lv for lv in self.live.values() if lv.cancelled]:
@@ -334,13 +360,17 @@ class NodeWorker:
 
     async def _reschedule(self, eviction: Eviction) -> None:
         """An evicted request goes back to the placers with its tokens (token-based migration)."""
-        resumed = self._take_back(eviction.request.request_id)
+        rid = eviction.request.request_id
+        with self.obs.use(rid):
+            log.info("evicting %s from %s for rescheduling", rid, eviction.instance_id)
+        resumed = self._take_back(rid)
         if resumed is None:
             return
         msg_id = f"{resumed.request_id}:resume:{len(resumed.resumed_token_ids)}"
-        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed), headers={"Nats-Msg-Id": msg_id})
-        log.info("evicted %s from %s for rescheduling", resumed.request_id, eviction.instance_id)
+        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
+                              headers={**resumed.trace_context, "Nats-Msg-Id": msg_id})
 
     async def _publish(self, message: TokenMessage) -> None:
-        await self.nc.publish(token_subject(message.request_id), wire.encode(message))
+        await self.nc.publish(token_subject(message.request_id), wire.encode(message),
+                              headers=self.obs.headers(message.request_id))
 

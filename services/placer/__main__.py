@@ -10,8 +10,8 @@ from services.placer.settings import PlacerSettings
 from shared.service import run_service
 
 
-async def serve(settings: PlacerSettings, nc, redis, stop) -> None:
-    placer = Placer(settings, nc, redis)
+async def serve(settings: PlacerSettings, nc, redis, stop, telemetry) -> None:
+    placer = Placer(settings, nc, redis, telemetry)
     await placer.start()
     logging.getLogger("slinfer.placer").info("placer ready")
     await placer.run(stop)

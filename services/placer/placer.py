@@ -3,6 +3,12 @@ and carries the plan out with the nodes (which re-check and may refuse on freshe
 
 Several placers may share the durable consumer; a request is acked only once a node accepted it
 (or it was dropped), so a placer that dies mid-decision loses nothing: JetStream redelivers.
+
+Each decision is a span (`place <model>`, child of the gateway's request span through the
+request message's headers) that says what was decided and why: every candidate tried with the
+core's admission answer, preemptions and migrations, the chosen node and instance, the node's
+answer and the time queued. Only the first of a run of QUEUE decisions gets a span (a queued
+request is re-planned every few tens of ms); the final span counts them.
 """
 
 from __future__ import annotations
@@ -10,15 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
 from redis.asyncio import Redis
 
 from services.placer.settings import PlacerSettings
+from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
@@ -32,6 +42,7 @@ from shared.subjects import (CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT, no
                              token_subject)
 
 log = logging.getLogger("slinfer.placer")
+_tracer = trace.get_tracer("slinfer.placer")
 ACK_WAIT_S = 30.0
 PERF_REFRESH_S = 2.0
 MAX_REFUSALS = 8  # a request refused this often is failed with the nodes' reason, not retried forever
@@ -46,10 +57,13 @@ class Pending:
     next_try: float = 0.0  # back off after a refusal: the next view may be fresher
     last_refusal: str = ""
     last_progress: float = 0.0  # last in_progress() sent to JetStream
+    trace_parent: Context = field(default_factory=Context)  # from the message's headers
+    queue_decisions: int = 0  # QUEUE plans so far
 
 
 class Placer:
-    def __init__(self, settings: PlacerSettings, nc: NATS, redis: Redis) -> None:
+    def __init__(self, settings: PlacerSettings, nc: NATS, redis: Redis,
+                 telemetry: tm.Telemetry | None = None) -> None:
         self.s = settings
         self.nc, self.js, self.redis = nc, nc.jetstream(), redis
         self.registry = ModelRegistry(redis)
@@ -57,6 +71,9 @@ class Placer:
         self.perf = PerfModel()
         self._perf_at = 0.0
         self.decisions: dict[str, int] = {}  # action -> count (for tests and metrics)
+        tel = telemetry or tm.local("placer")
+        self._decision_counter = tel.meter("slinfer.placer").create_counter(
+            tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
 
     async def start(self) -> None:
         await ensure_streams(self.js)
@@ -84,7 +101,10 @@ class Placer:
                 log.warning("dropping undecodable request message: %s", exc)
                 await msg.term()
                 continue
-            self.queue.setdefault(req.request_id, Pending(msg, req, time.time()))
+            if req.request_id not in self.queue:
+                self.queue[req.request_id] = Pending(msg, req, time.time(),
+                                                     trace_parent=tm.extract_context(
+                                                         msg.headers, req.trace_context))
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -114,19 +134,38 @@ class Placer:
                          records: dict[str, ModelRecord]) -> list[NodeView]:
         record = records.get(p.request.model)
         if record is None:
-            await self._fail(p, FinishReason.ERROR, f"model {p.request.model!r} is not registered")
+            with self._span(p, None):
+                await self._fail(p, FinishReason.ERROR, f"model {p.request.model!r} is not registered")
             return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
         plan = place(request_view(p.request), specs[record.name], nodes, self.perf, time.time(),
                      self.s.core, models=specs)
         self.decisions[plan.action.value] = self.decisions.get(plan.action.value, 0) + 1
-        if plan.action is PlaceAction.DROP:
-            await self._fail(p, FinishReason.DROPPED, _drop_message(plan))
-        elif plan.action is PlaceAction.QUEUE:
+        self._decision_counter.add(1, {"slinfer.placement.action": plan.action.value})
+        if plan.action is PlaceAction.QUEUE:
+            p.queue_decisions += 1
+            if p.queue_decisions == 1:  # later ones only counted: re-planned every few tens of ms
+                with self._span(p, plan):
+                    pass
             await self._keep_waiting(p)
-        else:
-            nodes = await self._carry_out(p, plan, record, nodes)
+            return nodes
+        with self._span(p, plan):
+            if plan.action is PlaceAction.DROP:
+                await self._fail(p, FinishReason.DROPPED, _drop_message(plan))
+            else:
+                nodes = await self._carry_out(p, plan, record, nodes)
         return nodes
+
+    def _span(self, p: Pending, plan: PlacementPlan | None):
+        """The decision's span, current while it is carried out (node commands carry it)."""
+        span = _tracer.start_span(f"place {p.request.model}", context=p.trace_parent,
+                                  attributes=_decision_attributes(p, plan, time.time()))
+        if span.is_recording() and plan is not None:
+            for a in plan.attempts:
+                span.add_event("admission", {"slinfer.node_id": a.node_id,
+                                             "slinfer.instance_id": a.instance_id or "(new)",
+                                             "slinfer.admit_reason": a.reason.value})
+        return trace.use_span(span, end_on_exit=True)
 
     async def _carry_out(self, p: Pending, plan: PlacementPlan, record: ModelRecord,
                          nodes: list[NodeView]) -> list[NodeView]:
@@ -139,6 +178,12 @@ class Placer:
         reply = await self._command(plan.node_id, NodeCommand(
             CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
             model=record if new else None))
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("slinfer.node.accepted", bool(reply and reply.accepted))
+            span.set_attribute("slinfer.node.reason", reply.reason if reply else "no reply")
+            if reply is not None and reply.instance_id:
+                span.set_attribute("slinfer.placement.instance_id", reply.instance_id)
         if reply is not None and reply.accepted:
             self.queue.pop(p.request.request_id, None)
             await p.msg.ack()
@@ -162,7 +207,7 @@ class Placer:
     async def _command(self, node_id: str, cmd: NodeCommand) -> NodeReply | None:
         try:
             msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd),
-                                        timeout=self.s.admit_timeout_s)
+                                        timeout=self.s.admit_timeout_s, headers=tm.inject_headers())
             return wire.decode(NodeReply, msg.data)
         except (NatsTimeout, asyncio.TimeoutError, wire.WireError) as exc:
             log.warning("node %s did not answer: %s", node_id, exc)
@@ -174,7 +219,9 @@ class Placer:
     async def _requeue(self, req: InferenceRequest) -> None:
         """A preempted request goes back through the stream with its tokens (it resumes)."""
         msg_id = f"{req.request_id}:resume:{len(req.resumed_token_ids)}"
-        await self.js.publish(REQUEST_SUBJECT, wire.encode(req), headers={"Nats-Msg-Id": msg_id})
+        # Its own trace (the node put it in the request), not the decision that preempted it.
+        await self.js.publish(REQUEST_SUBJECT, wire.encode(req),
+                              headers={**req.trace_context, "Nats-Msg-Id": msg_id})
 
     async def _keep_waiting(self, p: Pending) -> None:
         now = time.time()
@@ -184,12 +231,44 @@ class Placer:
 
     async def _fail(self, p: Pending, reason: FinishReason, error: str) -> None:
         self.queue.pop(p.request.request_id, None)
+        span = trace.get_current_span()
+        span.set_status(Status(StatusCode.ERROR, error))
+        span.set_attribute("slinfer.finish_reason", reason.value)
         await self.nc.publish(token_subject(p.request.request_id), wire.encode(TokenMessage(
             p.request.request_id, len(p.request.resumed_token_ids), [], finished=True,
             finish_reason=reason, output_token_ids=list(p.request.resumed_token_ids),
             prompt_tokens=len(p.request.prompt_token_ids), error=error)))
         await p.msg.ack()
         log.info("%s %s: %s", reason.value, p.request.request_id, error)
+
+
+def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float) -> dict:
+    req = p.request
+    attrs = {tm.MODEL: req.model, "slinfer.request_id": req.request_id,
+             "slinfer.placement.queued_s": now - p.received,  # in this placer's queue
+             "slinfer.placement.waited_s": now - req.arrival,  # since the gateway took it
+             "slinfer.placement.queue_decisions": p.queue_decisions,
+             "slinfer.placement.refusals": p.tries,
+             "slinfer.resumed_tokens": len(req.resumed_token_ids)}
+    if p.last_refusal:
+        attrs["slinfer.placement.last_refusal"] = p.last_refusal
+    if plan is None:
+        return attrs
+    attrs["slinfer.placement.action"] = plan.action.value
+    attrs["slinfer.placement.attempts"] = [
+        f"{a.node_id}/{a.instance_id or '(new)'}: {a.reason.value}" for a in plan.attempts]
+    if plan.node_id is not None:
+        attrs["slinfer.placement.node_id"] = plan.node_id
+        attrs["slinfer.placement.instance_id"] = plan.instance_id or "(new)"
+    if plan.admission is not None:
+        attrs["slinfer.placement.admit_reason"] = plan.admission.reason.value
+        if plan.admission.kv_target_bytes is not None:
+            attrs["slinfer.placement.kv_target_bytes"] = plan.admission.kv_target_bytes
+    if plan.preempt:
+        attrs["slinfer.placement.preempt"] = list(plan.preempt)
+        attrs["slinfer.placement.migrations"] = [
+            f"{m.request_id}: {m.from_instance} -> {m.to_node}/{m.to_instance}" for m in plan.migrations]
+    return attrs
 
 
 def _drop_message(plan: PlacementPlan) -> str:

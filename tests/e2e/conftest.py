@@ -5,7 +5,9 @@ the way `slinfer up` starts them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,25 +68,36 @@ def demo_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, demo_model_dir) -> Iterator[Stack]:
-    data = tmp_path_factory.mktemp("stack")
+    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir) as s:
+        yield s
+
+
+@contextmanager
+def running_stack(data: Path, demo_model_dir: Path, extra_env: Mapping[str, str] | None = None,
+                  child_env: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[Stack]:
+    """The stack as real processes; `extra_env` goes to every service, `child_env[name]` to one
+    (placer, node-0, gateway)."""
     nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
     children: list[Child] = []
+    per_child = child_env or {}
     try:
         name = "tiny-llama"
         plan = ProfilePlan(max_len=512, max_batch=8, repeats=2, warmup=1)
         profile, _ = profile_model(demo_model_dir, name, plan=plan)
         _store_profile(redis.url, profile)
         port = free_port()
-        env = {**__import__("os").environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
+        env = {**os.environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
                "SLINFER_GATEWAY_PORT": str(port), "SLINFER_GATEWAY_HOST": "127.0.0.1",
-               "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": ""}
+               "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": "", **(extra_env or {})}
         logs = data / "logs"
-        children.append(spawn("placer", "services.placer", env, logs))
+        children.append(spawn("placer", "services.placer", {**env, **per_child.get("placer", {})}, logs))
         children.append(spawn("node-0", "services.node", {
             **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
             # This development CPU has no AMX; the placer's CPU rule needs the explicit override.
-            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3)}, logs))
-        children.append(spawn("gateway", "services.gateway", env, logs))
+            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3),
+            **per_child.get("node-0", {})}, logs))
+        children.append(spawn("gateway", "services.gateway", {**env, **per_child.get("gateway", {})},
+                              logs))
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, children)
         r = httpx.post(f"{url}/admin/models", json={"name": name, "path": str(demo_model_dir),

@@ -1,0 +1,196 @@
+"""What tracing costs: time to first token with every service exporting traces (and metrics)
+over OTLP/HTTP to a local receiver, against the same stack with OTEL unset (no-op providers).
+
+    .venv/bin/python bench/ops_overhead.py [--n 50] [--lengths 16 256]
+
+Two identical stacks run side by side (each its own nats-server, valkey, placer, node, gateway;
+one with OTEL_* pointing at a receiver in its own process, every request sampled) and requests
+alternate between them, off, on, off, on, ... so drift of the machine falls on both alike.
+Each request is a streamed completion with max_tokens=2, sequential, warm (the cold start is
+excluded). Per stack: median TTFT at the client, and median TTFT minus the engine's own prefill of
+that request (reported by the node on the first token message), i.e. the path's overhead. The
+added cost is the difference of medians and the median of per-pair differences.
+Writes bench/results/ops_overhead.json and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e_overhead import NAME, one_request, prompt_of  # noqa: E402
+from services.launcher import spawn, stop_child  # noqa: E402
+from services.profiler.measure import ProfilePlan  # noqa: E402
+from services.profiler.run import profile_model  # noqa: E402
+from shared import wire  # noqa: E402
+from shared.modelgen import ensure_demo_model  # noqa: E402
+from shared.schemas import TokenMessage  # noqa: E402
+from shared.servers import free_port, start_nats, start_redis  # noqa: E402
+
+
+def start_stack(data: Path, model_dir: Path, profile, extra_env: dict[str, str]) -> tuple[str, str, list]:
+    from redis.asyncio import Redis
+
+    from shared.cluster import save_profile
+
+    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
+
+    async def store() -> None:
+        r = Redis.from_url(redis.url)
+        await save_profile(r, profile)
+        await r.aclose()
+
+    asyncio.run(store())
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({"SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
+                "SLINFER_GATEWAY_PORT": str(port), "SLINFER_API_KEYS": "",
+                "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "600",
+                "PYTHONUNBUFFERED": "1", **extra_env})
+    children = [spawn("placer", "services.placer", env, data / "logs"),
+                spawn("node-0", "services.node", {**env, "SLINFER_NODE_ID": "node-0"}, data / "logs"),
+                spawn("gateway", "services.gateway", env, data / "logs")]
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    httpx.post(f"{url}/admin/models", json={"name": NAME, "path": str(model_dir), "public": True}).raise_for_status()
+    return url, nats.url, [*children, redis, nats]
+
+
+async def measure(stacks: dict[str, tuple[str, str]], prompts: dict[int, str], n: int) -> dict:
+    import nats
+
+    prefill: dict[str, float] = {}
+    conns = []
+    for _, nats_url in stacks.values():
+        nc = await nats.connect(nats_url)
+
+        async def on_token(msg) -> None:
+            m = wire.decode(TokenMessage, msg.data)
+            if m.prefill_s is not None:
+                prefill.setdefault(m.request_id, m.prefill_s)
+
+        await nc.subscribe("slinfer.tokens.>", cb=on_token)
+        conns.append(nc)
+    out: dict = {"cold_start_ttft_ms": {}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        for mode, (url, _) in stacks.items():
+            _, cold, _ = await one_request(client, url, prompts[min(prompts)])
+            out["cold_start_ttft_ms"][mode] = round(cold * 1e3, 1)
+            for _ in range(3):  # warm both stacks before timing
+                await one_request(client, url, prompts[max(prompts)])
+        for length, prompt in prompts.items():
+            rows: dict[str, list[tuple[float, float]]] = {mode: [] for mode in stacks}
+            tokens = 0
+            for i in range(n):
+                order = list(stacks) if i % 2 == 0 else list(reversed(stacks))
+                for mode in order:
+                    rid, ttft, tokens = await one_request(client, stacks[mode][0], prompt)
+                    await asyncio.sleep(0.02)  # let the token subscription catch up
+                    rows[mode].append((ttft, prefill[rid]))
+            out[length] = (rows, tokens)
+    for nc in conns:
+        await nc.close()
+    return out
+
+
+def ms(x: float) -> float:
+    return round(x * 1e3, 2)
+
+
+def summarize(rows: dict[str, list[tuple[float, float]]], tokens: int) -> dict:
+    off, on = rows["off"], rows["on"]
+    ttft_off, ttft_on = [t for t, _ in off], [t for t, _ in on]
+    path_off, path_on = [t - p for t, p in off], [t - p for t, p in on]
+    added = statistics.median(ttft_on) - statistics.median(ttft_off)
+    return {
+        "prompt_tokens": tokens,
+        "ttft_ms_p50_off": ms(statistics.median(ttft_off)),
+        "ttft_ms_p50_on": ms(statistics.median(ttft_on)),
+        "added_ms_p50": ms(added),
+        "added_pct_of_ttft": round(100 * added / statistics.median(ttft_off), 2),
+        "added_ms_paired_p50": ms(statistics.median(b - a for a, b in zip(ttft_off, ttft_on))),
+        "engine_prefill_ms_p50": ms(statistics.median([p for _, p in off + on])),
+        "path_overhead_ms_p50_off": ms(statistics.median(path_off)),
+        "path_overhead_ms_p50_on": ms(statistics.median(path_on)),
+        "ttft_ms_p90_off": ms(statistics.quantiles(ttft_off, n=10)[-1]),
+        "ttft_ms_p90_on": ms(statistics.quantiles(ttft_on, n=10)[-1]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=50)
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 256])
+    p.add_argument("--control", action="store_true",
+                   help="A/A control: leave OTEL unset on both stacks (measures the noise floor)")
+    p.add_argument("--work-dir", help="keep servers' data and service logs here (default: a temp dir)")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(args.work_dir or tmp)
+        model_dir = Path(ensure_demo_model(data))
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompts = {n: prompt_of(tok, n) for n in args.lengths}
+        profile, _ = profile_model(model_dir, NAME, plan=ProfilePlan(max_len=1024, max_batch=8))
+        receiver = subprocess.Popen([sys.executable, "-m", "tests.ops.otlp_receiver"], cwd=ROOT,
+                                    stdout=subprocess.PIPE, text=True)
+        endpoint = receiver.stdout.readline().strip()
+        otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+        procs: list = []
+        try:
+            off_url, off_nats, off_procs = start_stack(data / "off", model_dir, profile, {})
+            procs += off_procs
+            on_url, on_nats, on_procs = start_stack(data / "on", model_dir, profile,
+                                                    {} if args.control else otel)
+            procs += on_procs
+            raw = asyncio.run(measure({"off": (off_url, off_nats), "on": (on_url, on_nats)},
+                                      prompts, args.n))
+        finally:
+            for proc in procs:
+                stop_child(proc, 10) if hasattr(proc, "log_path") else proc.stop()
+            receiver.terminate()
+            received = json.loads(receiver.communicate(timeout=30)[0].strip().splitlines()[-1])
+    result = {"command": "python bench/ops_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+              "date": time.strftime("%Y-%m-%d"),
+              "setup": "two stacks side by side, requests alternating; 'on' exports traces and metrics "
+                       "over OTLP/HTTP (parentbased_always_on, default batch settings) to a receiver "
+                       "process; 'off' has OTEL unset; both serve Prometheus /metrics",
+              "cold_start_ttft_ms": raw["cold_start_ttft_ms"],
+              "exported": {"spans": received["spans"], "services": received["services"],
+                           "otlp_posts": received["exports"]},
+              "rows": [summarize(*raw[n]) for n in args.lengths]}
+    if args.control:
+        result["setup"] = "A/A control: both stacks with OTEL unset (the 'on' columns are a second 'off')"
+    out = ROOT / "bench" / "results" / ("ops_overhead_control.json" if args.control else "ops_overhead.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""One request through the real stack (nats-server, valkey, placer, node, gateway processes)
+exporting over OTLP/HTTP to a receiver: one trace across the services with its parent links, the
+GenAI attributes and the placer's decision; the metrics on /metrics and over OTLP; JSON logs that
+carry the trace id."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.ops.otlp_receiver import ReceivedSpan
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SERVICES = {"slinfer-gateway", "slinfer-placer", "slinfer-node"}
+
+
+def _chat(traced) -> tuple[str, str, int]:
+    """(response id, finish reason, completion tokens) of one streamed chat completion."""
+    client = openai.OpenAI(base_url=f"{traced.stack.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    chunks = list(client.chat.completions.create(
+        model=traced.stack.model, messages=[{"role": "user", "content": "Trace me"}], max_tokens=12,
+        stream=True, stream_options={"include_usage": True}, temperature=0))
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage][-1]
+    return chunks[0].id, finish[-1], usage.completion_tokens
+
+
+def _trace_of(receiver, request_id: str, timeout_s: float = 30.0) -> list[ReceivedSpan]:
+    """The spans of the trace whose gateway request span is `request_id`, once the node's and the
+    gateway's request spans (the last to end) have arrived."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = receiver.snapshot()
+        ids = {s.trace_id for s in spans if s.attributes.get("gen_ai.response.id") == request_id}
+        if ids:
+            trace = [s for s in spans if s.trace_id in ids]
+            names = {s.name for s in trace}
+            if len(ids) == 1 and "node.request" in names and any(
+                    s.kind == 2 and s.service == "slinfer-gateway" for s in trace):  # 2: SERVER
+                time.sleep(0.5)  # stragglers of the same batch
+                return [s for s in receiver.snapshot() if s.trace_id in ids]
+        time.sleep(0.1)
+    raise AssertionError(f"no complete trace for {request_id}; got {len(receiver.snapshot())} spans: "
+                         f"{sorted({(s.service, s.name) for s in receiver.snapshot()})}")
+
+
+def _one(spans: list[ReceivedSpan], name: str, service: str) -> ReceivedSpan:
+    found = [s for s in spans if s.name == name and s.service == service]
+    assert len(found) == 1, f"{service} {name}: {len(found)} spans in {[(s.service, s.name) for s in spans]}"
+    return found[0]
+
+
+def _ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> list[str]:
+    names, cur = [], span
+    while cur.parent_id:
+        cur = by_id[cur.parent_id]
+        names.append(cur.name)
+    return names
+
+
+def test_one_request_is_one_trace_across_gateway_placer_and_node(traced_stack):
+    rid, finish, tokens = _chat(traced_stack)
+    spans = _trace_of(traced_stack.receiver, rid)
+    by_id = {s.span_id: s for s in spans}
+    assert len(by_id) == len(spans)
+    assert SERVICES <= {s.service for s in spans}
+
+    # Parent links intact: one root (the gateway's HTTP server span), every other parent present.
+    roots = [s for s in spans if not s.parent_id]
+    assert len(roots) == 1 and roots[0].service == "slinfer-gateway"
+    assert roots[0].name == "POST /v1/chat/completions"
+    missing = [(s.service, s.name) for s in spans if s.parent_id and s.parent_id not in by_id]
+    assert not missing, f"spans whose parent is not in the trace: {missing}"
+    assert not [s.name for s in spans if s.name.endswith(("http send", "http receive"))], \
+        "per-chunk ASGI send/receive spans must be excluded"
+
+    # The gateway's GenAI span.
+    chat = _one(spans, f"chat {traced_stack.stack.model}", "slinfer-gateway")
+    a = chat.attributes
+    assert a["gen_ai.operation.name"] == "chat"
+    assert a["gen_ai.request.model"] == traced_stack.stack.model
+    assert a["gen_ai.request.max_tokens"] == 12
+    assert a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.usage.output_tokens"] == tokens
+    assert a["gen_ai.response.finish_reasons"] == [finish]
+    assert chat.parent_id == roots[0].span_id
+
+    # The placer's decision, under the gateway's request span.
+    place = _one(spans, f"place {traced_stack.stack.model}", "slinfer-placer")
+    p = place.attributes
+    assert place.parent_id == chat.span_id
+    assert p["slinfer.placement.action"] in ("new_instance", "route")
+    assert p["slinfer.placement.node_id"] == "node-0"
+    assert p["slinfer.node.accepted"] is True and p["slinfer.node.reason"] == "admitted"
+    assert p["slinfer.placement.instance_id"].startswith(f"{traced_stack.stack.model}@node-0")
+    assert any(re.fullmatch(r"node-0/.+: admitted", t) for t in p["slinfer.placement.attempts"])
+    assert [e for e in place.events if e[0] == "admission" and e[1]["slinfer.admit_reason"] == "admitted"]
+    assert p["slinfer.placement.queued_s"] >= 0
+
+    # The node: its command span under the decision, the request's spans under it.
+    command = _one(spans, "node.command admit", "slinfer-node")
+    assert command.parent_id == place.span_id
+    assert command.attributes["slinfer.admit_reason"] == "admitted"
+    node_req = _one(spans, "node.request", "slinfer-node")
+    assert _ancestors(node_req, by_id)[:3] == ["node.command admit", place.name, chat.name]
+    assert node_req.attributes["gen_ai.usage.output_tokens"] == tokens
+    assert node_req.attributes["gen_ai.response.finish_reasons"] == [finish]
+    for name in ("node.queue", "node.prefill"):
+        assert _one(spans, name, "slinfer-node").parent_id == node_req.span_id
+    prefill = _one(spans, "node.prefill", "slinfer-node")
+    assert prefill.attributes["slinfer.prefill.engine_s"] > 0
+    if tokens > 1:  # the first token comes from the prefill; each later one from a decode step
+        decode = _one(spans, "node.decode", "slinfer-node")
+        assert decode.parent_id == node_req.span_id
+        assert decode.attributes["slinfer.decode.iterations"] == tokens - 1
+    assert len([s for s in spans if s.name == "node.decode"]) <= 1, "one decode span, not one per token"
+
+    # The cold start: the instance's load, with its bytes and time parked.
+    if place.attributes["slinfer.placement.action"] == "new_instance":
+        load = _one(spans, "node.memop load", "slinfer-node")
+        assert load.parent_id == command.span_id
+        assert load.attributes["slinfer.memop.bytes_after"] > 0
+        assert load.attributes["slinfer.memop.parked_s"] >= 0
+        assert load.attributes["slinfer.memop.duration_s"] > 0
+
+    # The token stream's headers: the gateway span links the node span that produced the tokens.
+    assert (node_req.trace_id, node_req.span_id) in chat.links
+
+
+def test_gateway_metrics_show_ttft_histogram_after_a_request(traced_stack):
+    _chat(traced_stack)
+    text = httpx.get(f"{traced_stack.stack.url}/metrics", timeout=10).text
+    model = traced_stack.stack.model
+    count = re.search(r'^gen_ai_server_time_to_first_token_seconds_count\{[^}]*'
+                      rf'gen_ai_request_model="{re.escape(model)}"[^}}]*\}} (\S+)$', text, re.M)
+    assert count and float(count.group(1)) >= 1, text[:3000]
+    assert re.search(r'^gen_ai_server_time_to_first_token_seconds_bucket\{.*le="\+Inf"\}', text, re.M)
+    assert "gen_ai_server_request_duration_seconds_count" in text
+    assert "gen_ai_server_time_per_output_token_seconds_count" in text
+    slo = sum(float(m) for m in re.findall(
+        r'^slinfer_requests_slo_(?:met|violated)_total\{[^}]*\} (\S+)$', text, re.M))
+    assert slo >= 1
+
+
+def test_node_metrics_endpoint_and_otlp_metrics(traced_stack):
+    _chat(traced_stack)
+    text = httpx.get(traced_stack.node_metrics_url, timeout=10).text
+    for name in ("slinfer_node_memory_budget_bytes", "slinfer_node_memory_pessimistic_bytes",
+                 "slinfer_node_kv_allocated_bytes", "slinfer_node_memops_parked",
+                 "slinfer_node_instances", "slinfer_node_iterations_per_second"):
+        assert re.search(rf'^{name}\{{[^}}]*slinfer_node_id="node-0"[^}}]*\}} \S+$', text, re.M), name
+    instances = re.search(r'^slinfer_node_instances\{[^}]*\} (\S+)$', text, re.M)
+    assert float(instances.group(1)) >= 1  # keep-alive holds the instance a moment
+    budget = float(re.search(r'^slinfer_node_memory_budget_bytes\{[^}]*\} (\S+)$', text, re.M).group(1))
+    assert budget > 0
+    receiver = traced_stack.receiver
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not {
+            "gen_ai.server.time_to_first_token", "slinfer.node.memory.budget"} <= receiver.metric_names:
+        time.sleep(0.2)
+    assert "gen_ai.server.time_to_first_token" in receiver.metric_names
+    assert "slinfer.node.memory.budget" in receiver.metric_names
+
+
+def test_json_logs_carry_the_trace_id_inside_a_request(traced_stack):
+    rid, _, _ = _chat(traced_stack)
+    trace_id = next(s.trace_id for s in _trace_of(traced_stack.receiver, rid)
+                    if s.attributes.get("gen_ai.response.id") == rid)
+    logs = traced_stack.stack.data_dir / "logs"
+    deadline = time.monotonic() + 10
+    while True:
+        lines = {name: [json.loads(line) for line in (logs / f"{name}.log").read_text().splitlines()
+                        if line.startswith("{")] for name in ("gateway", "placer")}
+        gateway = [r for r in lines["gateway"] if rid in r["message"] and "finished" in r["message"]]
+        placer = [r for r in lines["placer"] if rid in r["message"] and r["message"].startswith("placed")]
+        if (gateway and placer) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert gateway and placer
+    for record in (gateway[0], placer[0]):
+        assert record["trace_id"] == trace_id and re.fullmatch(r"[0-9a-f]{16}", record["span_id"])
+        assert record["level"] == "INFO" and record["service"].startswith("slinfer-")

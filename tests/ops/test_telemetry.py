@@ -1,0 +1,247 @@
+"""shared.telemetry on its own: configuration from OTEL_*, W3C trace context in NATS headers
+(unit and through a real nats-server's JetStream), the Prometheus exposition, JSON logs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import re
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from shared import telemetry as tm
+
+OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_EXPORTER": "otlp"}
+
+
+@pytest.fixture
+def tracer() -> trace.Tracer:
+    return TracerProvider().get_tracer("test")  # a real SDK tracer, not the global one
+
+
+# --- configuration ------------------------------------------------------------------------------
+def test_nothing_configured_creates_no_exporter_and_no_sdk_tracer(monkeypatch):
+    for var in [v for v in os.environ if v.startswith("OTEL_")]:
+        monkeypatch.delenv(var)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an exporter was created with OTEL unset")
+
+    import opentelemetry.exporter.otlp.proto.http.metric_exporter as metric_exporter
+    import opentelemetry.exporter.otlp.proto.http.trace_exporter as trace_exporter
+
+    monkeypatch.setattr(trace_exporter.OTLPSpanExporter, "__init__", refuse)
+    monkeypatch.setattr(metric_exporter.OTLPMetricExporter, "__init__", refuse)
+    tel = tm.setup("gateway", configure_logging=False)
+    assert tel.exporters == [] and not tel.tracing and tel.tracer_provider is None
+    assert tel.config.service_name == "slinfer-gateway"
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)  # the API's no-op/proxy
+    span = tel.tracer("t").start_span("x")
+    assert not span.is_recording()
+    assert tm.inject_headers({"Nats-Msg-Id": "r"}) == {"Nats-Msg-Id": "r"}  # no traceparent
+    assert b"process_cpu_seconds_total" in tel.metrics_text()  # /metrics still works
+    tel.shutdown()
+
+
+def test_an_endpoint_alone_turns_otlp_on_and_none_turns_it_off():
+    tel = tm.setup("node", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+                   install_global=False, configure_logging=False)
+    try:
+        assert tel.exporters == ["otlp metrics", "otlp traces"] and tel.tracing
+        span = tel.tracer("t").start_span("x")
+        assert span.is_recording() and span.resource.attributes["service.name"] == "slinfer-node"
+        span.end()
+    finally:
+        tel.shutdown()
+    off = tm.TelemetryConfig.from_env("node", {**OTLP, "OTEL_TRACES_EXPORTER": "none",
+                                               "OTEL_METRICS_EXPORTER": "prometheus"})
+    assert off.traces == () and off.metrics == ()
+    assert tm.TelemetryConfig.from_env("x", {**OTLP, "OTEL_SDK_DISABLED": "true"}).traces == ()
+    named = tm.TelemetryConfig.from_env("x", {**OTLP, "OTEL_SERVICE_NAME": "edge-gw"})
+    assert named.service_name == "edge-gw" and named.traces == ("otlp",)
+
+
+@pytest.mark.parametrize("env, var", [
+    ({**OTLP, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({**OTLP, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+    ({"SLINFER_LOG_FORMAT": "xml"}, "SLINFER_LOG_FORMAT"),
+])
+def test_bad_settings_name_the_variable(env, var):
+    with pytest.raises(ValueError, match=var):
+        tm.TelemetryConfig.from_env("gateway", env)
+
+
+# --- trace context in NATS headers -----------------------------------------------------------
+def test_inject_then_extract_gives_the_same_span_as_remote_parent(tracer):
+    span = tracer.start_span("parent")
+    headers = tm.inject_headers({"Nats-Msg-Id": "r1"}, trace.set_span_in_context(span))
+    sc = span.get_span_context()
+    assert headers["Nats-Msg-Id"] == "r1"
+    version, trace_id, span_id, flags = headers["traceparent"].split("-")
+    assert (version, trace_id, span_id) == ("00", f"{sc.trace_id:032x}", f"{sc.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled
+    remote = trace.get_current_span(tm.extract_context(headers)).get_span_context()
+    assert remote.is_valid and remote.is_remote
+    assert (remote.trace_id, remote.span_id) == (sc.trace_id, sc.span_id)
+    child = tracer.start_span("child", context=tm.extract_context(headers))
+    assert child.parent.span_id == sc.span_id and child.get_span_context().trace_id == sc.trace_id
+
+
+def test_span_context_headers_carry_the_span_and_tracestate(tracer):
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    sc = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1),
+                     trace_state=TraceState([("vendor", "v1")]))
+    headers = tm.span_context_headers(NonRecordingSpan(sc))
+    assert headers["traceparent"] == f"00-{0xABC:032x}-{0xDEF:016x}-01"
+    assert headers["tracestate"] == "vendor=v1"
+    back = trace.get_current_span(tm.extract_context(headers)).get_span_context()
+    assert back.trace_state.get("vendor") == "v1"
+    assert tm.span_context_headers(trace.INVALID_SPAN) == {}
+
+
+def test_extract_is_case_insensitive_and_falls_back_to_the_next_carrier(tracer):
+    span = tracer.start_span("p")
+    tp = tm.inject_headers(context=trace.set_span_in_context(span))["traceparent"]
+    assert trace.get_current_span(tm.extract_context({"TraceParent": tp})).get_span_context().is_valid
+    ctx = tm.extract_context({"Nats-Msg-Id": "x"}, {"traceparent": tp})  # headers lack it: the body's
+    assert trace.get_current_span(ctx).get_span_context().span_id == span.get_span_context().span_id
+    for bad in (None, {}, {"traceparent": "00-zz-yy-01"}, {"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}):
+        assert not trace.get_current_span(tm.extract_context(bad)).get_span_context().is_valid
+
+
+async def test_trace_context_crosses_a_real_jetstream_stream_and_request_reply(nats_url, tracer):
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name="OPS_TEST", subjects=["ops.test"])
+        span = tracer.start_span("publish")
+        await js.publish("ops.test", b"x", headers=tm.inject_headers(
+            {"Nats-Msg-Id": "m1"}, trace.set_span_in_context(span)))
+        sub = await js.pull_subscribe("ops.test", durable="ops")
+        msg = (await sub.fetch(1, timeout=5))[0]
+        got = trace.get_current_span(tm.extract_context(msg.headers)).get_span_context()
+        assert (got.trace_id, got.span_id) == (span.get_span_context().trace_id,
+                                               span.get_span_context().span_id)
+
+        async def responder(m) -> None:  # like a node: extract, then answer
+            ctx = trace.get_current_span(tm.extract_context(m.headers)).get_span_context()
+            await m.respond(f"{ctx.span_id:016x}".encode())
+
+        await nc.subscribe("ops.cmd", cb=responder)
+        reply = await nc.request("ops.cmd", b"", timeout=5,
+                                 headers=tm.inject_headers(context=trace.set_span_in_context(span)))
+        assert reply.data.decode() == f"{span.get_span_context().span_id:016x}"
+    finally:
+        await nc.close()
+
+
+# --- metrics -------------------------------------------------------------------------------------
+def test_prometheus_exposition_of_histograms_counters_and_gauges():
+    tel = tm.local("gateway")
+    metrics = tm.GenAIMetrics(tel.meter("t"))
+    for ttft in (0.003, 0.03, 0.3):
+        metrics.first_token("m", "chat", ttft)
+    metrics.finished("m", "chat", 1.0, 0.05, None, None)
+    metrics.finished("m", "chat", 1.0, 0.5, "tpot", None)
+    metrics.finished("m", "chat", 0.1, None, None, "dropped")
+    tm.register_node_gauges(tel.meter("n"), {"slinfer.node_id": "n0"},
+                            lambda: tm.NodeStats(memory_budget=123, parked_ops=2, iterations_per_s=7.5))
+    text = tel.metrics_text().decode()
+
+    def value(pattern: str) -> float:
+        m = re.search(rf"^{pattern} (\S+)$", text, re.M)
+        assert m, pattern
+        return float(m.group(1))
+
+    lbl = r'\{gen_ai_operation_name="chat",gen_ai_request_model="m"'
+    assert value(rf'gen_ai_server_time_to_first_token_seconds_bucket{lbl},le="0.005"\}}') == 1
+    assert value(rf'gen_ai_server_time_to_first_token_seconds_bucket{lbl},le="0.04"\}}') == 2  # cumulative
+    assert value(rf'gen_ai_server_time_to_first_token_seconds_bucket{lbl},le="\+Inf"\}}') == 3
+    assert value(rf'gen_ai_server_time_to_first_token_seconds_count{lbl}\}}') == 3
+    assert value(rf'gen_ai_server_time_to_first_token_seconds_sum{lbl}\}}') == pytest.approx(0.333)
+    assert value(r'slinfer_requests_slo_met_total\{gen_ai_request_model="m"\}') == 1
+    assert value(r'slinfer_requests_slo_violated_total\{gen_ai_request_model="m",slinfer_slo="tpot"\}') == 1
+    assert value(r'slinfer_requests_dropped_total\{gen_ai_request_model="m"\}') == 1
+    assert value(r'slinfer_node_memory_budget_bytes\{slinfer_node_id="n0"\}') == 123
+    assert value(r'slinfer_node_memops_parked\{slinfer_node_id="n0"\}') == 2
+    assert value(r'slinfer_node_iterations_per_second\{slinfer_node_id="n0"\}') == 7.5
+
+
+def test_slo_violation_uses_ttft_then_mean_tpot():
+    assert tm.slo_violation(0.4, 0.2, 0.5, 0.25) is None
+    assert tm.slo_violation(0.6, 0.2, 0.5, 0.25) == "ttft"
+    assert tm.slo_violation(0.4, 0.3, 0.5, 0.25) == "tpot"
+    assert tm.slo_violation(0.4, None, 0.5, 0.25) is None  # one token: no TPOT
+
+
+@pytest.mark.parametrize("name, unit, expected", [
+    ("gen_ai.server.time_to_first_token", "s", "gen_ai_server_time_to_first_token_seconds"),
+    ("slinfer.node.memory.budget", "By", "slinfer_node_memory_budget_bytes"),
+    ("slinfer.node.iterations_per_second", "{iteration}/s", "slinfer_node_iterations_per_second"),
+    ("slinfer.requests.dropped", "{request}", "slinfer_requests_dropped"),
+])
+def test_prometheus_names(name, unit, expected):
+    assert tm.prometheus_name(name, unit) == expected
+
+
+async def test_metrics_server_answers_get_metrics_only():
+    tel = tm.local("node")
+    tm.register_node_gauges(tel.meter("n"), {"slinfer.node_id": "n9"},
+                            lambda: tm.NodeStats(instances=3))
+    server = await tm.serve_metrics(tel, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def get(path: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await writer.drain()
+        data = await reader.read()
+        writer.close()
+        return data
+
+    try:
+        ok = await get("/metrics")
+        assert ok.startswith(b"HTTP/1.1 200") and b'slinfer_node_instances{slinfer_node_id="n9"} 3.0' in ok
+        assert (await get("/other")).startswith(b"HTTP/1.1 404")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+# --- logs ------------------------------------------------------------------------------------------
+def test_json_log_lines_carry_ids_inside_a_span_only(tracer):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(tm.TraceContextFilter())
+    handler.setFormatter(tm.JsonFormatter("slinfer-test"))
+    logger = logging.getLogger("slinfer.test.json")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        logger.warning("outside")
+        span = tracer.start_span("req")
+        with trace.use_span(span, end_on_exit=True):
+            logger.info("inside %s", "a request", extra={"request_id": "r1"})
+            try:
+                raise RuntimeError("boom")
+            except RuntimeError:
+                logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    outside, inside, failed = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert "trace_id" not in outside and outside["level"] == "WARNING"
+    sc = span.get_span_context()
+    assert inside["trace_id"] == f"{sc.trace_id:032x}" and inside["span_id"] == f"{sc.span_id:016x}"
+    assert inside["message"] == "inside a request" and inside["request_id"] == "r1"
+    assert inside["service"] == "slinfer-test" and inside["ts"].endswith("Z")
+    assert "RuntimeError: boom" in failed["exception"] and failed["trace_id"] == inside["trace_id"]
