@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from nats.aio.client import Client as NATS
@@ -26,11 +27,11 @@ from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
-from shared.core.iteration import IterationChoice, IterationKind
+from shared.core.iteration import IterationKind
 from shared.core.memory import MemOp, MemOpKind
-from shared.core.node_scheduler import Eviction, NodeScheduler, new_node
+from shared.core.node_scheduler import Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
-from shared.core.types import Hardware
+from shared.core.types import Hardware, InstanceStatus
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
                             MemOpCompletion, ModelRecord, NodeCommand, NodeReply, TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
@@ -38,6 +39,19 @@ from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
 
 log = logging.getLogger("slinfer.node")
 PERF_REFRESH_S = 5.0
+HISTORY_LEN = 4096
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One executed iteration, kept in a bounded history (tests, debugging, metrics)."""
+
+    started: float
+    finished: float
+    instance_id: str
+    kind: IterationKind
+    request_ids: tuple[str, ...]
+    considered: tuple[tuple[str, float], ...]  # runnable instances and their least headroom
 
 
 @dataclass
@@ -48,6 +62,7 @@ class Live:
     instance_id: str
     output: list[int] = field(default_factory=list)  # resumed tokens + tokens generated here
     cancelled: bool = False
+    in_engine: bool = False  # added to its engine (once the instance's load completed)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -73,6 +88,7 @@ class NodeWorker:
         self.ops: dict[int, MemOp] = {}
         self.wake = asyncio.Event()
         self.iterations = 0
+        self.history: deque[IterationRecord] = deque(maxlen=HISTORY_LEN)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         # Spans of requests, commands and memory ops; gauges for /metrics and OTLP.
@@ -159,7 +175,7 @@ class NodeWorker:
         self.records[iid] = record
         self.live[req.request_id] = Live(req, iid, output=list(req.resumed_token_ids))
         self.obs.admitted(req, iid, cold=cmd.instance_id is None)
-        if iid in self.engines:
+        if self._loaded(iid):
             self._engine_add(self.live[req.request_id])
         self._start_ops(result.start_ops)
         self.wake.set()
@@ -256,7 +272,16 @@ class NodeWorker:
         for live in waiting:
             self._engine_add(live)
 
+    def _loaded(self, instance_id: str) -> bool:
+        """The engine is usable only once its LOAD completion came back through the stream: the
+        load thread publishes the engine object a little earlier than that."""
+        inst = self.sched.node.instance(instance_id)
+        return instance_id in self.engines and inst is not None and inst.status is InstanceStatus.READY
+
     def _engine_add(self, live: Live) -> None:
+        if live.in_engine:
+            return
+        live.in_engine = True
         req = live.request
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
                                 top_p=req.top_p, seed=req.seed, eos_token_ids=tuple(req.eos_token_ids))
@@ -279,9 +304,10 @@ class NodeWorker:
                 except TimeoutError:
                     pass
                 continue
-            await self._run_iteration(plan.iteration)
+            await self._run_iteration(plan)
 
-    async def _run_iteration(self, choice: IterationChoice) -> None:
+    async def _run_iteration(self, plan: StepPlan) -> None:
+        choice = plan.iteration
         engine = self.engines[choice.instance_id]
         if self.obs.tracing:
             first = self.live.get(choice.request_ids[0])
@@ -308,6 +334,9 @@ class NodeWorker:
                     await self._finish(self.live[rid], FinishReason.ERROR, f"engine error: {exc}")
             return
         self.iterations += 1
+        now = time.time()
+        self.history.append(IterationRecord(now - elapsed, now, choice.instance_id, choice.kind,
+                                            choice.request_ids, plan.considered))
         prefill_s = elapsed if choice.kind is IterationKind.PREFILL else None
         if prefill_s is not None:
             self.obs.prefill_done(choice.request_ids[0], prefill_s)

@@ -94,6 +94,10 @@ async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
                     request_id = json.loads(line[6:])["id"]
                     break
             await nc.subscribe(token_subject(request_id), cb=on_token)
+            for _ in range(40):  # the admin view is the node's heartbeat snapshot: give it a beat
+                if request_id in _requests_on_node(stack):
+                    break
+                await asyncio.sleep(0.05)
             assert request_id in _requests_on_node(stack)  # generating on the node right now
         # leaving the block closed the connection mid-stream
     final = await asyncio.wait_for(finals.get(), timeout=15)
