@@ -16,16 +16,19 @@ from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec,
 NEW_INSTANCE_ID = "<new>"
 
 
-def hardware_check(node: NodeView, model: ModelSpec, request: RequestView, perf: PerfModel,
-                   config: CoreConfig) -> AdmitReason | None:
-    """Can this node's hardware serve this request at all? (§V: CPUs only with a matrix
-    accelerator and only where the profile says the SLO holds.)"""
+def node_check(node: NodeView, config: CoreConfig) -> AdmitReason | None:
+    """Node rules (§V): CPUs only when enabled and only with a matrix accelerator."""
     if node.hardware is Hardware.CPU:
         if not config.enable_cpu:
             return AdmitReason.CPU_DISABLED
         if config.require_matrix_accel and not node.matrix_accel:
             return AdmitReason.NO_MATRIX_ACCEL
-    profile = perf.get(model.name, node.hardware)
+    return None
+
+
+def slo_check(profile: Profile | None, request: RequestView, config: CoreConfig) -> AdmitReason | None:
+    """Can this hardware meet the request's SLO at all, running it alone? (The profile decides;
+    the same answer for every node of one hardware kind.)"""
     if profile is None:
         return AdmitReason.NO_PROFILE
     alone_ttft = profile.prefill_s(request.context_len()) * (1 + config.overestimate)
@@ -33,6 +36,12 @@ def hardware_check(node: NodeView, model: ModelSpec, request: RequestView, perf:
     if alone_ttft > request.slo.ttft_s + request.grace_s or alone_tpot > request.slo.tpot_s:
         return AdmitReason.SLO_INFEASIBLE
     return None
+
+
+def hardware_check(node: NodeView, model: ModelSpec, request: RequestView, perf: PerfModel,
+                   config: CoreConfig) -> AdmitReason | None:
+    """Can this node's hardware serve this request at all?"""
+    return node_check(node, config) or slo_check(perf.get(model.name, node.hardware), request, config)
 
 
 def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,

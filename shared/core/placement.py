@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import evaluate, hardware_check
+from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
 
@@ -57,8 +57,10 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     models = {**(models or {}), model.name: model}
     attempts: list[Attempt] = []
     eligible: list[NodeView] = []
+    slo_by_hw = {hw: slo_check(perf.get(model.name, hw), request, config)
+                 for hw in {n.hardware for n in nodes}}
     for node in nodes:
-        reason = hardware_check(node, model, request, perf, config)
+        reason = node_check(node, config) or slo_by_hw[node.hardware]
         if reason is None:
             eligible.append(node)
         else:
