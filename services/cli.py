@@ -26,6 +26,8 @@ COMMANDS: dict[str, Command] = {
     "make-model": Command("shared.modelgen", "build a random-weight model and tokenizer offline"),
     "profile": Command("services.profiler.__main__", "measure prefill/decode tables for a model"),
     "simulate": Command("sim.cli", "discrete-event cluster simulation with the real policy core"),
+    "convert-openvino": Command("services.node.engines.openvino_engine",
+                                "convert a HF model directory to OpenVINO IR (cached)"),
 }
 
 
