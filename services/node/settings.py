@@ -24,6 +24,8 @@ class NodeSettings:
     heartbeat_s: float = 0.25
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     hardware_name: str = ""
+    cores: int = 0
+    accel_flags: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> NodeSettings:
@@ -48,6 +50,8 @@ class NodeSettings:
             heartbeat_s=env_float("SLINFER_HEARTBEAT_S", 0.25, minimum=0.01),
             metrics_port=env_int("SLINFER_NODE_METRICS_PORT", 0, minimum=0),
             hardware_name=info.name,
+            cores=info.cores,
+            accel_flags=tuple(info.flags),
         )
 
 

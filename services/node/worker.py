@@ -82,6 +82,9 @@ class NodeWorker:
         self.sched: NodeScheduler = new_node(settings.node_id, Hardware(settings.hardware),
                                              settings.memory_bytes, PerfModel(), config=settings.core,
                                              matrix_accel=settings.matrix_accel)
+        node = self.sched.node  # what the placer and the admin API see of this node's hardware
+        node.hardware_name, node.cores = settings.hardware_name, settings.cores
+        node.accel_flags = list(settings.accel_flags)
         self.engines: dict[str, Engine] = {}
         self.records: dict[str, ModelRecord] = {}
         self.live: dict[str, Live] = {}

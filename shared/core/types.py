@@ -109,6 +109,9 @@ class NodeView:
     memory_bytes: int  # capacity the memory subsystem may hand out (weights + KV)
     matrix_accel: bool = False  # CPU has AMX (or similar); GPUs: True
     instances: list[InstanceView] = field(default_factory=list)
+    hardware_name: str = ""  # CPU model or GPU name (NVML), as the node detected it
+    cores: int = 0  # CPU cores (0 for a GPU node)
+    accel_flags: list[str] = field(default_factory=list)  # e.g. amx_tile, amx_bf16 from cpuid
     busy_until: float = 0.0  # end of the iteration running now (shadow simulation starts there)
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
