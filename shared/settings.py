@@ -116,7 +116,7 @@ class CommonSettings:
         )
 
 
-def core_config_from_env(env: Mapping[str, str] | None = None) -> "CoreConfig":
+def core_config_from_env(env: Mapping[str, str] | None = None):
     """The policy core's knobs. The placer and every node read the same variables, so a node's
     re-check applies the rules the placer planned with."""
     from shared.core.config import CoreConfig

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.asyncio import Redis
 
 from services.gateway import admin_routes, openai_routes
-from services.gateway.backend import InferenceBackend, ensure_request_stream
+from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
 from services.gateway.deps import Context, GatewayContext
 from services.gateway.errors import install_error_handlers
@@ -28,6 +28,7 @@ from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
 from shared import telemetry as tm
+from shared.bus import ensure_streams
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
@@ -48,7 +49,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         try:
             await redis.ping()
             js = nc.jetstream()
-            await ensure_request_stream(js)
+            await ensure_streams(js)
             registry = ModelRegistry(redis)
             service = GatewayService(settings, registry, InferenceBackend(nc, js), TokenizerCache(),
                                      metrics)

@@ -17,18 +17,10 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
-from nats.js.errors import NotFoundError
 
 from shared import wire
 from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
-from shared.subjects import (
-    CANCEL_SUBJECT,
-    REQUEST_DEDUP_WINDOW_S,
-    REQUEST_STREAM,
-    REQUEST_SUBJECT,
-    token_subject,
-)
+from shared.subjects import CANCEL_SUBJECT, REQUEST_SUBJECT, token_subject
 from shared.telemetry import inject_headers
 
 log = logging.getLogger("slinfer.gateway")
@@ -59,32 +51,6 @@ class Finished:
 
 
 TokenEvent = Tokens | Finished
-
-
-async def ensure_request_stream(js: JetStreamContext) -> None:
-    """Create the request stream, or widen an existing one (keeping its other settings, which the
-    placer may have chosen) so it takes REQUEST_SUBJECT and dedups over REQUEST_DEDUP_WINDOW_S."""
-    for _ in range(3):  # a placer may be creating it at the same moment
-        try:
-            info = await js.stream_info(REQUEST_STREAM)
-        except NotFoundError:
-            try:
-                await js.add_stream(StreamConfig(name=REQUEST_STREAM, subjects=[REQUEST_SUBJECT],
-                                                 duplicate_window=REQUEST_DEDUP_WINDOW_S))
-                return
-            except nats.js.errors.BadRequestError:
-                continue  # created concurrently: look again
-        config = info.config
-        subjects = list(config.subjects or [])
-        if REQUEST_SUBJECT in subjects and config.duplicate_window == REQUEST_DEDUP_WINDOW_S:
-            return
-        if REQUEST_SUBJECT not in subjects:
-            subjects.append(REQUEST_SUBJECT)
-        config.subjects = subjects
-        config.duplicate_window = REQUEST_DEDUP_WINDOW_S
-        await js.update_stream(config)
-        return
-    raise BackendUnavailable(f"could not create or update stream {REQUEST_STREAM}")
 
 
 class InferenceBackend:

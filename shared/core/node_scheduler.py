@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.core.admission import Admission, AdmitReason
+from shared.core.admission import Admission
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate
 from shared.core.iteration import (IterationChoice, apply_iteration, choose_iteration,
                                    kv_tokens_needed, least_headroom, predict_seconds, runnable)
-from shared.core.memory import MemOp, MemOpKind, MemoryLedger, in_blocks, kv_demand, watermark_target
+from shared.core.memory import MemOp, MemOpKind, MemoryLedger, kv_demand, watermark_target
 from shared.core.consolidation import idle_instances
 from shared.core.perf_model import PerfModel
 from shared.core.shadow import copy_instances
