@@ -67,3 +67,32 @@ class Engine(Protocol):
 
     def resize_kv(self, capacity_bytes: int) -> None:
         """Grow or shrink the KV pool while requests are in flight (copies used blocks)."""
+
+
+class RequestBook:
+    """Per-request bookkeeping the engines share. An engine keeps `self.requests[id]` with
+    `.tokens` (prompt + generated), `.params` and `.generated`, and implements `release`."""
+
+    requests: dict
+
+    def _request(self, request_id: str):
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def evict(self, request_id: str) -> list[int]:
+        """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""
+        request = self._request(request_id)
+        self.release(request_id)
+        return list(request.tokens)
+
+    def is_finished(self, request_id: str) -> bool:
+        """max_tokens reached or the last token is an EOS (a helper; the scheduler decides)."""
+        request = self._request(request_id)
+        if request.generated >= request.params.max_tokens:
+            return True
+        return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
+
+    def num_tokens(self, request_id: str) -> int:
+        return len(self._request(request_id).tokens)

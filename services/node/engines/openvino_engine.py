@@ -68,7 +68,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import KVCacheFull, MemoryReport, SamplingParams, StepResult
+from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
 
 __all__ = ["OpenVINOEngine", "ensure_ir", "main"]
 
@@ -204,7 +204,7 @@ class _Request:
         return len(self.tokens) + len(self.ahead)
 
 
-class OpenVINOEngine:
+class OpenVINOEngine(RequestBook):
     name = "openvino"
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
@@ -392,21 +392,6 @@ class OpenVINOEngine:
                 self.pipe.step()  # nothing else runs: an empty step frees the blocks now
                 self._zombie_blocks = 0
 
-    def evict(self, request_id: str) -> list[int]:
-        """Drop the request and return prompt + tokens handed out (not its ahead tokens)."""
-        request = self._request(request_id)
-        self.release(request_id)
-        return list(request.tokens)
-
-    def is_finished(self, request_id: str) -> bool:
-        request = self._request(request_id)
-        if request.generated >= request.params.max_tokens:
-            return True
-        return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
-
-    def num_tokens(self, request_id: str) -> int:
-        return len(self._request(request_id).tokens)
-
     # -- protocol: iterations ------------------------------------------------------------------
 
     def prefill(self, request_id: str) -> StepResult:
@@ -545,12 +530,6 @@ class OpenVINOEngine:
     def _loaded(self) -> None:
         if self.pipe is None:
             raise RuntimeError("engine is not loaded; call load() first")
-
-    def _request(self, request_id: str) -> _Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}") from None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .base import KVCacheFull, MemoryReport, SamplingParams, StepResult
+from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
 from .kv_cache import PagedKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -44,7 +44,7 @@ class _Request:
     generated: int = 0  # tokens sampled since add_request
 
 
-class TorchEngine:
+class TorchEngine(RequestBook):
     name = "torch"
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
@@ -145,22 +145,6 @@ class TorchEngine:
         self.requests.pop(request_id, None)
         if self.cache is not None:
             self.cache.free(request_id)
-
-    def evict(self, request_id: str) -> list[int]:
-        """Drop the request, free its blocks, and return prompt + generated tokens."""
-        request = self._request(request_id)
-        self.release(request_id)
-        return list(request.tokens)
-
-    def is_finished(self, request_id: str) -> bool:
-        """max_tokens reached or the last token is an EOS (a helper; the scheduler decides)."""
-        request = self._request(request_id)
-        if request.generated >= request.params.max_tokens:
-            return True
-        return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
-
-    def num_tokens(self, request_id: str) -> int:
-        return len(self._request(request_id).tokens)
 
     # -- protocol: iterations ------------------------------------------------------------------
 
@@ -278,12 +262,6 @@ class TorchEngine:
         if self.model is None or self.cache is None:
             raise RuntimeError("engine is not loaded; call load() first")
         return self.model, self.cache
-
-    def _request(self, request_id: str) -> _Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}") from None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

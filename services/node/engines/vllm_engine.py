@@ -51,7 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import KVCacheFull, MemoryReport, SamplingParams, StepResult
+from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
 
 __all__ = ["VllmEngine"]
 
@@ -270,7 +270,7 @@ def _scheduler_class():
     return OnlyNamedScheduler
 
 
-class _Core:
+class _Core(RequestBook):
     def __init__(self) -> None:
         self.engine = None
         self.requests: dict[str, _Request] = {}
@@ -420,20 +420,6 @@ class _Core:
         if request is not None:
             self._abort(request)
 
-    def evict(self, request_id: str) -> list[int]:
-        request = self._request(request_id)
-        self.release(request_id)
-        return list(request.tokens)
-
-    def is_finished(self, request_id: str) -> bool:
-        request = self._request(request_id)
-        if request.generated >= request.params.max_tokens:
-            return True
-        return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
-
-    def num_tokens(self, request_id: str) -> int:
-        return len(self._request(request_id).tokens)
-
     # -- iterations ----------------------------------------------------------------------------
 
     def prefill(self, request_id: str) -> dict:
@@ -541,12 +527,6 @@ class _Core:
     def _loaded(self) -> None:
         if self.engine is None:
             raise RuntimeError("engine is not loaded; call load() first")
-
-    def _request(self, request_id: str) -> _Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise KeyError(f"unknown request {request_id!r}") from None
 
 
 def serve() -> int:
