@@ -89,10 +89,13 @@ async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
             "temperature": 0.7, "seed": 1}
     async with httpx.AsyncClient(timeout=60) as client:
         async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    request_id = json.loads(line[6:])["id"]
-                    break
+            # Read the first chunk without `async for ... break`: that would close the line
+            # iterator and with it the stream, i.e. disconnect before the test means to.
+            lines = r.aiter_lines()
+            line = await anext(lines)
+            while not line.startswith("data: "):
+                line = await anext(lines)
+            request_id = json.loads(line[6:])["id"]
             await nc.subscribe(token_subject(request_id), cb=on_token)
             for _ in range(40):  # the admin view is the node's heartbeat snapshot: give it a beat
                 if request_id in _requests_on_node(stack):
