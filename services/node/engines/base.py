@@ -81,6 +81,21 @@ class RequestBook:
         except KeyError:
             raise KeyError(f"unknown request {request_id!r}") from None
 
+    def check_new(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                  max_context: int, vocab_size: int) -> None:
+        """Refuse, with a clear ValueError, a request the engine could not run."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not token_ids:
+            raise ValueError("a request needs at least one token")
+        if len(token_ids) >= max_context:
+            raise ValueError(f"{len(token_ids)} tokens do not fit the model's context of "
+                             f"{max_context}")
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
     def evict(self, request_id: str) -> list[int]:
         """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""
         request = self._request(request_id)

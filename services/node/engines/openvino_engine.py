@@ -368,17 +368,7 @@ class OpenVINOEngine(RequestBook):
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         self._loaded()
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} already exists")
-        if not token_ids:
-            raise ValueError("a request needs at least one token")
-        if len(token_ids) >= self.max_context:
-            raise ValueError(f"{len(token_ids)} tokens do not fit the model's context of "
-                             f"{self.max_context}")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        self.check_new(request_id, token_ids, params, self.max_context, self.vocab_size)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.requests[request_id] = _Request(list(token_ids), params, seed)
 
