@@ -27,15 +27,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.launcher import spawn, stop_child  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
-from services.profiler.run import profile_model  # noqa: E402
 from shared import wire  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
 from shared.schemas import TokenMessage  # noqa: E402
-from shared.servers import free_port, start_nats, start_redis  # noqa: E402
+from services.stack import MODEL as NAME, running_stack  # noqa: E402
 
-NAME = "tiny-llama"
 
 
 def prompt_of(tokenizer, length: int) -> str:
@@ -91,39 +88,6 @@ async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> d
     return out
 
 
-def start_stack(data: Path, model_dir: Path) -> tuple[str, str, list]:
-    from redis.asyncio import Redis
-
-    from shared.cluster import save_profile
-
-    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
-    profile, _ = profile_model(model_dir, NAME, plan=ProfilePlan(max_len=1024, max_batch=8))
-
-    async def store() -> None:
-        r = Redis.from_url(redis.url)
-        await save_profile(r, profile)
-        await r.aclose()
-
-    asyncio.run(store())
-    port = free_port()
-    env = {**os.environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
-           "SLINFER_GATEWAY_PORT": str(port), "SLINFER_API_KEYS": "",
-           "SLINFER_REQUIRE_MATRIX_ACCEL": "false",
-           "SLINFER_KEEP_ALIVE_S": "60"}  # keep the instance warm between sequential requests
-    children = [spawn("placer", "services.placer", env, data / "logs"),
-                spawn("node-0", "services.node", {**env, "SLINFER_NODE_ID": "node-0"}, data / "logs"),
-                spawn("gateway", "services.gateway", env, data / "logs")]
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    httpx.post(f"{url}/admin/models", json={"name": NAME, "path": str(model_dir), "public": True}).raise_for_status()
-    return url, nats.url, [*children, redis, nats]
-
-
 def summarize(pairs: list[tuple[float, float]], tokens: int) -> dict:
     ttft = [t for t, _ in pairs]
     engine = [p for _, p in pairs]
@@ -147,12 +111,10 @@ def main() -> int:
         model_dir = Path(ensure_demo_model(data))
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompts = {n: prompt_of(tok, n) for n in args.lengths}
-        url, nats_url, procs = start_stack(data, model_dir)
-        try:
-            raw = asyncio.run(measure(url, nats_url, prompts, args.n))
-        finally:
-            for proc in procs:
-                stop_child(proc, 10) if hasattr(proc, "log_path") else proc.stop()
+        # Keep the instance warm between sequential requests: only the first is a cold start.
+        with running_stack(data, model_dir, {"SLINFER_KEEP_ALIVE_S": "60"},
+                           plan=ProfilePlan(max_len=1024, max_batch=8)) as stack:
+            raw = asyncio.run(measure(stack.url, stack.nats_url, prompts, args.n))
     result = {"command": "python bench/e2e_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "cold_start_ttft_ms": raw["cold_start_ttft_ms"],

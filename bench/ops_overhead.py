@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -34,47 +35,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e_overhead import NAME, one_request, prompt_of  # noqa: E402
-from services.launcher import spawn, stop_child  # noqa: E402
+from services.stack import running_stack  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
 from shared import wire  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
 from shared.schemas import TokenMessage  # noqa: E402
-from shared.servers import free_port, start_nats, start_redis  # noqa: E402
-
-
-def start_stack(data: Path, model_dir: Path, profile, extra_env: dict[str, str]) -> tuple[str, str, list]:
-    from redis.asyncio import Redis
-
-    from shared.cluster import save_profile
-
-    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
-
-    async def store() -> None:
-        r = Redis.from_url(redis.url)
-        await save_profile(r, profile)
-        await r.aclose()
-
-    asyncio.run(store())
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update({"SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
-                "SLINFER_GATEWAY_PORT": str(port), "SLINFER_API_KEYS": "",
-                "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "600",
-                "PYTHONUNBUFFERED": "1", **extra_env})
-    children = [spawn("placer", "services.placer", env, data / "logs"),
-                spawn("node-0", "services.node", {**env, "SLINFER_NODE_ID": "node-0"}, data / "logs"),
-                spawn("gateway", "services.gateway", env, data / "logs")]
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    httpx.post(f"{url}/admin/models", json={"name": NAME, "path": str(model_dir), "public": True}).raise_for_status()
-    return url, nats.url, [*children, redis, nats]
 
 
 async def measure(stacks: dict[str, tuple[str, str]], prompts: dict[int, str], n: int) -> dict:
@@ -160,18 +126,20 @@ def main() -> int:
         otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                 "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
                 "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-        procs: list = []
+        # Both stacks drop any OTEL_* of this shell; only "on" gets the exporter settings.
+        # Keep-alive long: instances stay warm, only the first request is a cold start.
+        base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        common = {"SLINFER_KEEP_ALIVE_S": "600"}
         try:
-            off_url, off_nats, off_procs = start_stack(data / "off", model_dir, profile, {})
-            procs += off_procs
-            on_url, on_nats, on_procs = start_stack(data / "on", model_dir, profile,
-                                                    {} if args.control else otel)
-            procs += on_procs
-            raw = asyncio.run(measure({"off": (off_url, off_nats), "on": (on_url, on_nats)},
-                                      prompts, args.n))
+            with ExitStack() as stacks:  # leaving it stops both stacks, which flush their spans
+                off = stacks.enter_context(running_stack(data / "off", model_dir, common,
+                                                         profile=profile, base_env=base))
+                on = stacks.enter_context(running_stack(data / "on", model_dir,
+                                                        {**common, **({} if args.control else otel)},
+                                                        profile=profile, base_env=base))
+                raw = asyncio.run(measure({"off": (off.url, off.nats_url),
+                                           "on": (on.url, on.nats_url)}, prompts, args.n))
         finally:
-            for proc in procs:
-                stop_child(proc, 10) if hasattr(proc, "log_path") else proc.stop()
             receiver.terminate()
             received = json.loads(receiver.communicate(timeout=30)[0].strip().splitlines()[-1])
     result = {"command": "python bench/ops_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,

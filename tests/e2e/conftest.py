@@ -1,64 +1,16 @@
-"""A real stack for end-to-end tests: nats-server and valkey from wheels, the demo model, a
-measured profile, and the placer, a CPU node worker and the gateway as real processes - started
-the way `slinfer up` starts them."""
+"""A real stack for end-to-end tests (`services.stack`): nats-server and valkey from wheels, the
+demo model, a measured profile, and the placer, a CPU node worker and the gateway as real
+processes - started the way `slinfer up` starts them."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from redis.asyncio import Redis
 
-from services.launcher import Child, spawn, stop_child
-from services.profiler.measure import ProfilePlan
-from services.profiler.run import profile_model
-from shared.cluster import save_profile
+from services.stack import Stack, running_stack
 from shared.modelgen import ensure_demo_model
-from shared.servers import free_port, start_nats, start_redis
-
-
-@dataclass(frozen=True)
-class Stack:
-    url: str  # gateway base URL
-    model: str
-    nats_url: str
-    redis_url: str
-    data_dir: Path
-    children: tuple[Child, ...]
-
-
-def _store_profile(redis_url: str, profile) -> None:
-    async def go() -> None:
-        redis = Redis.from_url(redis_url)
-        try:
-            await save_profile(redis, profile)
-        finally:
-            await redis.aclose()
-
-    asyncio.run(go())
-
-
-def _wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in children:
-            if c.proc.poll() is not None:
-                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("gateway never became healthy")
 
 
 @pytest.fixture(scope="session")
@@ -70,42 +22,3 @@ def demo_model_dir(tmp_path_factory) -> Path:
 def stack(tmp_path_factory, demo_model_dir) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir) as s:
         yield s
-
-
-@contextmanager
-def running_stack(data: Path, demo_model_dir: Path, extra_env: Mapping[str, str] | None = None,
-                  child_env: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[Stack]:
-    """The stack as real processes; `extra_env` goes to every service, `child_env[name]` to one
-    (placer, node-0, gateway)."""
-    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
-    children: list[Child] = []
-    per_child = child_env or {}
-    try:
-        name = "tiny-llama"
-        plan = ProfilePlan(max_len=512, max_batch=8, repeats=2, warmup=1)
-        profile, _ = profile_model(demo_model_dir, name, plan=plan)
-        _store_profile(redis.url, profile)
-        port = free_port()
-        env = {**os.environ, "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
-               "SLINFER_GATEWAY_PORT": str(port), "SLINFER_GATEWAY_HOST": "127.0.0.1",
-               "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": "", **(extra_env or {})}
-        logs = data / "logs"
-        children.append(spawn("placer", "services.placer", {**env, **per_child.get("placer", {})}, logs))
-        children.append(spawn("node-0", "services.node", {
-            **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
-            # This development CPU has no AMX; the placer's CPU rule needs the explicit override.
-            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3),
-            **per_child.get("node-0", {})}, logs))
-        children.append(spawn("gateway", "services.gateway", {**env, **per_child.get("gateway", {})},
-                              logs))
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, children)
-        r = httpx.post(f"{url}/admin/models", json={"name": name, "path": str(demo_model_dir),
-                                                    "engine": "torch", "public": True})
-        assert r.status_code in (200, 201), r.text
-        yield Stack(url, name, nats.url, redis.url, data, tuple(children))
-    finally:
-        for c in reversed(children):
-            stop_child(c, 10.0)
-        redis.stop()
-        nats.stop()

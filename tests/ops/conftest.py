@@ -11,7 +11,7 @@ import pytest
 
 from shared.modelgen import ensure_demo_model
 from shared.servers import free_port
-from tests.e2e.conftest import Stack, running_stack
+from services.stack import Stack, running_stack
 from tests.ops.otlp_receiver import OTLPReceiver
 
 

@@ -1,0 +1,103 @@
+"""A whole stack as real processes, for tests and benchmarks: nats-server and valkey from their
+wheels, a measured profile in Redis, and the placer, one CPU node worker and the gateway, started
+the way `slinfer up` starts them (`services.launcher.spawn`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from redis.asyncio import Redis
+
+from services.launcher import Child, spawn, stop_child
+from services.profiler.measure import ProfilePlan
+from services.profiler.run import profile_model
+from shared.cluster import save_profile
+from shared.core.perf_model import Profile
+from shared.servers import free_port, start_nats, start_redis
+
+MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class Stack:
+    url: str  # gateway base URL
+    model: str
+    nats_url: str
+    redis_url: str
+    data_dir: Path
+    children: tuple[Child, ...]
+
+
+def store_profile(redis_url: str, profile: Profile) -> None:
+    async def go() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            await save_profile(redis, profile)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(go())
+
+
+def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("gateway never became healthy")
+
+
+@contextmanager
+def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | None = None,
+                  child_env: Mapping[str, Mapping[str, str]] | None = None,
+                  profile: Profile | None = None,
+                  plan: ProfilePlan = ProfilePlan(max_len=512, max_batch=8, repeats=2, warmup=1),
+                  base_env: Mapping[str, str] | None = None) -> Iterator[Stack]:
+    """The stack as real processes serving `model_dir` as MODEL. `extra_env` goes to every
+    service, `child_env[name]` to one (placer, node-0, gateway); `profile` (measured with `plan`
+    when not given) is stored in the stack's Redis; `base_env` defaults to this process's."""
+    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
+    children: list[Child] = []
+    per_child = child_env or {}
+    try:
+        store_profile(redis.url, profile or profile_model(model_dir, MODEL, plan=plan)[0])
+        port = free_port()
+        env = {**(os.environ if base_env is None else base_env),
+               "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
+               "SLINFER_GATEWAY_PORT": str(port), "SLINFER_GATEWAY_HOST": "127.0.0.1",
+               "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": "", **(extra_env or {})}
+        logs = data / "logs"
+        children.append(spawn("placer", "services.placer", {**env, **per_child.get("placer", {})}, logs))
+        children.append(spawn("node-0", "services.node", {
+            **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
+            # A development CPU may lack AMX; the placer's CPU rule needs the explicit override.
+            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3),
+            **per_child.get("node-0", {})}, logs))
+        children.append(spawn("gateway", "services.gateway", {**env, **per_child.get("gateway", {})},
+                              logs))
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, children)
+        r = httpx.post(f"{url}/admin/models", json={"name": MODEL, "path": str(model_dir),
+                                                    "engine": "torch", "public": True})
+        if r.status_code not in (200, 201):
+            raise RuntimeError(f"registering {MODEL} failed: {r.status_code} {r.text}")
+        yield Stack(url, MODEL, nats.url, redis.url, data, tuple(children))
+    finally:
+        for c in reversed(children):
+            stop_child(c, 10.0)
+        redis.stop()
+        nats.stop()
