@@ -96,19 +96,25 @@ def _spawn(name: str, argv: list[str], data_dir: Path) -> tuple[subprocess.Popen
     return proc, log_path
 
 
+def _start(name: str, argv: list[str], data_dir: Path, url: str, host: str, port: int,
+           timeout_s: float) -> ServerProcess:
+    """Spawn a server and return once it listens; stop it again if it never does."""
+    proc, log_path = _spawn(name, argv, data_dir)
+    server = ServerProcess(name, url, port, proc, log_path)
+    try:
+        wait_for_port(host, port, timeout_s, proc)
+    except ServerStartError as exc:
+        server.stop()
+        raise ServerStartError(f"{name} server: {exc}; see {log_path}") from exc
+    return server
+
+
 def start_nats(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                timeout_s: float = 15.0) -> ServerProcess:
     port = port or free_port(host)
     store = data_dir / "jetstream"
     argv = [nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store)]
-    proc, log_path = _spawn("nats", argv, data_dir)
-    server = ServerProcess("nats", f"nats://{host}:{port}", port, proc, log_path)
-    try:
-        wait_for_port(host, port, timeout_s, proc)
-    except ServerStartError as exc:
-        server.stop()
-        raise ServerStartError(f"nats-server: {exc}; see {log_path}") from exc
-    return server
+    return _start("nats", argv, data_dir, f"nats://{host}:{port}", host, port, timeout_s)
 
 
 def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
@@ -118,12 +124,5 @@ def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1"
             "--save", "", "--appendonly", "no", "--protected-mode", "no"]
     if password:
         argv += ["--requirepass", password]
-    proc, log_path = _spawn("redis", argv, data_dir)
     auth = f":{password}@" if password else ""
-    server = ServerProcess("redis", f"redis://{auth}{host}:{port}/0", port, proc, log_path)
-    try:
-        wait_for_port(host, port, timeout_s, proc)
-    except ServerStartError as exc:
-        server.stop()
-        raise ServerStartError(f"redis-server: {exc}; see {log_path}") from exc
-    return server
+    return _start("redis", argv, data_dir, f"redis://{auth}{host}:{port}/0", host, port, timeout_s)
