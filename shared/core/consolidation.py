@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shared.core.admission import Admission
+from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate, with_request, without_instances
 from shared.core.perf_model import PerfModel
@@ -86,15 +86,30 @@ def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec, p
     return None
 
 
+# Why an admission failed, and whether unloading neighbours can change that answer: freeing
+# memory or the node (sharing disabled) can; only neighbours with requests change the timeline.
+_MEMORY_BOUND = frozenset({AdmitReason.MEMORY, AdmitReason.NOT_SHARED})
+_TIME_BOUND = frozenset({AdmitReason.TPOT_BUDGET, AdmitReason.TTFT_MISS, AdmitReason.HEADROOM})
+
+
 def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: RequestView,
                     model: ModelSpec, nodes: list[NodeView], models: dict[str, ModelSpec],
-                    perf: PerfModel, now: float, config: CoreConfig) -> Preemption | None:
+                    perf: PerfModel, now: float, config: CoreConfig,
+                    failed: AdmitReason | None = None) -> Preemption | None:
     """Smallest victims first until the preemptor admits the request; then every victim's requests
-    must validate elsewhere, or there is no preemption at all."""
+    must validate elsewhere, or there is no preemption at all.
+
+    `failed` is the answer the request got on this node without preemption, when the caller has
+    it: trials that cannot change it are skipped (an idle victim frees memory, not time).
+    """
+    if failed is not None and failed not in _MEMORY_BOUND | _TIME_BOUND:
+        return None
     chosen: list[InstanceView] = []
     target_id = preemptor.instance_id if preemptor else None
     for victim in preemption_victims(node, preemptor):
         chosen.append(victim)
+        if failed in _TIME_BOUND and not any(v.requests for v in chosen):
+            continue
         trial = without_instances(node, {v.instance_id for v in chosen})
         admission = evaluate(trial, target_id, request, model, perf, now, config)
         if admission.ok:

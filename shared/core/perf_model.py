@@ -18,20 +18,25 @@ from shared.core.types import Hardware
 def _segment(xs: list[float], x: float) -> int:
     """Index i of the segment [xs[i], xs[i+1]] used for x (clamped to the first/last one)."""
     i = bisect.bisect_right(xs, x) - 1
-    return max(0, min(i, len(xs) - 2))
+    return 0 if i < 0 else (len(xs) - 2 if i > len(xs) - 2 else i)
+
+
+def _on_segment(xs: list[float] | list[int], ys: list[float], i: int, x: float) -> float:
+    """The line through (xs[i], ys[i]) and (xs[i+1], ys[i+1]) at x, bounded past the ends."""
+    x0 = xs[i]
+    y0 = ys[i]
+    y = y0 + (ys[i + 1] - y0) * (x - x0) / (xs[i + 1] - x0)
+    if x > xs[-1]:
+        return max(y, ys[-1])  # extrapolate up, never down
+    if x < xs[0]:
+        return min(max(y, 0.0), ys[0])  # below the first sample: shrink toward 0, not below
+    return y
 
 
 def interp1(xs: list[float] | list[int], ys: list[float], x: float) -> float:
     if len(xs) == 1:
         return ys[0]
-    i = _segment(xs, x)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    if x > xs[-1]:
-        y = max(y, ys[-1])  # extrapolate up, never down
-    elif x < xs[0]:
-        y = min(max(y, 0.0), ys[0])  # below the first sample: shrink toward 0, not below
-    return y
+    return _on_segment(xs, ys, _segment(xs, x), x)
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,15 @@ class DecodeTable:
         """Bilinear: interpolate along length in the two bracketing batch rows, then along batch."""
         if len(self.batch_sizes) == 1:
             return interp1(self.lengths, self.seconds[0], avg_len)
+        # Runs for every instance on every shadow-validation check: locate each axis once.
         i = _segment(self.batch_sizes, batch_size)
-        pair = self.batch_sizes[i:i + 2]
-        rows = [interp1(self.lengths, self.seconds[k], avg_len) for k in (i, i + 1)]
-        return interp1(pair, rows, float(batch_size))
+        if len(self.lengths) == 1:
+            rows = [self.seconds[i][0], self.seconds[i + 1][0]]
+        else:
+            j = _segment(self.lengths, avg_len)
+            rows = [_on_segment(self.lengths, self.seconds[i], j, avg_len),
+                    _on_segment(self.lengths, self.seconds[i + 1], j, avg_len)]
+        return _on_segment(self.batch_sizes[i:i + 2], rows, 0, float(batch_size))
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,11 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             return PlacementPlan(PlaceAction.ROUTE, node.node_id, inst.instance_id, adm,
                                  attempts=tuple(attempts))
 
+    failed = {(a.node_id, a.instance_id): a.reason for a in attempts}
     if config.enable_consolidation:
         for node, inst in cands:
-            pre = plan_preemption(node, inst, request, model, nodes, models, perf, now, config)
+            pre = plan_preemption(node, inst, request, model, nodes, models, perf, now, config,
+                                  failed[node.node_id, inst.instance_id])
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts))
@@ -91,8 +93,10 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             return PlacementPlan(PlaceAction.NEW_INSTANCE, node.node_id, None, adm,
                                  attempts=tuple(attempts))
     if config.enable_consolidation:
+        failed.update({(a.node_id, a.instance_id): a.reason for a in attempts})
         for node in by_startup:
-            pre = plan_preemption(node, None, request, model, nodes, models, perf, now, config)
+            pre = plan_preemption(node, None, request, model, nodes, models, perf, now, config,
+                                  failed[node.node_id, None])
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, None,
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts))

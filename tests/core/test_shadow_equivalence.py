@@ -1,0 +1,115 @@
+"""Shadow validation simulates on a compact copy of the node for speed. It must decide exactly what
+a plain step-by-step simulation on the node scheduler's own functions (`choose_iteration`,
+`predict_seconds`, `apply_iteration`) decides, or the placer's view of the future would drift
+from the future the node executes. The reference below is that plain simulation, kept as the
+test oracle."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.core.admission import AdmitReason
+from shared.core.config import CoreConfig
+from shared.core.iteration import (IterationKind, apply_iteration, choose_iteration,
+                                   decode_shape, predict_seconds)
+from shared.core.shadow import copy_instances, shadow_validate
+from shared.core.types import SLO, Hardware, InstanceStatus, InstanceView, RequestView
+
+from tests.core.factories import linear_profile, model
+
+
+def reference_validate(instances, profiles, target_id, request, now, busy_until, config):
+    with_new = [replace(i, requests=[*i.requests, request]) if i.instance_id == target_id else i
+                for i in instances]
+    tpot = min(r.slo.tpot_s for i in with_new for r in i.requests)
+    round_s = sum(profiles[i.instance_id].decode_s(*decode_shape(i.requests))
+                  for i in with_new if i.requests) * (1 + config.overestimate)
+    if round_s > tpot:
+        return AdmitReason.TPOT_BUDGET
+    start = max(now, busy_until)
+    sim = copy_instances(with_new)
+    by_id = {i.instance_id: i for i in sim}
+    late = {r.request_id for i in sim for r in i.requests if r.headroom(start) < 0}
+    t, new_done = start, False
+    for _ in range(config.shadow_max_steps):
+        if new_done and all(r.request_id in late or (r.prefilled and r.headroom(t) >= round_s)
+                            for i in sim for r in i.requests):
+            break
+        choice = choose_iteration(sim, t)
+        if choice is None:
+            waiting = [i.ready_at for i in sim if i.requests and i.ready_at > t]
+            if not waiting:
+                break
+            t = min(waiting)
+            continue
+        inst = by_id[choice.instance_id]
+        t += predict_seconds(choice, inst, profiles[inst.instance_id]) * (1 + config.overestimate)
+        for r in inst.requests:
+            if r.request_id in choice.request_ids and r.request_id not in late and r.headroom(t) < 0:
+                return AdmitReason.TTFT_MISS if r.request_id == request.request_id else AdmitReason.HEADROOM
+        apply_iteration(choice, inst)
+        if choice.kind is IterationKind.PREFILL and choice.request_ids[0] == request.request_id:
+            new_done = True
+    return AdmitReason.ADMITTED
+
+
+requests = st.lists(st.tuples(st.integers(1, 3000),  # input length
+                              st.floats(-3.0, 1.0),  # arrival
+                              st.sampled_from([0.5, 1.0, 2.0, 4.0]),  # TTFT SLO
+                              st.sampled_from([0.1, 0.25, 0.5]),  # TPOT SLO
+                              st.integers(0, 40),  # generated
+                              st.booleans(),  # prefilled
+                              st.sampled_from([0.0, 0.0, 1.0])),  # cold-start grace
+                    max_size=8)
+instances = st.lists(st.tuples(requests,
+                               st.sampled_from(list(InstanceStatus)),
+                               st.sampled_from([0.0, 0.0, 0.3, 2.0])),  # ready_at
+                     min_size=1, max_size=5)
+
+
+@given(node=instances, target=st.integers(0, 4), new=st.tuples(st.integers(1, 3000), st.floats(0.3, 6.0)),
+       now=st.floats(0.0, 1.0), busy=st.floats(0.0, 1.5), steps=st.sampled_from([8, 256]))
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, new, now, busy, steps):
+    spec = model("m")
+    views, profiles = [], {}
+    for k, (reqs, status, ready_at) in enumerate(node):
+        iid = f"i{k}"
+        views.append(InstanceView(iid, spec, "n", status, ready_at=ready_at, requests=[
+            RequestView(f"r{k}-{j}", "m", inp, arr, SLO(ttft, tpot), generated=gen,
+                        prefilled=pre, grace_s=grace)
+            for j, (inp, arr, ttft, tpot, gen, pre, grace) in enumerate(reqs)]))
+        # Different speeds per instance, so the pick order matters.
+        profiles[iid] = linear_profile(f"m{k}", Hardware.GPU, 2e-4 * (k + 1), 0.004 * (k + 1), 0.001)
+    target_id = views[target % len(views)].instance_id
+    request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25))
+    config = CoreConfig(shadow_max_steps=steps)
+    before = copy_instances(views)
+    fast = shadow_validate(views, profiles, target_id, request, now, busy, config)
+    assert views == before  # the node's own views are left untouched
+    assert fast is reference_validate(views, profiles, target_id, request, now, busy, config)
+
+
+def test_the_reference_can_tell_the_cases_apart():
+    """The oracle itself reaches every verdict, so agreeing with it is not agreeing on ADMITTED."""
+    spec = model("m")
+    prof = {"a": linear_profile("m", Hardware.GPU, 1e-3, 0.01, 0.002),
+            "b": linear_profile("m", Hardware.GPU, 1e-3, 0.1, 0.002)}
+    # b holds one request due at 0.5 s; a is empty and takes the newcomer.
+    node = [InstanceView("a", spec, "n"),
+            InstanceView("b", spec, "n", requests=[
+                RequestView("x", "m", 100, 0.0, SLO(0.25, 0.25), generated=1, prefilled=True)])]
+    cases = [
+        (RequestView("ok", "m", 100, 0.0, SLO(2.0, 0.25)), AdmitReason.ADMITTED),
+        (RequestView("slow", "m", 3000, 0.0, SLO(0.5, 0.25)), AdmitReason.TTFT_MISS),
+        (RequestView("tight", "m", 100, 0.0, SLO(2.0, 0.01)), AdmitReason.TPOT_BUDGET),
+        # Due before x, so its 0.44 s prefill runs first and b's decode then ends at ~0.55 s.
+        (RequestView("pushy", "m", 400, 0.0, SLO(0.45, 0.25)), AdmitReason.HEADROOM),
+    ]
+    cfg = CoreConfig()
+    for req, verdict in cases:
+        assert reference_validate(node, prof, "a", req, 0.0, 0.0, cfg) is verdict, req.request_id
+        assert shadow_validate(node, prof, "a", req, 0.0, 0.0, cfg) is verdict, req.request_id
