@@ -26,14 +26,16 @@ def node_check(node: NodeView, config: CoreConfig) -> AdmitReason | None:
     return None
 
 
-def slo_check(profile: Profile | None, request: RequestView, config: CoreConfig) -> AdmitReason | None:
+def slo_check(profile: Profile | None, request: RequestView, config: CoreConfig,
+              grace_s: float | None = None) -> AdmitReason | None:
     """Can this hardware meet the request's SLO at all, running it alone? (The profile decides;
-    the same answer for every node of one hardware kind.)"""
+    the same answer for every node of one hardware kind.) `grace_s` overrides the request's."""
     if profile is None:
         return AdmitReason.NO_PROFILE
+    grace = request.grace_s if grace_s is None else grace_s
     alone_ttft = profile.prefill_s(request.context_len()) * (1 + config.overestimate)
     alone_tpot = profile.decode_s(1, request.context_len()) * (1 + config.overestimate)
-    if alone_ttft > request.slo.ttft_s + request.grace_s or alone_tpot > request.slo.tpot_s:
+    if alone_ttft > request.slo.ttft_s + grace or alone_tpot > request.slo.tpot_s:
         return AdmitReason.SLO_INFEASIBLE
     return None
 
@@ -90,20 +92,21 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         if profile is None:
             return Admission(AdmitReason.NO_PROFILE)
         # §IX-A: a request that waits for a cold start gets the load time as TTFT grace.
-        request = replace(request, grace_s=max(request.grace_s, profile.load_s))
-    reason = hardware_check(node, model, request, perf, config)
-    if reason is not None:
-        return Admission(reason)
-    if instance_id is None:
+        grace = max(request.grace_s, profile.load_s)
+        reason = node_check(node, config) or slo_check(profile, request, config, grace)
+        if reason is not None:
+            return Admission(reason)
         # While it loads, a new instance cannot disturb the node: validate the interference from
         # the moment it can run, with its own deadline moved earlier by the load time (which its
         # cold-start grace then gives back). Simulating the node's unchanged work during the load
         # would cost ~10x more steps and decide nothing.
-        load_s = perf.get(model.name, node.hardware).load_s
         target = new_instance_view(node, model, now)
-        request = replace(request, grace_s=request.grace_s - load_s)
+        request = replace(request, grace_s=grace - profile.load_s)
         instances = [*node.instances, target]
     else:
+        reason = hardware_check(node, model, request, perf, config)
+        if reason is not None:
+            return Admission(reason)
         target = node.instance(instance_id)
         if target is None or target.status is InstanceStatus.UNLOADING:
             return Admission(AdmitReason.INSTANCE_GONE)
