@@ -61,20 +61,39 @@ def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> No
     raise TimeoutError("gateway never became healthy")
 
 
+def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: float = 60.0) -> None:
+    """Until every node in `node_ids` is in the cluster view (it published itself after loading
+    its engine stack): a request sent before would only queue for it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
+        try:
+            r = httpx.get(f"{url}/admin/nodes", timeout=1)
+            if r.status_code == 200 and node_ids <= {n["node_id"] for n in r.json()["data"]}:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"nodes {sorted(node_ids)} never joined the cluster view")
+
+
 @contextmanager
 def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | None = None,
                   child_env: Mapping[str, Mapping[str, str]] | None = None,
                   profile: Profile | None = None,
                   plan: ProfilePlan = ProfilePlan(max_len=512, max_batch=8, repeats=2, warmup=1),
-                  base_env: Mapping[str, str] | None = None) -> Iterator[Stack]:
-    """The stack as real processes serving `model_dir` as MODEL. `extra_env` goes to every
+                  base_env: Mapping[str, str] | None = None, model: str = MODEL) -> Iterator[Stack]:
+    """The stack as real processes serving `model_dir` as `model`. `extra_env` goes to every
     service, `child_env[name]` to one (placer, node-0, gateway); `profile` (measured with `plan`
-    when not given) is stored in the stack's Redis; `base_env` defaults to this process's."""
+    when not given; its model name must be `model`) is stored in the stack's Redis; `base_env`
+    defaults to this process's."""
     nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
     children: list[Child] = []
     per_child = child_env or {}
     try:
-        store_profile(redis.url, profile or profile_model(model_dir, MODEL, plan=plan)[0])
+        store_profile(redis.url, profile or profile_model(model_dir, model, plan=plan)[0])
         port = free_port()
         env = {**(os.environ if base_env is None else base_env),
                "SLINFER_NATS_URL": nats.url, "SLINFER_REDIS_URL": redis.url,
@@ -91,11 +110,12 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
                               logs))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, children)
-        r = httpx.post(f"{url}/admin/models", json={"name": MODEL, "path": str(model_dir),
+        r = httpx.post(f"{url}/admin/models", json={"name": model, "path": str(model_dir),
                                                     "engine": "torch", "public": True})
         if r.status_code not in (200, 201):
-            raise RuntimeError(f"registering {MODEL} failed: {r.status_code} {r.text}")
-        yield Stack(url, MODEL, nats.url, redis.url, data, tuple(children))
+            raise RuntimeError(f"registering {model} failed: {r.status_code} {r.text}")
+        wait_nodes(url, {"node-0"}, children)
+        yield Stack(url, model, nats.url, redis.url, data, tuple(children))
     finally:
         for c in reversed(children):
             stop_child(c, 10.0)

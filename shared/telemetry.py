@@ -17,9 +17,10 @@ With tracing off no SDK tracer provider is installed: every span is the API's no
 NATS header helpers add nothing. Metrics always run on an SDK meter provider, read on demand by
 the Prometheus endpoint (nothing is exported unless an OTLP reader is configured).
 
-Trace context crosses NATS in message headers (W3C `traceparent`/`tracestate`), written with
-`inject_headers` and read with `extract_context` on the request stream, node commands, token
-messages and re-published (evicted or preempted) requests.
+Trace context crosses NATS in message headers (W3C `traceparent`/`tracestate`, always: it is the
+services' own wire format, whatever OTEL_PROPAGATORS says), written with `inject_headers` and read
+with `extract_context` on the request stream, node commands, token messages and re-published
+(evicted or preempted) requests.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.propagators.textmap import Getter
+from opentelemetry.trace import TraceState
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     Gauge,
@@ -242,30 +244,54 @@ def _metric_exporter(name: str):
 
 
 # --- W3C trace context in NATS headers --------------------------------------------------------
-class _HeaderGetter(Getter[Mapping[str, str]]):
+# The NATS hops are the services' own wire format: always W3C trace context, read and written here
+# directly (the same checks as OpenTelemetry's TraceContextTextMapPropagator) rather than through
+# the global propagator, whose composite (trace context + baggage, a getter call per field) costs
+# several times more on every hop of a request. Baggage does not cross NATS.
+_TRACEPARENT = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+_MAX_TRACEPARENT = 512
+_MAX_TRACESTATE = 512
+
+
+def _header(carrier: Mapping[str, str], key: str) -> str | None:
     """NATS headers are a plain dict; match names case-insensitively (a proxy may recase them)."""
-
-    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
-        value = carrier.get(key)
-        if value is None:
-            lowered = key.lower()
-            value = next((v for k, v in carrier.items() if k.lower() == lowered), None)
-        return None if value is None else [value]
-
-    def keys(self, carrier: Mapping[str, str]) -> list[str]:
-        return list(carrier.keys())
+    value = carrier.get(key)
+    if value is None:
+        value = next((v for k, v in carrier.items() if k.lower() == key), None)
+    return value
 
 
-_GETTER = _HeaderGetter()
+def _write(carrier: dict[str, str], sc: trace.SpanContext) -> dict[str, str]:
+    if sc.is_valid:
+        carrier["traceparent"] = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
+        if sc.trace_state:
+            carrier["tracestate"] = sc.trace_state.to_header()
+    return carrier
 
 
 def inject_headers(headers: dict[str, str] | None = None,
                    context: Context | None = None) -> dict[str, str]:
     """`headers` (a new dict when None) plus `traceparent`/`tracestate` of `context` (default:
     the current one). Adds nothing when there is no valid span, e.g. with tracing off."""
-    carrier = {} if headers is None else headers
-    propagate.inject(carrier, context=context)
-    return carrier
+    return _write({} if headers is None else headers,
+                  trace.get_current_span(context).get_span_context())
+
+
+def _remote(carrier: Mapping[str, str]) -> trace.SpanContext | None:
+    parent = _header(carrier, "traceparent")
+    if parent is None or len(parent) > _MAX_TRACEPARENT:
+        return None
+    match = _TRACEPARENT.match(parent)
+    if match is None:
+        return None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+        return None
+    state = _header(carrier, "tracestate")
+    return trace.SpanContext(
+        int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=trace.TraceFlags(int(flags, 16)),
+        trace_state=TraceState.from_header([state]) if state and len(state) <= _MAX_TRACESTATE else None)
 
 
 def extract_context(*carriers: Mapping[str, str] | None) -> Context:
@@ -273,17 +299,15 @@ def extract_context(*carriers: Mapping[str, str] | None) -> Context:
     `trace_context`) that holds a valid one, as a parent context; an empty context if none."""
     for carrier in carriers:
         if carrier:
-            ctx = propagate.extract(carrier, getter=_GETTER, context=Context())
-            if trace.get_current_span(ctx).get_span_context().is_valid:
-                return ctx
+            remote = _remote(carrier)
+            if remote is not None and remote.is_valid:
+                return trace.set_span_in_context(trace.NonRecordingSpan(remote), Context())
     return Context()
 
 
 def span_context_headers(span: trace.Span) -> dict[str, str]:
     """Headers carrying `span` as the parent: computed once, reused on every message of a request."""
-    if not span.get_span_context().is_valid:
-        return {}
-    return inject_headers({}, trace.set_span_in_context(span))
+    return _write({}, span.get_span_context())
 
 
 def seconds_to_ns(unix_s: float) -> int:

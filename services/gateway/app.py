@@ -3,12 +3,13 @@
 NATS (and JetStream's request stream) and Redis are opened in the lifespan and handed to the
 routes through dependencies (`deps.py`); the routes are split by role (`openai_routes.py`,
 `admin_routes.py`); every error leaves through `errors.py`. `GET /metrics` is the Prometheus
-exposition of the process's metrics; with tracing on, FastAPI's instrumentation makes the HTTP
-server span (no per-chunk send/receive spans) under which each request's GenAI span sits.
+exposition of the process's metrics; with tracing on, `observe.ServerSpanMiddleware` makes the
+HTTP server span (no per-chunk send/receive spans) under which each request's GenAI span sits.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
 from services.gateway.deps import Context, GatewayContext
 from services.gateway.errors import install_error_handlers
+from services.gateway.observe import ServerSpanMiddleware
 from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
@@ -32,6 +34,12 @@ from shared.bus import ensure_streams
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
+
+# FastAPI releases with native OpenTelemetry would add their own server span, per-operation spans
+# (dependencies, endpoint) and HTTP metrics whenever a global tracer provider is set: off, the
+# gateway makes its one server span itself (ServerSpanMiddleware).
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None) -> FastAPI:
@@ -61,7 +69,8 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             await nc.drain()
             await redis.aclose()
 
-    app = FastAPI(title="slinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="slinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  **_NO_NATIVE_TELEMETRY)
     app.state.settings = settings
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
@@ -83,10 +92,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     async def prometheus_metrics() -> Response:
         return Response(tel.metrics_text(), media_type=tm.PROMETHEUS_CONTENT_TYPE)
 
-    if tel.tracing:
-        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
-
-        FastAPIInstrumentor.instrument_app(
-            app, tracer_provider=tel.tracer_provider, meter_provider=tel.meter_provider,
-            excluded_urls="/health,/metrics", exclude_spans=["receive", "send"])
+    if tel.tracing:  # outermost of our middlewares: the body limit's refusals are traced too
+        app.add_middleware(ServerSpanMiddleware, tracer=tel.tracer("slinfer.gateway.http"),
+                           meter=tel.meter("slinfer.gateway.http"), excluded=("/health", "/metrics"))
     return app

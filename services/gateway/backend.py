@@ -64,21 +64,27 @@ class InferenceBackend:
     def connected(self) -> bool:
         return self._nc.is_connected
 
-    async def submit(self, request: InferenceRequest, timeout_s: float) -> TokenStream:
+    async def submit(self, request: InferenceRequest, timeout_s: float,
+                     trace_headers: dict[str, str] | None = None) -> TokenStream:
         """Subscribe to the request's token subject, then publish the request (in that order, so no
-        token can be missed). Raises BackendUnavailable if the stream does not take it."""
+        token can be missed). `trace_headers`: the W3C trace context the request carries (its
+        gateway span's). Raises BackendUnavailable if the stream does not take it."""
         sub = await self._nc.subscribe(token_subject(request.request_id))
         try:
             await self._js.publish(REQUEST_SUBJECT, wire.encode(request), timeout=min(timeout_s, 10.0),
-                                   headers=self.request_headers(request))
+                                   headers=self.request_headers(request, trace_headers))
         except Exception as exc:  # nats raises timeouts, no-responders, API errors
             await _unsubscribe(sub)
             raise BackendUnavailable(f"request stream did not accept the request: {exc!r}") from exc
         return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s)
 
-    def request_headers(self, request: InferenceRequest) -> dict[str, str]:
-        """NATS headers on the request stream: dedup by request id, and the current trace context
-        (W3C traceparent/tracestate; nothing when tracing is off)."""
+    def request_headers(self, request: InferenceRequest,
+                        trace_headers: dict[str, str] | None = None) -> dict[str, str]:
+        """NATS headers on the request stream: dedup by request id, and the trace context
+        (W3C traceparent/tracestate: `trace_headers`, else the current context's; nothing when
+        tracing is off)."""
+        if trace_headers is not None:
+            return {**trace_headers, "Nats-Msg-Id": request.request_id}
         return inject_headers({"Nats-Msg-Id": request.request_id})
 
     async def cancel(self, request_id: str, reason: str) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway import errors
@@ -133,9 +132,8 @@ class GatewayService:
         timeout = self.settings.request_timeout_s
         observer = RequestObserver(self.metrics, request, operation)
         try:
-            # The request span is current while publishing: its context rides the NATS headers.
-            with trace.use_span(observer.span, end_on_exit=False):
-                stream = await self.backend.submit(request, timeout)
+            # The request span's context rides the NATS headers.
+            stream = await self.backend.submit(request, timeout, observer.headers)
         except BackendUnavailable as exc:
             observer.failed_to_submit(exc)
             raise errors.backend_unavailable(str(exc)) from exc

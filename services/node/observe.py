@@ -10,6 +10,11 @@ Spans (all children of the placer's decision through the command's NATS headers)
   node.memop load|scale|unload issue to completion: bytes, run time, time parked in the
                                reservation station (a child of whatever was current when it started)
 
+Between admission and the first token message a request costs one span start (`node.request`,
+whose context the token messages carry): queue, prefill and decode are timestamps, written as
+spans with those times after the first token went out or when the request ends. The trace context
+rides only the first and the final token message.
+
 With tracing off every hook returns at once; the gauges read a snapshot taken by the heartbeat.
 """
 
@@ -38,65 +43,88 @@ RATE_WINDOW_S = 5.0
 
 
 class RequestSpans:
-    """The spans of one request on this node."""
+    """The spans of one request on this node. Only `node.request` is a live span (its context is
+    the token messages' parent); queue, prefill and decode are timestamps until written, so the
+    work between admission and the first token message is one `start_span`. `flush()` writes the
+    queue and prefill spans (after the first token message went out), `end()` whatever is left."""
+
+    __slots__ = ("request", "instance_id", "node_id", "cold", "admitted_ns", "span", "headers",
+                 "headers_sent", "queue_end_ns", "prefill_tokens", "prefill_start_ns", "prefill_end_ns",
+                 "prefill_s", "prefill_written", "decode_start_ns", "decode_iterations", "max_batch")
 
     def __init__(self, request: InferenceRequest, instance_id: str, node_id: str, cold: bool) -> None:
+        self.request, self.instance_id, self.node_id, self.cold = request, instance_id, node_id, cold
         self.admitted_ns = time.time_ns()
-        self.span = _tracer.start_span("node.request", attributes={
-            tm.MODEL: request.model, tm.MAX_TOKENS: request.max_tokens,
-            tm.INPUT_TOKENS: len(request.prompt_token_ids), "slinfer.request_id": request.request_id,
-            "slinfer.node_id": node_id, "slinfer.instance_id": instance_id,
-            "slinfer.resumed_tokens": len(request.resumed_token_ids), "slinfer.cold_start": cold})
-        self.context = trace.set_span_in_context(self.span)
-        self.headers = tm.span_context_headers(self.span)  # on every token message, computed once
-        self.prefill: trace.Span | None = None
-        self.decode: trace.Span | None = None
+        self.span = _tracer.start_span("node.request", start_time=self.admitted_ns)  # attributes: at end
+        self.headers = tm.span_context_headers(self.span)  # computed once
+        self.headers_sent = False  # on the first token message (and the final one)
+        self.queue_end_ns: int | None = None
+        self.prefill_tokens = 0
+        self.prefill_start_ns: int | None = None
+        self.prefill_end_ns: int | None = None
+        self.prefill_s: float | None = None
+        self.prefill_written = False
+        self.decode_start_ns: int | None = None
         self.decode_iterations = 0
         self.max_batch = 0
-        self.queued = False  # the queue span has been written
-
-    def _end_queue(self, now_ns: int) -> None:
-        if not self.queued:
-            self.queued = True
-            _tracer.start_span("node.queue", context=self.context, start_time=self.admitted_ns
-                               ).end(end_time=now_ns)
 
     def prefill_started(self, input_tokens: int) -> None:
         now = time.time_ns()
-        self._end_queue(now)
-        self.prefill = _tracer.start_span("node.prefill", context=self.context, start_time=now,
-                                          attributes={"slinfer.prefill.tokens": input_tokens})
+        if self.queue_end_ns is None:
+            self.queue_end_ns = now
+        self.prefill_start_ns, self.prefill_tokens = now, input_tokens
 
-    def prefill_done(self, seconds: float, error: str | None = None) -> None:
-        if self.prefill is None:
-            return
-        self.prefill.set_attribute("slinfer.prefill.engine_s", seconds)
-        if error:
-            self.prefill.set_status(Status(StatusCode.ERROR, error))
-        self.prefill.end()
-        self.prefill = None
+    def prefill_done(self, seconds: float) -> None:
+        if self.prefill_start_ns is not None and self.prefill_end_ns is None:
+            self.prefill_end_ns, self.prefill_s = time.time_ns(), seconds
 
     def decode_iteration(self, started_ns: int, batch: int) -> None:
-        if self.decode is None:
-            self._end_queue(started_ns)
-            self.decode = _tracer.start_span("node.decode", context=self.context, start_time=started_ns)
+        if self.decode_start_ns is None:
+            self.decode_start_ns = started_ns
+            if self.queue_end_ns is None:
+                self.queue_end_ns = started_ns
         self.decode_iterations += 1
-        self.max_batch = max(self.max_batch, batch)
+        if batch > self.max_batch:
+            self.max_batch = batch
+
+    def flush(self, error: str | None = None) -> None:
+        """Write the queue and prefill spans once the prefill has ended (or the request did)."""
+        if self.prefill_written or (self.prefill_end_ns is None and error is None):
+            return
+        self.prefill_written = True
+        context = trace.set_span_in_context(self.span)
+        if self.queue_end_ns is not None:
+            _tracer.start_span("node.queue", context=context, start_time=self.admitted_ns
+                               ).end(end_time=self.queue_end_ns)
+        if self.prefill_start_ns is None:
+            return
+        end_ns = self.prefill_end_ns or time.time_ns()
+        prefill = _tracer.start_span("node.prefill", context=context, start_time=self.prefill_start_ns,
+                                     attributes={"slinfer.prefill.tokens": self.prefill_tokens,
+                                                 "slinfer.prefill.engine_s": self.prefill_s or 0.0})
+        if self.prefill_end_ns is None:
+            prefill.set_status(Status(StatusCode.ERROR, error))
+        prefill.end(end_time=end_ns)
 
     def end(self, outcome: str, output_tokens: int, error: str | None = None) -> None:
-        if self.prefill is not None:
-            self.prefill_done(0.0, error or outcome)
-        if self.decode is not None:
-            self.decode.set_attribute("slinfer.decode.iterations", self.decode_iterations)
-            self.decode.set_attribute("slinfer.decode.max_batch", self.max_batch)
-            self.decode.end()
-        span = self.span
-        span.set_attribute(tm.OUTPUT_TOKENS, output_tokens)
-        span.set_attribute(tm.FINISH_REASONS, [outcome])
-        span.set_attribute("slinfer.decode.iterations", self.decode_iterations)
+        self.flush(error or outcome)
+        now = time.time_ns()
+        if self.decode_start_ns is not None:
+            _tracer.start_span("node.decode", context=trace.set_span_in_context(self.span),
+                               start_time=self.decode_start_ns, attributes={
+                                   "slinfer.decode.iterations": self.decode_iterations,
+                                   "slinfer.decode.max_batch": self.max_batch}).end(end_time=now)
+        span, request = self.span, self.request
+        span.set_attributes({
+            tm.MODEL: request.model, tm.MAX_TOKENS: request.max_tokens,
+            tm.INPUT_TOKENS: len(request.prompt_token_ids), "slinfer.request_id": request.request_id,
+            "slinfer.node_id": self.node_id, "slinfer.instance_id": self.instance_id,
+            "slinfer.resumed_tokens": len(request.resumed_token_ids), "slinfer.cold_start": self.cold,
+            tm.OUTPUT_TOKENS: output_tokens, tm.FINISH_REASONS: [outcome],
+            "slinfer.decode.iterations": self.decode_iterations})
         if error:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        span.end(end_time=now)
 
 
 class NodeObserver:
@@ -151,21 +179,19 @@ class NodeObserver:
         if not self.tracing:
             yield None
             return
-        span = _tracer.start_span("node.command", context=tm.extract_context(headers),
-                                  kind=SpanKind.SERVER, attributes={"slinfer.node_id": self.node_id})
+        span = _tracer.start_span("node.command", context=tm.extract_context(headers), kind=SpanKind.SERVER)
         with trace.use_span(span, end_on_exit=True):
             yield span
 
-    @staticmethod
-    def command_result(span, kind: str, accepted: bool, reason: str, instance_id: str | None) -> None:
+    def command_result(self, span, kind: str, accepted: bool, reason: str, instance_id: str | None) -> None:
         if span is None or not span.is_recording():
             return
         span.update_name(f"node.command {kind}")
-        span.set_attribute("slinfer.command", kind)
-        span.set_attribute("slinfer.node.accepted", accepted)
-        span.set_attribute("slinfer.admit_reason", reason)
+        attrs = {"slinfer.command": kind, "slinfer.node.accepted": accepted, "slinfer.admit_reason": reason,
+                 "slinfer.node_id": self.node_id}
         if instance_id:
-            span.set_attribute("slinfer.instance_id", instance_id)
+            attrs["slinfer.instance_id"] = instance_id
+        span.set_attributes(attrs)
 
     # --- requests ---------------------------------------------------------------------------
     def admitted(self, request: InferenceRequest, instance_id: str, cold: bool) -> None:
@@ -178,8 +204,18 @@ class NodeObserver:
         return trace.use_span(spans.span, end_on_exit=False) if spans is not None else nullcontext()
 
     def headers(self, request_id: str) -> dict[str, str] | None:
+        """The request's trace context (its node span as the parent), e.g. to hand it back."""
         spans = self.requests.get(request_id)
         return spans.headers if spans is not None and spans.headers else None
+
+    def message_headers(self, request_id: str, final: bool) -> dict[str, str] | None:
+        """Headers for a token message: the trace context on the request's first message and its
+        final one (the gateway links the first it sees), none on the messages between."""
+        spans = self.requests.get(request_id)
+        if spans is None or not spans.headers or (spans.headers_sent and not final):
+            return None
+        spans.headers_sent = True
+        return spans.headers
 
     def iteration_started(self, choice: IterationChoice, context_tokens: int) -> None:
         if not self.tracing:
@@ -195,10 +231,17 @@ class NodeObserver:
             if spans is not None:
                 spans.decode_iteration(now, batch)
 
-    def prefill_done(self, request_id: str, seconds: float, error: str | None = None) -> None:
+    def prefill_done(self, request_id: str, seconds: float) -> None:
+        """The prefill's engine time (a timestamp: its span is written by `flush`)."""
         spans = self.requests.get(request_id) if self.tracing else None
         if spans is not None:
-            spans.prefill_done(seconds, error)
+            spans.prefill_done(seconds)
+
+    def flush(self, request_id: str) -> None:
+        """Write the request's queue and prefill spans; call after its first token went out."""
+        spans = self.requests.get(request_id) if self.tracing else None
+        if spans is not None:
+            spans.flush()
 
     def event(self, request_id: str, name: str, **attributes) -> None:
         spans = self.requests.get(request_id) if self.tracing else None

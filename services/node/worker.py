@@ -157,8 +157,8 @@ class NodeWorker:
             except Exception as exc:  # one bad command must not take the node down
                 log.exception("command failed")
                 reply = NodeReply(False, f"error: {exc}")
-            self.obs.command_result(span, kind, reply.accepted, reply.reason, reply.instance_id)
             await msg.respond(wire.encode(replace(reply, node=self._view())))
+            self.obs.command_result(span, kind, reply.accepted, reply.reason, reply.instance_id)
 
     async def _admit(self, cmd: NodeCommand) -> NodeReply:
         req = cmd.request
@@ -356,6 +356,8 @@ class NodeWorker:
             else:
                 finished.add(rid)
                 await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
+        if prefill_s is not None:  # the first token is out: now write the queue and prefill spans
+            self.obs.flush(choice.request_ids[0])
         self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
 
     def _finish_reason(self, live: Live, token: int) -> FinishReason | None:
@@ -404,5 +406,5 @@ class NodeWorker:
 
     async def _publish(self, message: TokenMessage) -> None:
         await self.nc.publish(token_subject(message.request_id), wire.encode(message),
-                              headers=self.obs.headers(message.request_id))
+                              headers=self.obs.message_headers(message.request_id, message.finished))
 

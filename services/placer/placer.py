@@ -7,7 +7,8 @@ Several placers may share the durable consumer; a request is acked only once a n
 Each decision is a span (`place <model>`, child of the gateway's request span through the
 request message's headers) that says what was decided and why: every candidate tried with the
 core's admission answer, preemptions and migrations, the chosen node and instance, the node's
-answer and the time queued. Only the first of a run of QUEUE decisions gets a span (a queued
+answer and the time queued. The span starts bare before the node command (which carries its
+context); what it says is written once the command was answered. Only the first of a run of QUEUE decisions gets a span (a queued
 request is re-planned every few tens of ms); the final span counts them.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -149,26 +151,36 @@ class Placer:
                     pass
             await self._keep_waiting(p)
             return nodes
-        with self._span(p, plan):
+        with self._span(p, plan) as outcome:
             if plan.action is PlaceAction.DROP:
                 await self._fail(p, FinishReason.DROPPED, _drop_message(plan))
             else:
-                nodes = await self._carry_out(p, plan, record, nodes)
+                nodes = await self._carry_out(p, plan, record, nodes, outcome)
         return nodes
 
+    @contextmanager
     def _span(self, p: Pending, plan: PlacementPlan | None):
-        """The decision's span, current while it is carried out (node commands carry it)."""
-        span = _tracer.start_span(f"place {p.request.model}", context=p.trace_parent,
-                                  attributes=_decision_attributes(p, plan, time.time()))
-        if span.is_recording() and plan is not None:
-            for a in plan.attempts:
-                span.add_event("admission", {"slinfer.node_id": a.node_id,
-                                             "slinfer.instance_id": a.instance_id or "(new)",
-                                             "slinfer.admit_reason": a.reason.value})
-        return trace.use_span(span, end_on_exit=True)
+        """The decision's span, current while it is carried out (node commands carry it). It
+        starts bare: the decision's attributes and one event per admission attempt are written
+        after the plan was carried out, off the way to the node."""
+        now, tries, last_refusal = time.time(), p.tries, p.last_refusal  # as they were when decided
+        span = _tracer.start_span(f"place {p.request.model}", context=p.trace_parent)
+        outcome: dict = {}  # what carrying it out learned (the node's answer), written last
+        with trace.use_span(span, end_on_exit=True):
+            try:
+                yield outcome
+            finally:
+                if span.is_recording():
+                    span.set_attributes({**_decision_attributes(p, plan, now, tries, last_refusal),
+                                         **outcome})
+                    if plan is not None:
+                        for a in plan.attempts:
+                            span.add_event("admission", {"slinfer.node_id": a.node_id,
+                                                         "slinfer.instance_id": a.instance_id or "(new)",
+                                                         "slinfer.admit_reason": a.reason.value})
 
     async def _carry_out(self, p: Pending, plan: PlacementPlan, record: ModelRecord,
-                         nodes: list[NodeView]) -> list[NodeView]:
+                         nodes: list[NodeView], outcome: dict) -> list[NodeView]:
         if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
             reply = await self._command(plan.node_id, NodeCommand(
                 CommandKind.PREEMPT, preempt_instance_ids=list(plan.preempt)))
@@ -178,12 +190,10 @@ class Placer:
         reply = await self._command(plan.node_id, NodeCommand(
             CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
             model=record if new else None))
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.set_attribute("slinfer.node.accepted", bool(reply and reply.accepted))
-            span.set_attribute("slinfer.node.reason", reply.reason if reply else "no reply")
-            if reply is not None and reply.instance_id:
-                span.set_attribute("slinfer.placement.instance_id", reply.instance_id)
+        outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
+        outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
+        if reply is not None and reply.instance_id:
+            outcome["slinfer.placement.instance_id"] = reply.instance_id
         if reply is not None and reply.accepted:
             self.queue.pop(p.request.request_id, None)
             await p.msg.ack()
@@ -242,16 +252,18 @@ class Placer:
         log.info("%s %s: %s", reason.value, p.request.request_id, error)
 
 
-def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float) -> dict:
+def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tries: int,
+                         last_refusal: str) -> dict:
+    """The decision as it was taken at `now`, with the refusals seen before it."""
     req = p.request
     attrs = {tm.MODEL: req.model, "slinfer.request_id": req.request_id,
              "slinfer.placement.queued_s": now - p.received,  # in this placer's queue
              "slinfer.placement.waited_s": now - req.arrival,  # since the gateway took it
              "slinfer.placement.queue_decisions": p.queue_decisions,
-             "slinfer.placement.refusals": p.tries,
+             "slinfer.placement.refusals": tries,
              "slinfer.resumed_tokens": len(req.resumed_token_ids)}
-    if p.last_refusal:
-        attrs["slinfer.placement.last_refusal"] = p.last_refusal
+    if last_refusal:
+        attrs["slinfer.placement.last_refusal"] = last_refusal
     if plan is None:
         return attrs
     attrs["slinfer.placement.action"] = plan.action.value

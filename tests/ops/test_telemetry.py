@@ -245,3 +245,62 @@ def test_json_log_lines_carry_ids_inside_a_span_only(tracer):
     assert inside["message"] == "inside a request" and inside["request_id"] == "r1"
     assert inside["service"] == "slinfer-test" and inside["ts"].endswith("Z")
     assert "RuntimeError: boom" in failed["exception"] and failed["trace_id"] == inside["trace_id"]
+
+
+# --- the gateway's HTTP server span ----------------------------------------------------------------
+async def test_server_span_middleware_names_by_route_and_continues_a_callers_trace():
+    import httpx
+    from fastapi import FastAPI
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.gateway.app import _NO_NATIVE_TELEMETRY
+    from services.gateway.observe import ServerSpanMiddleware
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tel = tm.local("gateway")
+    app = FastAPI(**_NO_NATIVE_TELEMETRY)
+    inner = provider.get_tracer("inner")
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        with inner.start_as_current_span("inside"):
+            return {"id": name}
+
+    @app.get("/boom")
+    async def boom() -> dict:
+        raise RuntimeError("boom")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    app.add_middleware(ServerSpanMiddleware, tracer=provider.get_tracer("http"),
+                       meter=tel.meter("http"), excluded=("/health",))
+    caller = provider.get_tracer("caller").start_span("client")
+    headers = tm.span_context_headers(caller)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://gw") as client:
+        assert (await client.get("/v1/models/a/b", headers=headers)).json() == {"id": "a/b"}
+        assert (await client.get("/boom")).status_code == 500
+        assert (await client.get("/health")).status_code == 200
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"GET /v1/models/{name:path}", "inside", "GET /boom"}  # /health: none
+    server = spans["GET /v1/models/{name:path}"]
+    assert server.kind is trace.SpanKind.SERVER
+    assert server.parent.span_id == caller.get_span_context().span_id  # the caller's trace
+    assert spans["inside"].parent.span_id == server.context.span_id  # current while the app runs
+    assert {k: server.attributes[k] for k in ("http.request.method", "http.route", "url.path",
+                                              "http.response.status_code")} == {
+        "http.request.method": "GET", "http.route": "/v1/models/{name:path}", "url.path": "/v1/models/a/b",
+        "http.response.status_code": 200}
+    failed = spans["GET /boom"]
+    assert failed.parent is None and failed.attributes["http.response.status_code"] == 500
+    assert failed.status.status_code is trace.StatusCode.ERROR
+    assert failed.attributes["error.type"] == "RuntimeError"
+    assert [e.name for e in failed.events] == ["exception"]
+    text = tel.metrics_text().decode()
+    assert re.search(r'^http_server_request_duration_seconds_count\{[^}]*http_route="/boom"[^}]*\} 1\.0$',
+                     text, re.M), text
