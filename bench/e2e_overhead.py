@@ -41,9 +41,10 @@ def prompt_of(tokenizer, length: int) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float, int]:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
+                      model: str = NAME) -> tuple[str, float, int]:
     """(request id, seconds to the first token chunk, prompt tokens)."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, rid, prompt_tokens = None, "", 0
