@@ -8,12 +8,13 @@ Spans (all children of the placer's decision through the command's NATS headers)
     node.prefill               the prefill iteration
     node.decode                first to last decode iteration, iterations counted (no per-token span)
   node.memop load|scale|unload issue to completion: bytes, run time, time parked in the
-                               reservation station (a child of whatever was current when it started)
+                               reservation station (a child of the command that started it, if any)
 
-Between admission and the first token message a request costs one span start (`node.request`,
-whose context the token messages carry): queue, prefill and decode are timestamps, written as
-spans with those times after the first token went out or when the request ends. The trace context
-rides only the first and the final token message.
+Every span here is written after the fact, from timestamps: handling a command and running a
+request to its first token create none. A command's span is written once the request it admitted
+ends (or a memory operation it started completes, or right away if it admitted nothing), the
+request's spans when it ends; the trace context rides the request's second and final token
+messages only (a request the gateway ends at its first token has no link to its node span).
 
 With tracing off every hook returns at once; the gauges read a snapshot taken by the heartbeat.
 """
@@ -24,6 +25,7 @@ import logging
 import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -42,31 +44,105 @@ _tracer = trace.get_tracer("slinfer.node")
 RATE_WINDOW_S = 5.0
 
 
+class CommandSpan:
+    """One placer command's span (`node.command <kind>`, a SERVER span under the placer's decision),
+    written after the fact: handling the command only notes its times, its outcome and the
+    caller's headers. It is written when something needs its context (the request it admitted
+    ends, a memory operation it started completes, a log line inside it) or, if nothing took it
+    over, when the command is done."""
+
+    __slots__ = ("headers", "node_id", "start_ns", "end_ns", "name", "attrs", "error", "adopted",
+                 "_span")
+
+    def __init__(self, headers: dict[str, str] | None, node_id: str) -> None:
+        self.headers, self.node_id = headers, node_id
+        self.start_ns, self.end_ns = time.time_ns(), None
+        self.name = "node.command"
+        self.attrs: dict = {"slinfer.node_id": node_id}
+        self.error: str | None = None
+        self.adopted = False  # a request span took it as parent and writes it at the latest
+        self._span: trace.Span | None = None
+
+    def result(self, kind: str, accepted: bool, reason: str, instance_id: str | None) -> None:
+        self.name = f"node.command {kind}"
+        self.attrs.update({"slinfer.command": kind, "slinfer.node.accepted": accepted,
+                           "slinfer.admit_reason": reason})
+        if instance_id:
+            self.attrs["slinfer.instance_id"] = instance_id
+
+    def span(self) -> trace.Span:
+        if self._span is None:
+            self._span = _tracer.start_span(self.name, context=tm.extract_context(self.headers),
+                                            kind=SpanKind.SERVER, start_time=self.start_ns)
+            if self.end_ns is not None:
+                self._end()
+        return self._span
+
+    def close(self, error: str | None = None) -> None:
+        self.end_ns, self.error = time.time_ns(), error
+        if self._span is not None:
+            self._end()
+        elif not self.adopted:
+            self.span()
+
+    def _end(self) -> None:
+        span = self._span
+        span.update_name(self.name)
+        span.set_attributes(self.attrs)
+        if self.error:
+            span.set_status(Status(StatusCode.ERROR, self.error))
+        span.end(end_time=self.end_ns)
+
+
+# The command being handled: memory operations it starts (their tasks copy the context) and the
+# requests it admits take it as their span's parent.
+_COMMAND: ContextVar[CommandSpan | None] = ContextVar("slinfer_node_command", default=None)
+
+
 class RequestSpans:
-    """The spans of one request on this node. Only `node.request` is a live span (its context is
-    the token messages' parent); queue, prefill and decode are timestamps until written, so the
-    work between admission and the first token message is one `start_span`. `flush()` writes the
-    queue and prefill spans (after the first token message went out), `end()` whatever is left."""
+    """The spans of one request on this node, all written after the fact: until then they are
+    timestamps. `node.request` (child of the admitting command) is written when its context is
+    first needed (the second token message carries it; a hand-back, a log line) or at the end;
+    queue, prefill and decode at the end. Between admission and the first token nothing is
+    written at all."""
 
-    __slots__ = ("request", "instance_id", "node_id", "cold", "admitted_ns", "span", "headers",
-                 "headers_sent", "queue_end_ns", "prefill_tokens", "prefill_start_ns", "prefill_end_ns",
-                 "prefill_s", "prefill_written", "decode_start_ns", "decode_iterations", "max_batch")
+    __slots__ = ("request", "instance_id", "node_id", "cold", "command", "admitted_ns", "_span",
+                 "_headers", "messages", "queue_end_ns", "prefill_tokens", "prefill_start_ns", "prefill_end_ns",
+                 "prefill_s", "decode_start_ns", "decode_iterations", "max_batch")
 
-    def __init__(self, request: InferenceRequest, instance_id: str, node_id: str, cold: bool) -> None:
+    def __init__(self, request: InferenceRequest, instance_id: str, node_id: str, cold: bool,
+                 command: CommandSpan | None) -> None:
         self.request, self.instance_id, self.node_id, self.cold = request, instance_id, node_id, cold
+        self.command = command
+        if command is not None:
+            command.adopted = True
         self.admitted_ns = time.time_ns()
-        self.span = _tracer.start_span("node.request", start_time=self.admitted_ns)  # attributes: at end
-        self.headers = tm.span_context_headers(self.span)  # computed once
-        self.headers_sent = False  # on the first token message (and the final one)
+        self._span: trace.Span | None = None
+        self._headers: dict[str, str] | None = None
+        self.messages = 0  # token messages sent
         self.queue_end_ns: int | None = None
         self.prefill_tokens = 0
         self.prefill_start_ns: int | None = None
         self.prefill_end_ns: int | None = None
         self.prefill_s: float | None = None
-        self.prefill_written = False
         self.decode_start_ns: int | None = None
         self.decode_iterations = 0
         self.max_batch = 0
+
+    @property
+    def span(self) -> trace.Span:
+        if self._span is None:
+            parent = (trace.set_span_in_context(self.command.span()) if self.command is not None
+                      else None)
+            self._span = _tracer.start_span("node.request", context=parent, start_time=self.admitted_ns)
+        return self._span
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Trace context with `node.request` as the parent (written now if it was not yet)."""
+        if self._headers is None:
+            self._headers = tm.span_context_headers(self.span)
+        return self._headers
 
     def prefill_started(self, input_tokens: int) -> None:
         now = time.time_ns()
@@ -87,34 +163,24 @@ class RequestSpans:
         if batch > self.max_batch:
             self.max_batch = batch
 
-    def flush(self, error: str | None = None) -> None:
-        """Write the queue and prefill spans once the prefill has ended (or the request did)."""
-        if self.prefill_written or (self.prefill_end_ns is None and error is None):
-            return
-        self.prefill_written = True
-        context = trace.set_span_in_context(self.span)
+    def end(self, outcome: str, output_tokens: int, error: str | None = None) -> None:
+        now = time.time_ns()
+        span, request = self.span, self.request
+        context = trace.set_span_in_context(span)
         if self.queue_end_ns is not None:
             _tracer.start_span("node.queue", context=context, start_time=self.admitted_ns
                                ).end(end_time=self.queue_end_ns)
-        if self.prefill_start_ns is None:
-            return
-        end_ns = self.prefill_end_ns or time.time_ns()
-        prefill = _tracer.start_span("node.prefill", context=context, start_time=self.prefill_start_ns,
-                                     attributes={"slinfer.prefill.tokens": self.prefill_tokens,
-                                                 "slinfer.prefill.engine_s": self.prefill_s or 0.0})
-        if self.prefill_end_ns is None:
-            prefill.set_status(Status(StatusCode.ERROR, error))
-        prefill.end(end_time=end_ns)
-
-    def end(self, outcome: str, output_tokens: int, error: str | None = None) -> None:
-        self.flush(error or outcome)
-        now = time.time_ns()
+        if self.prefill_start_ns is not None:
+            prefill = _tracer.start_span("node.prefill", context=context, start_time=self.prefill_start_ns,
+                                         attributes={"slinfer.prefill.tokens": self.prefill_tokens,
+                                                     "slinfer.prefill.engine_s": self.prefill_s or 0.0})
+            if self.prefill_end_ns is None:  # the request ended inside its prefill
+                prefill.set_status(Status(StatusCode.ERROR, error or outcome))
+            prefill.end(end_time=self.prefill_end_ns or now)
         if self.decode_start_ns is not None:
-            _tracer.start_span("node.decode", context=trace.set_span_in_context(self.span),
-                               start_time=self.decode_start_ns, attributes={
-                                   "slinfer.decode.iterations": self.decode_iterations,
-                                   "slinfer.decode.max_batch": self.max_batch}).end(end_time=now)
-        span, request = self.span, self.request
+            _tracer.start_span("node.decode", context=context, start_time=self.decode_start_ns, attributes={
+                "slinfer.decode.iterations": self.decode_iterations,
+                "slinfer.decode.max_batch": self.max_batch}).end(end_time=now)
         span.set_attributes({
             tm.MODEL: request.model, tm.MAX_TOKENS: request.max_tokens,
             tm.INPUT_TOKENS: len(request.prompt_token_ids), "slinfer.request_id": request.request_id,
@@ -175,28 +241,39 @@ class NodeObserver:
     # --- commands ---------------------------------------------------------------------------
     @contextmanager
     def command(self, headers: dict[str, str] | None):
-        """The span of one placer command, current while it is handled."""
+        """One placer command being handled: yields its `CommandSpan` (None with tracing off),
+        which requests admitted and memory operations started meanwhile take as their parent."""
         if not self.tracing:
             yield None
             return
-        span = _tracer.start_span("node.command", context=tm.extract_context(headers), kind=SpanKind.SERVER)
-        with trace.use_span(span, end_on_exit=True):
-            yield span
+        command = CommandSpan(headers, self.node_id)
+        token = _COMMAND.set(command)
+        error = None
+        try:
+            yield command
+        except BaseException as exc:
+            error = repr(exc)
+            raise
+        finally:
+            _COMMAND.reset(token)
+            command.close(error)
 
-    def command_result(self, span, kind: str, accepted: bool, reason: str, instance_id: str | None) -> None:
-        if span is None or not span.is_recording():
-            return
-        span.update_name(f"node.command {kind}")
-        attrs = {"slinfer.command": kind, "slinfer.node.accepted": accepted, "slinfer.admit_reason": reason,
-                 "slinfer.node_id": self.node_id}
-        if instance_id:
-            attrs["slinfer.instance_id"] = instance_id
-        span.set_attributes(attrs)
+    @staticmethod
+    def command_result(command: CommandSpan | None, kind: str, accepted: bool, reason: str,
+                       instance_id: str | None) -> None:
+        if command is not None:
+            command.result(kind, accepted, reason, instance_id)
+
+    @staticmethod
+    def use_command(command: CommandSpan | None):
+        """Make the command's span current (a log line inside it then carries its ids)."""
+        return trace.use_span(command.span(), end_on_exit=False) if command is not None else nullcontext()
 
     # --- requests ---------------------------------------------------------------------------
     def admitted(self, request: InferenceRequest, instance_id: str, cold: bool) -> None:
         if self.tracing:
-            self.requests[request.request_id] = RequestSpans(request, instance_id, self.node_id, cold)
+            self.requests[request.request_id] = RequestSpans(request, instance_id, self.node_id, cold,
+                                                             _COMMAND.get())
 
     def use(self, request_id: str):
         """Make the request's node span current (log lines then carry its ids)."""
@@ -205,17 +282,18 @@ class NodeObserver:
 
     def headers(self, request_id: str) -> dict[str, str] | None:
         """The request's trace context (its node span as the parent), e.g. to hand it back."""
-        spans = self.requests.get(request_id)
-        return spans.headers if spans is not None and spans.headers else None
+        spans = self.requests.get(request_id) if self.tracing else None
+        return (spans.headers or None) if spans is not None else None
 
     def message_headers(self, request_id: str, final: bool) -> dict[str, str] | None:
-        """Headers for a token message: the trace context on the request's first message and its
-        final one (the gateway links the first it sees), none on the messages between."""
-        spans = self.requests.get(request_id)
-        if spans is None or not spans.headers or (spans.headers_sent and not final):
+        """Headers for a token message: the trace context (the gateway links the node span from
+        the first message that has it) on the request's second message and its final one; none
+        on its first, which is on the way to the first token, nor on the ones between."""
+        spans = self.requests.get(request_id) if self.tracing else None
+        if spans is None:
             return None
-        spans.headers_sent = True
-        return spans.headers
+        spans.messages += 1
+        return (spans.headers or None) if final or spans.messages == 2 else None
 
     def iteration_started(self, choice: IterationChoice, context_tokens: int) -> None:
         if not self.tracing:
@@ -232,16 +310,10 @@ class NodeObserver:
                 spans.decode_iteration(now, batch)
 
     def prefill_done(self, request_id: str, seconds: float) -> None:
-        """The prefill's engine time (a timestamp: its span is written by `flush`)."""
+        """The prefill's engine time (a timestamp: its span is written when the request ends)."""
         spans = self.requests.get(request_id) if self.tracing else None
         if spans is not None:
             spans.prefill_done(seconds)
-
-    def flush(self, request_id: str) -> None:
-        """Write the request's queue and prefill spans; call after its first token went out."""
-        spans = self.requests.get(request_id) if self.tracing else None
-        if spans is not None:
-            spans.flush()
 
     def event(self, request_id: str, name: str, **attributes) -> None:
         spans = self.requests.get(request_id) if self.tracing else None
@@ -258,8 +330,10 @@ class NodeObserver:
         """A span from the op's issue to its completion (parked time, then the run)."""
         if not self.tracing:
             return
-        span = _tracer.start_span(f"node.memop {op.kind.value}", start_time=tm.seconds_to_ns(op.issued_at),
-                                  attributes={
+        command = _COMMAND.get()  # the command that started it, if one did (the task's context)
+        parent = trace.set_span_in_context(command.span()) if command is not None else None
+        span = _tracer.start_span(f"node.memop {op.kind.value}", context=parent,
+                                  start_time=tm.seconds_to_ns(op.issued_at), attributes={
                                       "slinfer.memop.kind": op.kind.value,
                                       "slinfer.memop.op_id": op.op_id,
                                       "slinfer.instance_id": op.instance_id,

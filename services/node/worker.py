@@ -143,7 +143,7 @@ class NodeWorker:
 
     # --- commands (placer -> node) -----------------------------------------------------------
     async def _on_command(self, msg: Msg) -> None:
-        with self.obs.command(msg.headers) as span:  # child of the placer's decision
+        with self.obs.command(msg.headers) as command:  # child of the placer's decision
             kind = "unknown"
             try:
                 cmd = wire.decode(NodeCommand, msg.data)
@@ -155,10 +155,11 @@ class NodeWorker:
             except wire.WireError as exc:
                 reply = NodeReply(False, f"bad_command: {exc}")
             except Exception as exc:  # one bad command must not take the node down
-                log.exception("command failed")
+                with self.obs.use_command(command):  # the log line carries the trace
+                    log.exception("command failed")
                 reply = NodeReply(False, f"error: {exc}")
             await msg.respond(wire.encode(replace(reply, node=self._view())))
-            self.obs.command_result(span, kind, reply.accepted, reply.reason, reply.instance_id)
+            self.obs.command_result(command, kind, reply.accepted, reply.reason, reply.instance_id)
 
     async def _admit(self, cmd: NodeCommand) -> NodeReply:
         req = cmd.request
@@ -356,8 +357,6 @@ class NodeWorker:
             else:
                 finished.add(rid)
                 await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
-        if prefill_s is not None:  # the first token is out: now write the queue and prefill spans
-            self.obs.flush(choice.request_ids[0])
         self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
 
     def _finish_reason(self, live: Live, token: int) -> FinishReason | None:
