@@ -2,9 +2,9 @@
 over OTLP/HTTP to a local receiver, against the same stack with OTEL unset (no-op providers).
 
     .venv/bin/python bench/ops_overhead.py [--n 50] [--lengths 16 256] [--model-size tiny|small]
-                                           [--control]
+                                           [--rounds 1] [--control]
 
---model-size tiny (default) serves the demo model (~0.6M parameters: a prefill of 4-11 ms, far
+--model-size tiny (default) serves the demo model (~1.3M parameters: a prefill of 3-11 ms, far
 below real serving); small serves a ~46M-parameter random-weight Llama (shared.modelgen "small";
 a CPU prefill of 256 tokens ~0.12 s), a time to first token of a realistic order. Both are
 profiled the same way before the stacks start (ProfilePlan(max_len=1024, max_batch=8)), so the
@@ -18,7 +18,10 @@ Each request is a streamed completion with max_tokens=2, sequential, warm (the c
 excluded). Per stack: median TTFT at the client, and median TTFT minus the engine's own prefill of
 that request (reported by the node on the first token message), i.e. the path's overhead. The
 added cost is the difference of medians and the median of per-pair differences (with a bootstrap
-95% interval). Writes bench/results/ops_overhead[_small][_control].json and prints it.
+95% interval), of TTFT and of the path's overhead. --rounds R repeats it all with fresh stacks
+and pools the pairs: two stack instances differ a little by themselves (see the A/A control),
+and fresh pairs average that out. Writes bench/results/ops_overhead[_small][_control].json
+(with every request's TTFT and prefill) and prints the summary.
 """
 
 from __future__ import annotations
@@ -114,8 +117,13 @@ def summarize(rows: dict[str, list[tuple[float, float]]], tokens: int) -> dict:
     pairs = [b - a for a, b in zip(ttft_off, ttft_on)]
     paired = statistics.median(pairs)
     lo, hi = bootstrap_median(pairs)
+    # The same without each request's engine prefill: immune to the two node processes' engines
+    # running at slightly different speeds, which moves TTFT by more than tracing costs.
+    path_pairs = [b - a for a, b in zip(path_off, path_on)]
+    path_lo, path_hi = bootstrap_median(path_pairs)
     return {
         "prompt_tokens": tokens,
+        "pairs": len(pairs),
         "ttft_ms_p50_off": ms(base),
         "ttft_ms_p50_on": ms(statistics.median(ttft_on)),
         "added_ms_p50": ms(added),
@@ -123,7 +131,11 @@ def summarize(rows: dict[str, list[tuple[float, float]]], tokens: int) -> dict:
         "added_ms_paired_p50": ms(paired),
         "added_pct_paired": round(100 * paired / base, 2),
         "added_ms_paired_ci95": [ms(lo), ms(hi)],
+        "added_path_ms_paired_p50": ms(statistics.median(path_pairs)),
+        "added_path_ms_paired_ci95": [ms(path_lo), ms(path_hi)],
         "engine_prefill_ms_p50": ms(statistics.median([p for _, p in off + on])),
+        "engine_prefill_ms_p50_off": ms(statistics.median([p for _, p in off])),
+        "engine_prefill_ms_p50_on": ms(statistics.median([p for _, p in on])),
         "path_overhead_ms_p50_off": ms(statistics.median(path_off)),
         "path_overhead_ms_p50_on": ms(statistics.median(path_on)),
         "ttft_ms_p90_off": ms(statistics.quantiles(ttft_off, n=10)[-1]),
@@ -150,6 +162,8 @@ def main() -> int:
                    help="A/A control: leave OTEL unset on both stacks (measures the noise floor)")
     p.add_argument("--model-size", choices=sorted(MODELS), default="tiny",
                    help="tiny: the demo model; small: ~46M parameters, a realistic prefill time")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat with fresh stacks (each round --n pairs per length); pooled results")
     p.add_argument("--work-dir", help="keep servers' data and service logs here (default: a temp dir)")
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -172,18 +186,23 @@ def main() -> int:
         # Keep-alive long: instances stay warm, only the first request is a cold start.
         base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         common = {"SLINFER_KEEP_ALIVE_S": "600"}
+        rounds = []
         try:
-            with ExitStack() as stacks:  # leaving it stops both stacks, which flush their spans
-                off = stacks.enter_context(running_stack(data / "off", model_dir, common,
-                                                         profile=profile, base_env=base, model=name))
-                on = stacks.enter_context(running_stack(data / "on", model_dir,
-                                                        {**common, **({} if args.control else otel)},
-                                                        profile=profile, base_env=base, model=name))
-                raw = asyncio.run(measure({"off": (off.url, off.nats_url),
-                                           "on": (on.url, on.nats_url)}, prompts, args.n, name))
+            for r in range(args.rounds):
+                with ExitStack() as stacks:  # leaving it stops both stacks, which flush their spans
+                    off = stacks.enter_context(running_stack(data / f"r{r}" / "off", model_dir, common,
+                                                             profile=profile, base_env=base, model=name))
+                    on = stacks.enter_context(running_stack(data / f"r{r}" / "on", model_dir,
+                                                            {**common, **({} if args.control else otel)},
+                                                            profile=profile, base_env=base, model=name))
+                    rounds.append(asyncio.run(measure({"off": (off.url, off.nats_url),
+                                                       "on": (on.url, on.nats_url)}, prompts, args.n,
+                                                      name)))
         finally:
             receiver.terminate()
             received = json.loads(receiver.communicate(timeout=30)[0].strip().splitlines()[-1])
+    pooled = {n: ({mode: [row for raw in rounds for row in raw[n][0][mode]] for mode in ("off", "on")},
+                  rounds[0][n][1]) for n in args.lengths}
     result = {"command": "python bench/ops_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"),
@@ -194,16 +213,27 @@ def main() -> int:
               "setup": "two stacks side by side, requests alternating; 'on' exports traces and metrics "
                        "over OTLP/HTTP (parentbased_always_on, default batch settings) to a receiver "
                        "process; 'off' has OTEL unset; both serve Prometheus /metrics",
-              "cold_start_ttft_ms": raw["cold_start_ttft_ms"],
+              "rounds": args.rounds,
+              "cold_start_ttft_ms": [raw["cold_start_ttft_ms"] for raw in rounds],
               "exported": {"spans": received["spans"], "services": received["services"],
                            "otlp_posts": received["exports"]},
-              "rows": [summarize(*raw[n]) for n in args.lengths]}
+              "rows": [summarize(*pooled[n]) for n in args.lengths],
+              "per_round": [[{k: v for k, v in summarize(*raw[n]).items()
+                              if k in ("prompt_tokens", "ttft_ms_p50_off", "added_ms_paired_p50",
+                                       "added_path_ms_paired_p50", "engine_prefill_ms_p50_off",
+                                       "engine_prefill_ms_p50_on")}
+                             for n in args.lengths] for raw in rounds],
+              # per request, in order: [TTFT ms, the engine's prefill ms]
+              "raw_ms": {str(n): {mode: [[round(t * 1e3, 3), round(p * 1e3, 3)] for t, p in rows]
+                                  for mode, rows in pooled[n][0].items()} for n in args.lengths}}
     if args.control:
         result["setup"] = "A/A control: both stacks with OTEL unset (the 'on' columns are a second 'off')"
     stem = "ops_overhead" + ("" if args.model_size == "tiny" else f"_{args.model_size}")
     out = ROOT / "bench" / "results" / f"{stem}{'_control' if args.control else ''}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    summary = json.dumps({k: v for k, v in result.items() if k != "raw_ms"}, indent=2)
+    raw = json.dumps(result["raw_ms"], separators=(",", ":"))  # one line
+    out.write_text(f'{summary[:-2]},\n  "raw_ms": {raw}\n}}\n')
+    print(summary)
     return 0
 
 
