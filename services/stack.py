@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,37 +46,36 @@ def store_profile(redis_url: str, profile: Profile) -> None:
     asyncio.run(go())
 
 
-def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> None:
+def wait_until(ready: Callable[[], bool], children: list[Child], what: str,
+               timeout_s: float = 60.0) -> None:
+    """Poll `ready` until it holds; fail early, with its log, if a child process exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for c in children:
             if c.proc.poll() is not None:
                 raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if ready():
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise TimeoutError("gateway never became healthy")
+    raise TimeoutError(what)
+
+
+def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> None:
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, children,
+               "gateway never became healthy", timeout_s)
 
 
 def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: float = 60.0) -> None:
     """Until every node in `node_ids` is in the cluster view (it published itself after loading
     its engine stack): a request sent before would only queue for it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in children:
-            if c.proc.poll() is not None:
-                raise RuntimeError(f"{c.name} exited: {c.log_path.read_text()[-2000:]}")
-        try:
-            r = httpx.get(f"{url}/admin/nodes", timeout=1)
-            if r.status_code == 200 and node_ids <= {n["node_id"] for n in r.json()["data"]}:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"nodes {sorted(node_ids)} never joined the cluster view")
+    def joined() -> bool:
+        r = httpx.get(f"{url}/admin/nodes", timeout=1)
+        return r.status_code == 200 and node_ids <= {n["node_id"] for n in r.json()["data"]}
+
+    wait_until(joined, children, f"nodes {sorted(node_ids)} never joined the cluster view", timeout_s)
 
 
 @contextmanager
