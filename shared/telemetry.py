@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import TraceState
+from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     Gauge,
@@ -48,6 +47,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -244,54 +244,36 @@ def _metric_exporter(name: str):
 
 
 # --- W3C trace context in NATS headers --------------------------------------------------------
-# The NATS hops are the services' own wire format: always W3C trace context, read and written here
-# directly (the same checks as OpenTelemetry's TraceContextTextMapPropagator) rather than through
-# the global propagator, whose composite (trace context + baggage, a getter call per field) costs
-# several times more on every hop of a request. Baggage does not cross NATS.
-_TRACEPARENT = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
-_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
-_MAX_TRACEPARENT = 512
-_MAX_TRACESTATE = 512
+# The NATS hops are the services' own wire format: always W3C trace context, through
+# OpenTelemetry's trace-context propagator used directly rather than the global one, whose
+# composite (trace context + baggage) costs several times more on every hop of a request.
+# Baggage does not cross NATS.
+_W3C = TraceContextTextMapPropagator()
 
 
-def _header(carrier: Mapping[str, str], key: str) -> str | None:
+class _HeaderGetter(Getter[Mapping[str, str]]):
     """NATS headers are a plain dict; match names case-insensitively (a proxy may recase them)."""
-    value = carrier.get(key)
-    if value is None:
-        value = next((v for k, v in carrier.items() if k.lower() == key), None)
-    return value
+
+    def get(self, carrier: Mapping[str, str], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        if value is None:
+            value = next((v for k, v in carrier.items() if k.lower() == key), None)
+        return None if value is None else [value]
+
+    def keys(self, carrier: Mapping[str, str]) -> list[str]:
+        return list(carrier)
 
 
-def _write(carrier: dict[str, str], sc: trace.SpanContext) -> dict[str, str]:
-    if sc.is_valid:
-        carrier["traceparent"] = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
-        if sc.trace_state:
-            carrier["tracestate"] = sc.trace_state.to_header()
-    return carrier
+_GETTER = _HeaderGetter()
 
 
 def inject_headers(headers: dict[str, str] | None = None,
                    context: Context | None = None) -> dict[str, str]:
     """`headers` (a new dict when None) plus `traceparent`/`tracestate` of `context` (default:
     the current one). Adds nothing when there is no valid span, e.g. with tracing off."""
-    return _write({} if headers is None else headers,
-                  trace.get_current_span(context).get_span_context())
-
-
-def _remote(carrier: Mapping[str, str]) -> trace.SpanContext | None:
-    parent = _header(carrier, "traceparent")
-    if parent is None or len(parent) > _MAX_TRACEPARENT:
-        return None
-    match = _TRACEPARENT.match(parent)
-    if match is None:
-        return None
-    version, trace_id, span_id, flags, rest = match.groups()
-    if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
-        return None
-    state = _header(carrier, "tracestate")
-    return trace.SpanContext(
-        int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=trace.TraceFlags(int(flags, 16)),
-        trace_state=TraceState.from_header([state]) if state and len(state) <= _MAX_TRACESTATE else None)
+    carrier = {} if headers is None else headers
+    _W3C.inject(carrier, context)
+    return carrier
 
 
 def extract_context(*carriers: Mapping[str, str] | None) -> Context:
@@ -299,15 +281,15 @@ def extract_context(*carriers: Mapping[str, str] | None) -> Context:
     `trace_context`) that holds a valid one, as a parent context; an empty context if none."""
     for carrier in carriers:
         if carrier:
-            remote = _remote(carrier)
-            if remote is not None and remote.is_valid:
-                return trace.set_span_in_context(trace.NonRecordingSpan(remote), Context())
+            context = _W3C.extract(carrier, Context(), getter=_GETTER)
+            if trace.get_current_span(context).get_span_context().is_valid:
+                return context
     return Context()
 
 
 def span_context_headers(span: trace.Span) -> dict[str, str]:
     """Headers carrying `span` as the parent: computed once, reused on every message of a request."""
-    return _write({}, span.get_span_context())
+    return inject_headers({}, trace.set_span_in_context(span))
 
 
 def seconds_to_ns(unix_s: float) -> int:
