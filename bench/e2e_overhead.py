@@ -62,10 +62,11 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
     return rid, ttft, prompt_tokens
 
 
-async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> dict:
+async def watch_prefill(nats_url: str, prefill: dict[str, float]):
+    """Connect to the stack's NATS and note each request's engine prefill time (the node puts it
+    on the first token message) in `prefill`; returns the connection, to close when done."""
     import nats
 
-    prefill: dict[str, float] = {}
     nc = await nats.connect(nats_url)
 
     async def on_token(msg) -> None:
@@ -74,6 +75,12 @@ async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> d
             prefill.setdefault(m.request_id, m.prefill_s)
 
     await nc.subscribe("slinfer.tokens.>", cb=on_token)
+    return nc
+
+
+async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> dict:
+    prefill: dict[str, float] = {}
+    nc = await watch_prefill(nats_url, prefill)
     out: dict = {}
     async with httpx.AsyncClient(timeout=60) as client:
         _, cold, _ = await one_request(client, url, prompts[min(prompts)])

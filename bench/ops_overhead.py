@@ -47,13 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e_overhead import NAME, one_request, prompt_of  # noqa: E402
+from e2e_overhead import NAME, one_request, prompt_of, watch_prefill  # noqa: E402
 from services.stack import running_stack  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
-from shared import wire  # noqa: E402
 from shared.modelgen import ensure_demo_model, ensure_model  # noqa: E402
-from shared.schemas import TokenMessage  # noqa: E402
 
 
 MODELS = {"tiny": ("tiny", NAME), "small": ("small", "small-llama")}  # --model-size: (shape, name)
@@ -61,20 +59,8 @@ MODELS = {"tiny": ("tiny", NAME), "small": ("small", "small-llama")}  # --model-
 
 async def measure(stacks: dict[str, tuple[str, str]], prompts: dict[int, str], n: int,
                   model: str) -> dict:
-    import nats
-
     prefill: dict[str, float] = {}
-    conns = []
-    for _, nats_url in stacks.values():
-        nc = await nats.connect(nats_url)
-
-        async def on_token(msg) -> None:
-            m = wire.decode(TokenMessage, msg.data)
-            if m.prefill_s is not None:
-                prefill.setdefault(m.request_id, m.prefill_s)
-
-        await nc.subscribe("slinfer.tokens.>", cb=on_token)
-        conns.append(nc)
+    conns = [await watch_prefill(nats_url, prefill) for _, nats_url in stacks.values()]
     out: dict = {"cold_start_ttft_ms": {}}
     async with httpx.AsyncClient(timeout=120) as client:
         for mode, (url, _) in stacks.items():
