@@ -90,6 +90,7 @@ def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec, p
 # memory or the node (sharing disabled) can; only neighbours with requests change the timeline.
 _MEMORY_BOUND = frozenset({AdmitReason.MEMORY, AdmitReason.NOT_SHARED})
 _TIME_BOUND = frozenset({AdmitReason.TPOT_BUDGET, AdmitReason.TTFT_MISS, AdmitReason.HEADROOM})
+_PREEMPTION_MAY_HELP = _MEMORY_BOUND | _TIME_BOUND
 
 
 def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: RequestView,
@@ -102,13 +103,13 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
     `failed` is the answer the request got on this node without preemption, when the caller has
     it: trials that cannot change it are skipped (an idle victim frees memory, not time).
     """
-    if failed is not None and failed not in _MEMORY_BOUND | _TIME_BOUND:
+    if failed is not None and failed not in _PREEMPTION_MAY_HELP:
         return None
     chosen: list[InstanceView] = []
     target_id = preemptor.instance_id if preemptor else None
     for victim in preemption_victims(node, preemptor):
         chosen.append(victim)
-        if failed in _TIME_BOUND and not any(v.requests for v in chosen):
+        if failed in _TIME_BOUND and not victim.requests:  # smallest first: all chosen are idle
             continue
         trial = without_instances(node, {v.instance_id for v in chosen})
         admission = evaluate(trial, target_id, request, model, perf, now, config)

@@ -22,7 +22,6 @@ from shared.core.iteration import (IterationChoice, apply_iteration, choose_iter
 from shared.core.memory import MemOp, MemOpKind, MemoryLedger, kv_demand, watermark_target
 from shared.core.consolidation import idle_instances
 from shared.core.perf_model import PerfModel
-from shared.core.shadow import copy_instances
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
 
@@ -274,6 +273,11 @@ class NodeScheduler:
     def _sync(self) -> None:
         self.node.budget_bytes = self.ledger.budget
         self.node.pessimistic_bytes = self.ledger.pessimistic
+
+
+def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:
+    """Copies deep enough that changing requests on them leaves the originals untouched."""
+    return [replace(i, requests=[replace(r) for r in i.requests]) for i in instances]
 
 
 def new_node(node_id: str, hardware: Hardware, memory_bytes: int, perf: PerfModel,

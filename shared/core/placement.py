@@ -75,8 +75,8 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             return PlacementPlan(PlaceAction.ROUTE, node.node_id, inst.instance_id, adm,
                                  attempts=tuple(attempts))
 
-    failed = {(a.node_id, a.instance_id): a.reason for a in attempts}
     if config.enable_consolidation:
+        failed = {(a.node_id, a.instance_id): a.reason for a in attempts}  # each candidate's answer
         for node, inst in cands:
             pre = plan_preemption(node, inst, request, model, nodes, models, perf, now, config,
                                   failed[node.node_id, inst.instance_id])
@@ -93,7 +93,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             return PlacementPlan(PlaceAction.NEW_INSTANCE, node.node_id, None, adm,
                                  attempts=tuple(attempts))
     if config.enable_consolidation:
-        failed.update({(a.node_id, a.instance_id): a.reason for a in attempts})
+        failed = {(a.node_id, a.instance_id): a.reason for a in attempts}
         for node in by_startup:
             pre = plan_preemption(node, None, request, model, nodes, models, perf, now, config,
                                   failed[node.node_id, None])

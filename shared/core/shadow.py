@@ -21,19 +21,12 @@ step-by-step simulation on those functions), only cheaper: a step costs O(instan
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.perf_model import Profile
 from shared.core.types import InstanceStatus, InstanceView, RequestView
 
 INF = float("inf")
-
-
-def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:
-    """Copies deep enough that changing requests on them leaves the originals untouched."""
-    return [replace(i, requests=[replace(r) for r in i.requests]) for i in instances]
 
 
 class _SimRequest:

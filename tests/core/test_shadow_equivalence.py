@@ -15,7 +15,8 @@ from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.iteration import (IterationKind, apply_iteration, choose_iteration,
                                    decode_shape, predict_seconds)
-from shared.core.shadow import copy_instances, shadow_validate
+from shared.core.node_scheduler import copy_instances
+from shared.core.shadow import shadow_validate
 from shared.core.types import SLO, Hardware, InstanceStatus, InstanceView, RequestView
 
 from tests.core.factories import linear_profile, model
