@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def profile(model_dir):
-    return profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=1024, max_batch=8, repeats=2))[0]
+    return profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=1024, max_batch=8, repeats=3))[0]
 
 
 class Harness:
