@@ -3,6 +3,10 @@ greedy reference tokens (Hugging Face `generate` in float32) and asserts exact e
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 
 from services.node.engines.base import KVCacheFull, SamplingParams
@@ -12,6 +16,28 @@ N_TOKENS = 24
 
 # Three prompts of different lengths (token ids of the tiny model's vocabulary of 2048).
 PROMPTS = [list(range(5, 12)), list(range(100, 140)), [7, 9, 7]]
+
+
+def engine_factory(build: Callable[..., object]) -> Iterator[Callable[..., object]]:
+    """For a module fixture (`yield from`): a factory of loaded engines made by `build(**kwargs)`;
+    every engine it made is unloaded after the module."""
+    engines = []
+
+    def factory(**kwargs):
+        engine = build(**kwargs)
+        engine.load()
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.unload()
+
+
+def per_token_f32(model_dir: Path) -> int:
+    """KV bytes per token of a float32 cache: K and V, every layer and KV head."""
+    c = json.loads((model_dir / "config.json").read_text())
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4
 
 
 def run_alone(engine, rid: str, ids: list[int], n: int,

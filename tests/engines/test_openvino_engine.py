@@ -5,7 +5,6 @@ memory accounting. Runs for real: needs openvino-genai here and the exporter's .
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -32,28 +31,13 @@ def expected(tiny_model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def make(tiny_model_dir: Path, ir_dir: Path):
-    engines = []
-
-    def factory(**kwargs) -> OpenVINOEngine:
-        engine = OpenVINOEngine(tiny_model_dir, **{"dtype": "float32", "ir_dir": ir_dir,
-                                                   **kwargs})
-        engine.load()
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.unload()
+    yield from checks.engine_factory(lambda **kwargs: OpenVINOEngine(
+        tiny_model_dir, **{"dtype": "float32", "ir_dir": ir_dir, **kwargs}))
 
 
 @pytest.fixture(scope="module")
 def engine(make) -> OpenVINOEngine:
     return make()
-
-
-def per_token_f32(model_dir: Path) -> int:
-    c = json.loads((model_dir / "config.json").read_text())
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4
 
 
 def test_conversion_is_cached_and_has_a_cli(tiny_model_dir, ir_dir, capsys):
@@ -78,7 +62,7 @@ def test_protocol_and_factory(tiny_model_dir):
 def test_block_size_and_memory_match_the_pipeline(engine, tiny_model_dir):
     """The engine's own block accounting (BLOCK_SIZE tokens per block) agrees with the usage the
     pipeline reports after a step."""
-    per_token = per_token_f32(tiny_model_dir)
+    per_token = checks.per_token_f32(tiny_model_dir)
     assert engine.block_bytes == BLOCK_SIZE * per_token
     for n, blocks in ((BLOCK_SIZE, 1), (BLOCK_SIZE + 1, 2)):
         engine.add_request("p", list(range(3, 3 + n)), checks.GREEDY)

@@ -24,27 +24,13 @@ def expected(tiny_model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def make(tiny_model_dir: Path):
-    engines = []
-
-    def factory(**kwargs) -> VllmEngine:
-        engine = VllmEngine(tiny_model_dir, **{"dtype": "float32", **kwargs})
-        engine.load()
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.unload()
+    yield from checks.engine_factory(
+        lambda **kwargs: VllmEngine(tiny_model_dir, **{"dtype": "float32", **kwargs}))
 
 
 @pytest.fixture(scope="module")
 def engine(make) -> VllmEngine:
     return make()
-
-
-def per_token_f32(model_dir: Path) -> int:
-    c = json.loads((model_dir / "config.json").read_text())
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4
 
 
 def test_protocol_and_factory(tiny_model_dir):
@@ -57,7 +43,7 @@ def test_protocol_and_factory(tiny_model_dir):
 
 
 def test_memory_accounting(engine, tiny_model_dir):
-    per_token = per_token_f32(tiny_model_dir)
+    per_token = checks.per_token_f32(tiny_model_dir)
     assert engine.info["block_bytes"] == BLOCK_SIZE * per_token
     checks.check_memory(engine, per_token, BLOCK_SIZE)
     c = json.loads((tiny_model_dir / "config.json").read_text())
