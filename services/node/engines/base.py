@@ -7,6 +7,7 @@ what lets several models share one node at token granularity.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -67,6 +68,34 @@ class Engine(Protocol):
 
     def resize_kv(self, capacity_bytes: int) -> None:
         """Grow or shrink the KV pool while requests are in flight (copies used blocks)."""
+
+
+@dataclass
+class PipelinedRequest:
+    """A request in an engine whose own scheduler may compute tokens ahead of ours (OpenVINO's
+    continuous-batching pipeline, vLLM): tokens it computed wait in `ahead` until our scheduler
+    runs the iteration that hands them out."""
+
+    tokens: list[int]  # prompt (+ resumed tokens) + tokens handed out; the last one has no KV yet
+    params: SamplingParams
+    seed: int
+    ahead: deque = field(default_factory=deque)  # computed by the engine, not yet handed out
+    prefilled: bool = False
+    generated: int = 0  # tokens handed out since add_request
+
+    @property
+    def pipe_tokens(self) -> int:
+        """Tokens of this sequence inside the engine (the last one has no KV yet)."""
+        return len(self.tokens) + len(self.ahead)
+
+    def hand_out(self, token: int) -> None:
+        self.tokens.append(token)
+        self.generated += 1
+
+
+def blocks(tokens: int, block_size: int) -> int:
+    """KV blocks that hold `tokens` tokens."""
+    return -(-max(tokens, 0) // block_size)
 
 
 class RequestBook:

@@ -65,10 +65,11 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
+from .base import (KVCacheFull, MemoryReport, PipelinedRequest, RequestBook, SamplingParams,
+                   StepResult, blocks)
 
 __all__ = ["OpenVINOEngine", "ensure_ir", "main"]
 
@@ -188,20 +189,9 @@ def _export(model_dir: Path, out: Path, fmt: str, key: str, show_output: bool) -
 # -- the engine ------------------------------------------------------------------------------------
 
 @dataclass
-class _Request:
-    tokens: list[int]  # prompt (+ resumed tokens) + tokens handed out; the last one has no KV yet
-    params: SamplingParams
-    seed: int
+class _Request(PipelinedRequest):
     pipe_id: int | None = None  # id in the pipeline while it runs there
     handle: object = None
-    ahead: deque = field(default_factory=deque)  # computed by the pipeline, not yet handed out
-    prefilled: bool = False
-    generated: int = 0  # tokens handed out since add_request
-
-    @property
-    def pipe_tokens(self) -> int:
-        """Tokens of this sequence inside the pipeline (the last one has no KV yet)."""
-        return len(self.tokens) + len(self.ahead)
 
 
 class OpenVINOEngine(RequestBook):
@@ -400,7 +390,7 @@ class OpenVINOEngine(RequestBook):
         token = outputs.pop(request_id)
         for rid, other in outputs.items():  # cannot happen in a prompt step; kept, not lost
             self.requests[rid].ahead.append(other)
-        self._hand_out(request, token)
+        request.hand_out(token)
         return StepResult({request_id: token})
 
     def decode(self, request_ids: list[str]) -> StepResult:
@@ -429,7 +419,7 @@ class OpenVINOEngine(RequestBook):
         tokens = {}
         for rid, request in zip(request_ids, requests):
             tokens[rid] = request.ahead.popleft()
-            self._hand_out(request, tokens[rid])
+            request.hand_out(tokens[rid])
         return StepResult(tokens)
 
     # -- pipeline plumbing ---------------------------------------------------------------------
@@ -512,11 +502,6 @@ class OpenVINOEngine(RequestBook):
         self._next_pipe_id += 1
         return self._next_pipe_id
 
-    @staticmethod
-    def _hand_out(request: _Request, token: int) -> None:
-        request.tokens.append(token)
-        request.generated += 1
-
     def _loaded(self) -> None:
         if self.pipe is None:
             raise RuntimeError("engine is not loaded; call load() first")
@@ -530,7 +515,7 @@ class OpenVINOEngine(RequestBook):
 
 
 def _blocks(tokens: int) -> int:
-    return -(-max(tokens, 0) // BLOCK_SIZE)
+    return blocks(tokens, BLOCK_SIZE)
 
 
 # -- `slinfer convert-openvino` --------------------------------------------------------------------

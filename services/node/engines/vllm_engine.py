@@ -48,10 +48,11 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
+from .base import (KVCacheFull, MemoryReport, PipelinedRequest, RequestBook, SamplingParams,
+                   StepResult, blocks)
 
 __all__ = ["VllmEngine"]
 
@@ -210,19 +211,9 @@ def _params_to_json(params: SamplingParams) -> dict:
 # -- the child: runs inside .venv-vllm -------------------------------------------------------------
 
 @dataclass
-class _Request:
-    tokens: list[int]  # prompt (+ resumed) + tokens handed out; the last one has no KV yet
-    params: SamplingParams
-    seed: int
+class _Request(PipelinedRequest):
     internal_id: str | None = None  # vLLM's id while it runs there
     external_id: str | None = None
-    ahead: deque = field(default_factory=deque)  # computed by vLLM, not yet handed out
-    prefilled: bool = False
-    generated: int = 0
-
-    @property
-    def pipe_tokens(self) -> int:
-        return len(self.tokens) + len(self.ahead)
 
 
 def _checkpoint_elements(model_dir: Path) -> int:
@@ -245,7 +236,7 @@ def _checkpoint_elements(model_dir: Path) -> int:
 
 
 def _blocks(tokens: int) -> int:
-    return -(-max(tokens, 0) // BLOCK_SIZE)
+    return blocks(tokens, BLOCK_SIZE)
 
 
 def _scheduler_class():
@@ -429,7 +420,7 @@ class _Core(RequestBook):
             self._abort(request)
             raise RuntimeError(f"vLLM's prefill step produced no token for {request_id!r}")
         request.prefilled = True
-        self._hand_out(request, produced[request_id])
+        request.hand_out(produced[request_id])
         return {request_id: request.tokens[-1]}
 
     def decode(self, request_ids: list[str]) -> dict:
@@ -457,7 +448,7 @@ class _Core(RequestBook):
                 raise RuntimeError(f"vLLM's step produced no token for {missing}")
         out = {}
         for rid, request in zip(request_ids, requests):
-            self._hand_out(request, request.ahead.popleft())
+            request.hand_out(request.ahead.popleft())
             out[rid] = request.tokens[-1]
         return out
 
@@ -508,11 +499,6 @@ class _Core(RequestBook):
         self._by_external.pop(request.external_id, None)
         request.internal_id = request.external_id = None
         request.ahead.clear()
-
-    @staticmethod
-    def _hand_out(request: _Request, token: int) -> None:
-        request.tokens.append(token)
-        request.generated += 1
 
     def _loaded(self) -> None:
         if self.engine is None:
