@@ -44,7 +44,12 @@ class InferenceRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # The tokens that end this request: the model's EOS ids, none when the client asked ignore_eos.
     eos_token_ids: list[int] = field(default_factory=list)
+    top_k: int = 0  # 0 = no limit
+    repetition_penalty: float = 1.0  # 1 = off
+    min_tokens: int = 0  # output tokens before an EOS may be produced (counting resumed ones)
+    ignore_eos: bool = False  # the client's ignore_eos (the gateway then sends no eos_token_ids)
     # Tokens already generated before a migration (evict/resume); the node re-prefills
     # prompt + resumed tokens and continues the sequence numbering after them.
     resumed_token_ids: list[int] = field(default_factory=list)

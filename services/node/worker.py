@@ -288,7 +288,11 @@ class NodeWorker:
         live.in_engine = True
         req = live.request
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
-                                top_p=req.top_p, seed=req.seed, eos_token_ids=tuple(req.eos_token_ids))
+                                top_p=req.top_p, seed=req.seed, eos_token_ids=tuple(req.eos_token_ids),
+                                top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                # live.output holds the resumed tokens: they count toward it
+                                min_tokens=max(0, req.min_tokens - len(live.output)),
+                                ignore_eos=req.ignore_eos)
         self.engines[live.instance_id].add_request(req.request_id, live.all_tokens, params)
 
     # --- the token loop ----------------------------------------------------------------------

@@ -19,6 +19,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    top_k: int = 0  # keep the k most likely tokens before sampling; 0 = all
+    # Hugging Face's (CTRL) penalty on every token already in the sequence, prompt included:
+    # a positive logit is divided by it, a negative one multiplied; 1 = off. Applies to greedy too.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS tokens cannot be produced before this many were generated
+    ignore_eos: bool = False  # an EOS token does not end the request (max_tokens does)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,8 @@ class RequestBook:
             raise ValueError(f"token ids must be in [0, {vocab_size})")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if params.top_k < 0 or params.min_tokens < 0 or not params.repetition_penalty > 0:
+            raise ValueError("top_k and min_tokens must be >= 0 and repetition_penalty > 0")
 
     def evict(self, request_id: str) -> list[int]:
         """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""
@@ -136,6 +144,8 @@ class RequestBook:
         request = self._request(request_id)
         if request.generated >= request.params.max_tokens:
             return True
+        if request.params.ignore_eos:
+            return False
         return request.generated > 0 and request.tokens[-1] in request.params.eos_token_ids
 
     def num_tokens(self, request_id: str) -> int:

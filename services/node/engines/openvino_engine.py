@@ -40,7 +40,8 @@ cache); "float32" asks for f32 compute and an f32 KV cache (use it to compare ou
 reported pool size over its block count), not assumed.
 
 Sampling: greedy at temperature 0 (argmax, as the torch engine); otherwise the pipeline's own
-multinomial sampler with temperature, top-p and `rng_seed`. A seeded request is reproducible on a
+multinomial sampler with temperature, top-k, top-p and `rng_seed`; the pipeline's repetition
+penalty and min_new_tokens (`_generation_config`). A seeded request is reproducible on a
 fresh pipeline, but its random stream restarts when it is re-added (evict/resume or a resize), so
 sampled (not greedy) continuations after those differ from an uninterrupted run.
 
@@ -453,7 +454,7 @@ class OpenVINOEngine(RequestBook):
 
         pipe_id = self._new_pipe_id()
         config = self._generation_config(request.params, request.seed,
-                                         self.max_context - len(tokens))
+                                         self.max_context - len(tokens), request.generated)
         request.handle = self.pipe.add_request(pipe_id, ov.Tensor(np.array([tokens], np.int64)),
                                                config)
         request.pipe_id = pipe_id
@@ -483,16 +484,24 @@ class OpenVINOEngine(RequestBook):
         request.pipe_id = request.handle = None
         request.ahead.clear()
 
-    def _generation_config(self, params: SamplingParams, seed: int, max_new: int):
+    def _generation_config(self, params: SamplingParams, seed: int, max_new: int,
+                           generated: int = 0):
+        """The pipeline's GenerationConfig for a (re)submission after `generated` tokens."""
         import openvino_genai as ov_genai
 
         config = ov_genai.GenerationConfig()
         config.max_new_tokens = max(1, max_new)
         config.ignore_eos = True  # the node scheduler decides when a request ends
+        config.repetition_penalty = params.repetition_penalty  # greedy or sampled alike
+        # The pipeline holds back its stop tokens until min_new_tokens: ours are the EOS ids.
+        config.stop_token_ids = set(params.eos_token_ids)
+        config.min_new_tokens = min(max(0, params.min_tokens - generated), config.max_new_tokens)
         if params.temperature > 0:
             config.do_sample = True
             config.temperature = params.temperature
             config.top_p = params.top_p
+            if params.top_k > 0:  # else the pipeline's default: no limit
+                config.top_k = params.top_k
             config.rng_seed = seed
         else:
             config.do_sample = False

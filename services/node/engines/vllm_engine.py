@@ -35,13 +35,15 @@ unscheduled (the V1 scheduler allows that; it is what a token budget does). So
   changed. It costs seconds (engine shutdown + build + recompute); `slinfer profile` measures it
   into the profile.
 
-Sampling: greedy at temperature 0; otherwise vLLM's sampler with temperature, top-p and a
-per-request seed. As with the OpenVINO engine, a sampled continuation after an evict/resume or a
-resize restarts the request's random stream.
+Sampling: greedy at temperature 0; otherwise vLLM's sampler with temperature, top-k, top-p and a
+per-request seed; vLLM's repetition penalty and min_tokens (`vllm_sampling_kwargs`). As with the
+OpenVINO engine, a sampled continuation after an evict/resume or a resize restarts the request's
+random stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -203,9 +205,32 @@ class VllmEngine:
 
 
 def _params_to_json(params: SamplingParams) -> dict:
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "seed": params.seed,
-            "eos_token_ids": list(params.eos_token_ids)}
+    plain = dataclasses.asdict(params)
+    plain["eos_token_ids"] = list(params.eos_token_ids)
+    return plain
+
+
+def _params_from_json(plain: dict) -> SamplingParams:
+    return SamplingParams(**{**plain, "eos_token_ids": tuple(plain["eos_token_ids"])})
+
+
+def vllm_sampling_kwargs(params: SamplingParams, seed: int, generated: int,
+                         max_tokens: int) -> dict:
+    """Our request's sampling as vLLM SamplingParams keywords, for a (re)submission after
+    `generated` tokens. Greedy at temperature 0 (top-k/top-p off); the penalties apply either
+    way. vLLM does not end the request at the model's EOS (ignore_eos: the node decides). While
+    min_tokens has tokens to come, our EOS ids go in as vLLM's stop tokens, the ones its
+    min_tokens holds back; vLLM then also stops at one, where the node ends the request too."""
+    sampled = params.temperature > 0
+    min_tokens = min(max(0, params.min_tokens - generated), max_tokens)
+    stop = list(params.eos_token_ids) if min_tokens and not params.ignore_eos else []
+    return {"temperature": params.temperature if sampled else 0.0,
+            "top_p": params.top_p if sampled else 1.0,
+            "top_k": params.top_k if sampled else 0,
+            "seed": seed if sampled else None,
+            "repetition_penalty": params.repetition_penalty,
+            "min_tokens": min_tokens, "stop_token_ids": stop,
+            "max_tokens": max_tokens, "ignore_eos": True}
 
 
 # -- the child: runs inside .venv-vllm -------------------------------------------------------------
@@ -390,8 +415,7 @@ class _Core(RequestBook):
 
     def add_request(self, request_id: str, token_ids: list[int], params: dict) -> None:
         self._loaded()
-        params = SamplingParams(params["max_tokens"], params["temperature"], params["top_p"],
-                                params["seed"], tuple(params["eos_token_ids"]))
+        params = _params_from_json(params)
         self.check_new(request_id, token_ids, params, self.context, self.vocab_size)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.requests[request_id] = _Request(list(token_ids), params, seed)
@@ -461,12 +485,9 @@ class _Core(RequestBook):
 
         self._submissions += 1
         external = f"{request_id}#{self._submissions}"
-        sampled = request.params.temperature > 0
         params = VSamplingParams(
-            temperature=request.params.temperature if sampled else 0.0,
-            top_p=request.params.top_p if sampled else 1.0,
-            seed=request.seed if sampled else None,
-            max_tokens=max(1, self.max_model_len - len(tokens)), ignore_eos=True,
+            **vllm_sampling_kwargs(request.params, request.seed, request.generated,
+                                   max(1, self.max_model_len - len(tokens))),
             detokenize=False, output_kind=RequestOutputKind.DELTA)
         request.internal_id = self.engine.add_request(
             external, TokensPrompt(prompt_token_ids=list(tokens)), params)
