@@ -2,19 +2,32 @@
 
 Used by `slinfer up`, by the test suite and by benchmarks: each server gets a free port on
 127.0.0.1, its own data directory, and is stopped (process group and all) by `stop()`.
+
+Every process started here (and by the launcher and `services.stack`, through `popen_tied`)
+dies with the process that started it, even when that one is SIGKILLed or segfaults: the
+kernel sends it SIGKILL (Linux `PR_SET_PDEATHSIG`).
+
+The redis-compatible server keeps its data: an append-only file in its data directory
+(`appendonly yes`, fsync every second), so a server restarted on the same directory has the
+model registry and the profiles back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ServerStartError(RuntimeError):
@@ -47,9 +60,12 @@ class ServerProcess:
     port: int
     proc: subprocess.Popen
     log_path: Path
+    argv: tuple[str, ...] = ()  # how it was started: `again()` starts it the same way
+    host: str = "127.0.0.1"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.proc.poll() is not None:
+            _kill_group(self.proc.pid)  # it died on its own: anything it forked goes too
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -59,6 +75,66 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+    def again(self, timeout_s: float = 15.0) -> ServerProcess:
+        """A new server with the same command line: same port, same data directory (so the
+        same URL); for restarting one that died. Stops this one first if it still runs."""
+        self.stop()
+        return _start(self.name, list(self.argv), self.log_path.parent, self.url, self.host,
+                      self.port, timeout_s)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------- processes that die with us
+
+PR_SET_PDEATHSIG = 1
+# Resolved once here, in the parent: between fork and exec the child of a threaded parent must
+# not load a library (another thread may have held the loader's lock at the fork); it only
+# calls prctl and getppid.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _die_with_parent(parent_pid: int, sig: int) -> Callable[[], None]:
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
+def _spawn_thread() -> ThreadPoolExecutor:
+    """One thread that lives as long as this process. PDEATHSIG fires when the *thread* that
+    forked the child exits, so a child started from a short-lived worker thread (asyncio's
+    to_thread, an executor) would be killed with that thread: such spawns are made here."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slinfer-spawn")
+        return _spawner
+
+
+def popen_tied(argv: Sequence[str], sig: int = signal.SIGKILL, **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **kwargs)` whose child gets `sig` when this process dies (on
+    Linux; elsewhere a plain Popen). SIGKILL by default: the parent is gone, nobody would
+    escalate a signal the child ignores, and the services keep their state in NATS and Redis."""
+    if sys.platform != "linux":
+        return subprocess.Popen(list(argv), **kwargs)
+    kwargs["preexec_fn"] = _die_with_parent(os.getpid(), sig)
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(list(argv), **kwargs)
+    return _spawn_thread().submit(subprocess.Popen, list(argv), **kwargs).result()
+
+
+# ---------------------------------------------------------------- the servers
 
 
 def _bin_dir() -> Path:
@@ -91,22 +167,58 @@ def _spawn(name: str, argv: list[str], data_dir: Path) -> tuple[subprocess.Popen
     log = open(log_path, "ab")
     # Own process group: stop() takes down the server and anything it forked, and a Ctrl+C in
     # the launching terminal reaches the launcher first, which then stops servers in order.
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = popen_tied(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return proc, log_path
 
 
 def _start(name: str, argv: list[str], data_dir: Path, url: str, host: str, port: int,
            timeout_s: float) -> ServerProcess:
-    """Spawn a server and return once it listens; stop it again if it never does."""
+    """Spawn a server and return once it answers; stop it again if it never does."""
     proc, log_path = _spawn(name, argv, data_dir)
-    server = ServerProcess(name, url, port, proc, log_path)
+    server = ServerProcess(name, url, port, proc, log_path, tuple(argv), host)
+    deadline = time.monotonic() + timeout_s
     try:
         wait_for_port(host, port, timeout_s, proc)
+        if name == "redis":
+            _wait_loaded(host, port, _password(argv), deadline, proc)
     except ServerStartError as exc:
         server.stop()
         raise ServerStartError(f"{name} server: {exc}; see {log_path}") from exc
     return server
+
+
+def _password(argv: list[str]) -> str | None:
+    return argv[argv.index("--requirepass") + 1] if "--requirepass" in argv else None
+
+
+def _wait_loaded(host: str, port: int, password: str | None, deadline: float,
+                 proc: subprocess.Popen) -> None:
+    """A restarted redis listens before it has read its append-only file back (commands get
+    LOADING errors meanwhile): wait for a PING that is answered."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerStartError(f"process exited with code {proc.returncode} while loading")
+        if _answers_ping(host, port, password):
+            return
+        time.sleep(0.05)
+    raise ServerStartError("never answered PING (still loading its data?)")
+
+
+def _answers_ping(host: str, port: int, password: str | None) -> bool:
+    commands = (f"AUTH {password}\r\n" if password else "") + "PING\r\n"
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as conn:
+            conn.sendall(commands.encode())
+            reply = b""
+            while b"PONG" not in reply and b"-" not in reply:
+                chunk = conn.recv(256)
+                if not chunk:
+                    return False
+                reply += chunk
+    except OSError:
+        return False
+    return b"+PONG" in reply
 
 
 def start_nats(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
@@ -120,8 +232,12 @@ def start_nats(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
 def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                 password: str | None = None, timeout_s: float = 15.0) -> ServerProcess:
     port = port or free_port(host)
+    # Durable: an append-only file in data_dir, fsynced every second (a crash of the server
+    # alone loses nothing the kernel already has; a machine crash, at most the last second).
+    # No RDB snapshots: the AOF is the one copy, rewritten in the background as it grows.
     argv = [redis_server_binary(), "--bind", host, "--port", str(port), "--dir", str(data_dir),
-            "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+            "--protected-mode", "no"]
     if password:
         argv += ["--requirepass", password]
     auth = f":{password}@" if password else ""

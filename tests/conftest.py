@@ -1,4 +1,10 @@
-"""Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session."""
+"""Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session.
+
+Each server is stopped in a `finally`, so a failing test (or a pytest-timeout in its default
+signal mode, which raises in the test) still stops it; if the pytest process itself dies
+(SIGKILL, a segfault, pytest-timeout's thread mode calling os._exit) the kernel kills the
+servers (`shared.servers.popen_tied`: PR_SET_PDEATHSIG).
+"""
 
 from __future__ import annotations
 
@@ -12,15 +18,19 @@ from shared.servers import ServerProcess, start_nats, start_redis
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> Iterator[ServerProcess]:
     server = start_nats(tmp_path_factory.mktemp("nats"))
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> Iterator[ServerProcess]:
     server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
