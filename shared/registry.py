@@ -1,7 +1,13 @@
-"""The model registry: `ModelRecord`s in one Redis hash (`MODELS_HASH`, field = model name).
+"""The model registry: `ModelRecord`s in one Redis hash (`MODELS_HASH`, field = the model's id).
 
 The gateway's admin API writes it; the gateway and the placer read it. Visibility rule, in one
 place: a tenant sees public models (owner None) and its own private ones.
+
+Private names are per tenant: two tenants may each own a private "foo". A record's `name` is its
+stable id, the one the placer, the nodes and the metrics know it by: a public model's name as
+given, a private model's `<owner>~<name>` (`model_id`; "~" is not allowed in names, so no id is
+ever another model's name). Clients call a model by the name its owner gave it
+(`display_name`); the gateway resolves that for the caller's tenant (`resolve`).
 
 `model_record_from_dir` turns a Hugging Face directory into a record: it reads `config.json`
 (and `generation_config.json`, safetensors headers) for the numbers the placer sizes memory with.
@@ -43,8 +49,27 @@ class ModelDirError(ValueError):
     """The directory is not a usable Hugging Face model (or adapter) directory."""
 
 
+PRIVATE_SEPARATOR = "~"
+
+
 def visible_to(record: ModelRecord, tenant: str) -> bool:
     return record.owner is None or record.owner == tenant
+
+
+def model_id(name: str, owner: str | None) -> str:
+    """The registry id of `owner`'s private model `name`, or of the public model `name`."""
+    return name if owner is None else f"{owner}{PRIVATE_SEPARATOR}{name}"
+
+
+def strip_owner(name_or_id: str, owner: str | None) -> str:
+    """`name_or_id` as `owner` calls it: its own ids lose the owner prefix; other names stay."""
+    prefix = None if owner is None else f"{owner}{PRIVATE_SEPARATOR}"
+    return name_or_id[len(prefix):] if prefix and name_or_id.startswith(prefix) else name_or_id
+
+
+def display_name(record: ModelRecord) -> str:
+    """The name the model's owner (everyone, for a public model) calls it by."""
+    return strip_owner(record.name, record.owner)
 
 
 class ModelRegistry:
@@ -65,10 +90,21 @@ class ModelRegistry:
         data = await self._redis.hget(MODELS_HASH, name)
         return None if data is None else wire.decode(ModelRecord, data)
 
-    async def get_visible(self, name: str, tenant: str) -> ModelRecord | None:
-        """The record if `tenant` may see it; None when absent *or* private to someone else."""
+    async def resolve(self, name: str, tenant: str) -> ModelRecord | None:
+        """The model `tenant` means by `name`: its own private one, else a public one. None when
+        neither exists *or* the only match is private to someone else (the same answer, so
+        names never leak)."""
+        if PRIVATE_SEPARATOR not in name:
+            own = await self.get(model_id(name, tenant))
+            if own is not None and own.owner == tenant:
+                return own
         record = await self.get(name)
+        # A record stored under a bare name by an older gateway may be private: visibility says.
         return record if record is not None and visible_to(record, tenant) else None
+
+    async def get_visible(self, name: str, tenant: str) -> ModelRecord | None:
+        """`resolve`, by its older name."""
+        return await self.resolve(name, tenant)
 
     async def list(self, tenant: str | None = None) -> list[ModelRecord]:
         """All records (tenant None) or those visible to `tenant`, sorted by name.

@@ -1,12 +1,19 @@
 """Admin API: register, list and delete models; read the cluster view (nodes, instances).
 
-A tenant manages its own private models and the public ones; other tenants' private models do not
-exist for it (404), and instances of them are left out of the cluster view it reads.
+Who may do what:
+- a tenant registers, replaces and deletes its own private models, from its own directory
+  (`SLINFER_TENANT_MODELS_DIR/<tenant>`), under names private to it (two tenants may each own a
+  "foo"); it lists its own and the public models, without their server paths;
+- the operator (an operator key, or the caller of a gateway without auth) also registers,
+  replaces and deletes public models, from `SLINFER_MODEL_ROOTS`, and sees and deletes any model.
+Another tenant's private model does not exist for a tenant (404), and its instances are left out
+of the cluster view.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 from typing import Any, Literal
@@ -15,17 +22,23 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from services.gateway import errors
-from services.gateway.deps import Context, RawBody, Registry, Tenant
+from services.gateway.auth import Principal
+from services.gateway.deps import Caller, Context, RawBody
+from services.gateway.openapi_docs import (ADMIN_ERRORS, DELETED, INSTANCE_LIST, MODEL_RECORD,
+                                           NODE_LIST, RECORD_LIST, json_body)
+from services.gateway.paths import confined_model_dir
 from services.gateway.validation import _Strict, parse_body
 from shared import wire
 from shared.core.types import SLO_CLASSES, NodeView
-from shared.registry import ModelDirError, ModelExistsError, model_record_from_dir, visible_to
+from shared.registry import (ModelDirError, ModelExistsError, display_name, model_id,
+                             model_record_from_dir, strip_owner)
+from shared.schemas import ModelRecord
 from shared.subjects import NODES_SET, node_key
 
 log = logging.getLogger("slinfer.gateway")
-router = APIRouter(prefix="/admin")
+router = APIRouter(prefix="/admin", responses=ADMIN_ERRORS)
 
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")  # no "~": see shared.registry
 
 
 class RegisterModel(_Strict):
@@ -33,72 +46,149 @@ class RegisterModel(_Strict):
     path: str  # Hugging Face directory on the gateway's and nodes' filesystem
     engine: Literal["torch", "openvino", "vllm"] = "torch"
     slo_class: str = "standard"
-    public: bool = False  # public: every tenant sees it; else private to the caller's tenant
+    public: bool = False  # public (operator only): every tenant sees it; else the caller's own
     base_model: str | None = None  # set for a LoRA adapter: the model it applies to
-    replace: bool = False  # overwrite an existing model of that name (one the caller may see)
+    replace: bool = False  # overwrite the caller's own model of that name
 
 
-@router.post("/models", status_code=201)
-async def register_model(tenant: Tenant, raw: RawBody, ctx: Context) -> JSONResponse:
-    body = parse_body(RegisterModel, raw)
+def _forbidden(message: str, param: str | None = None) -> errors.APIError:
+    return errors.APIError(403, message, type="permission_error", param=param,
+                           code="permission_denied")
+
+
+def _check_name(body: RegisterModel) -> None:
     if not MODEL_NAME.fullmatch(body.name) or ".." in body.name:
         raise errors.invalid_request("name must be 1-128 characters of letters, digits and ._:/@+- "
-                                     "starting with a letter or digit.", param="name", code="invalid_value")
-    if body.slo_class not in SLO_CLASSES:
-        raise errors.invalid_request(f"slo_class must be one of {sorted(SLO_CLASSES)}.", param="slo_class",
+                                     "starting with a letter or digit.", param="name",
                                      code="invalid_value")
-    base = None
-    if body.base_model is not None:
-        base = await ctx.registry.get_visible(body.base_model, tenant)
-        if base is None:
-            raise errors.APIError(404, f"The base model {body.base_model!r} does not exist or you do not "
-                                  "have access to it.", param="base_model", code="model_not_found")
+    if body.slo_class not in SLO_CLASSES:
+        raise errors.invalid_request(f"slo_class must be one of {sorted(SLO_CLASSES)}.",
+                                     param="slo_class", code="invalid_value")
+
+
+def _allowed_roots(ctx: Context, caller: Principal) -> list | None:
+    """Where `caller` may register from; None: anywhere (an operator with no roots set)."""
+    if caller.operator:
+        return list(ctx.settings.model_roots) or None
+    root = ctx.settings.tenant_model_root(caller.tenant)
+    if root is None:
+        raise _forbidden("Model registration by tenants is not enabled on this gateway; ask the "
+                         "operator.")
+    return [root]
+
+
+@router.post("/models", status_code=201, response_model=None,
+             openapi_extra=json_body("RegisterModel"), responses={201: MODEL_RECORD})
+async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResponse:
+    body = parse_body(RegisterModel, raw)
+    _check_name(body)
+    if body.public and not caller.operator:
+        raise _forbidden("Only the operator may register public models.", param="public")
+    owner = None if body.public else caller.tenant
+    path = confined_model_dir(body.path, _allowed_roots(ctx, caller))
+    base = await _base_model(ctx, body.base_model, caller.tenant)
     try:
         record = await asyncio.to_thread(
-            model_record_from_dir, body.name, body.path, engine=body.engine, slo_class=body.slo_class,
-            owner=None if body.public else tenant, base=base)
+            model_record_from_dir, model_id(body.name, owner), path, engine=body.engine,
+            slo_class=body.slo_class, owner=owner, base=base)
     except ModelDirError as exc:
         raise errors.invalid_request(str(exc), param="path", code="invalid_model_dir") from None
-    if body.replace:
-        existing = await ctx.registry.get(body.name)
-        if existing is not None and not visible_to(existing, tenant):
-            raise _name_taken(body.name)
+    await _check_no_clash(ctx, body.name, owner)
     try:
         await ctx.registry.register(record, replace=body.replace)
     except ModelExistsError:
         raise _name_taken(body.name) from None
     ctx.service.tokenizers.forget(record.path)
-    log.info("tenant %s registered model %s (%s, %s)", tenant, record.name, record.engine, record.path)
-    return JSONResponse(wire.to_plain(record), status_code=201)
+    log.info("%s registered model %s (%s, %s)", _who(caller), record.name, record.engine,
+             record.path)
+    return JSONResponse(model_view(record, caller), status_code=201)
 
 
-def _name_taken(name: str) -> errors.APIError:
-    return errors.APIError(409, f"A model named {name!r} is already registered; pick another name "
-                           "(or set replace=true for your own model).", param="name", code="model_exists")
+async def _base_model(ctx: Context, name: str | None, tenant: str) -> ModelRecord | None:
+    if name is None:
+        return None
+    base = await ctx.registry.resolve(name, tenant)
+    if base is None:
+        raise errors.APIError(404, f"The base model {name!r} does not exist or you do not have "
+                              "access to it.", param="base_model", code="model_not_found")
+    return base
 
 
-@router.get("/models")
-async def list_registered(tenant: Tenant, registry: Registry) -> dict[str, Any]:
-    return {"object": "list", "data": [wire.to_plain(r) for r in await registry.list(tenant)]}
+async def _check_no_clash(ctx: Context, name: str, owner: str | None) -> None:
+    """One name, one meaning for every tenant: a private name may not shadow a public model
+    (public names are no secret), and the operator may not publish a name a tenant already
+    uses privately (the operator may know that)."""
+    if owner is not None:
+        public = await ctx.registry.get(name)
+        if public is not None and public.owner is None:
+            raise _name_taken(name, public=True)
+        return
+    clash = [r for r in await ctx.registry.list() if r.owner is not None and display_name(r) == name]
+    if clash:  # only the operator publishes, and the operator may see every name
+        raise errors.APIError(409, f"Tenant {clash[0].owner!r} has a private model named {name!r}; "
+                              "pick another public name.", param="name", code="model_exists")
 
 
-@router.delete("/models/{name:path}")
-async def delete_model(name: str, tenant: Tenant, ctx: Context) -> dict[str, Any]:
-    record = await ctx.registry.get_visible(name, tenant)
-    if record is None or not await ctx.registry.delete(name):
+def _name_taken(name: str, public: bool = False) -> errors.APIError:
+    what = "public model" if public else "model of yours"
+    return errors.APIError(409, f"A {what} named {name!r} is already registered; pick another name"
+                           f"{'' if public else ' (or set replace=true to overwrite it)'}.",
+                           param="name", code="model_exists")
+
+
+def _who(caller: Principal) -> str:
+    return "the operator" if caller.operator else f"tenant {caller.tenant}"
+
+
+def model_view(record: ModelRecord, caller: Principal) -> dict[str, Any]:
+    """A record as `caller` may read it: the operator sees everything (names are registry ids);
+    a tenant sees names as it calls them and no server paths."""
+    plain = wire.to_plain(record)
+    if caller.operator:
+        return plain
+    plain.pop("path")
+    plain["name"] = display_name(record)
+    if record.base_model is not None:
+        plain["base_model"] = strip_owner(record.base_model, caller.tenant)
+    return plain
+
+
+@router.get("/models", response_model=None, responses={200: RECORD_LIST})
+async def list_registered(caller: Caller, ctx: Context) -> dict[str, Any]:
+    records = await ctx.registry.list(None if caller.operator else caller.tenant)
+    return {"object": "list", "data": [model_view(r, caller) for r in records]}
+
+
+@router.delete("/models/{name:path}", response_model=None, responses={200: DELETED})
+async def delete_model(name: str, caller: Caller, ctx: Context) -> dict[str, Any]:
+    record = await _deletable(ctx, name, caller)
+    if not await ctx.registry.delete(record.name):
         raise errors.model_not_found(name)
     ctx.service.tokenizers.forget(record.path)
-    log.info("tenant %s deleted model %s", tenant, name)
+    log.info("%s deleted model %s", _who(caller), record.name)
     return {"id": name, "object": "model", "deleted": True}
 
 
-async def _nodes(ctx: Context, tenant: str) -> list[NodeView]:
-    """Live node views (expired keys skipped), instances limited to models `tenant` may see."""
+async def _deletable(ctx: Context, name: str, caller: Principal) -> ModelRecord:
+    if caller.operator:  # by registry id (any tenant's), else as the operator's tenant calls it
+        record = await ctx.registry.get(name) or await ctx.registry.resolve(name, caller.tenant)
+    else:
+        record = await ctx.registry.resolve(name, caller.tenant)
+    if record is None:
+        raise errors.model_not_found(name)
+    if not caller.operator and record.owner != caller.tenant:
+        raise _forbidden(f"Only the operator may delete the public model {name!r}.")
+    return record
+
+
+async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
+    """Live node views (expired keys skipped). A tenant sees the instances of models it may see,
+    named as it calls them, without other requests' ids."""
     ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await ctx.redis.smembers(NODES_SET))
     if not ids:
         return []
     raw = await ctx.redis.mget([node_key(i) for i in ids])
-    visible = {r.name for r in await ctx.registry.list(tenant)}
+    visible = {r.name: display_name(r) for r in await ctx.registry.list(caller.tenant)}
     nodes = []
     for node_id, data in zip(ids, raw):
         if data is None:
@@ -108,20 +198,29 @@ async def _nodes(ctx: Context, tenant: str) -> list[NodeView]:
         except wire.WireError:
             log.warning("undecodable view of node %s skipped", node_id)
             continue
-        node.instances = [i for i in node.instances if i.model.name in visible]
+        if not caller.operator:
+            node.instances = [_tenant_instance(i, visible[i.model.name])
+                              for i in node.instances if i.model.name in visible]
         nodes.append(node)
     return nodes
 
 
-@router.get("/nodes")
-async def list_nodes(tenant: Tenant, ctx: Context) -> dict[str, Any]:
-    return {"object": "list", "data": [wire.to_plain(n) for n in await _nodes(ctx, tenant)]}
+def _tenant_instance(instance, name: str):
+    # Request ids are the gateway's handles of other tenants' requests too: counted, not named.
+    requests = [dataclasses.replace(r, request_id="", model=name) for r in instance.requests]
+    return dataclasses.replace(instance, model=dataclasses.replace(instance.model, name=name),
+                               requests=requests)
 
 
-@router.get("/instances")
-async def list_instances(tenant: Tenant, ctx: Context) -> dict[str, Any]:
+@router.get("/nodes", response_model=None, responses={200: NODE_LIST})
+async def list_nodes(caller: Caller, ctx: Context) -> dict[str, Any]:
+    return {"object": "list", "data": [wire.to_plain(n) for n in await _nodes(ctx, caller)]}
+
+
+@router.get("/instances", response_model=None, responses={200: INSTANCE_LIST})
+async def list_instances(caller: Caller, ctx: Context) -> dict[str, Any]:
     data = []
-    for node in await _nodes(ctx, tenant):
+    for node in await _nodes(ctx, caller):
         for inst in node.instances:
             data.append({"instance_id": inst.instance_id, "node_id": node.node_id,
                          "hardware": node.hardware.value, "model": inst.model.name,

@@ -16,11 +16,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import nats
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from redis.asyncio import Redis
 
-from services.gateway import admin_routes, openai_routes
+from services.gateway import admin_routes, errors, openai_routes
+from services.gateway import openapi_docs as docs
+from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
 from services.gateway.deps import Context, GatewayContext
@@ -29,11 +32,14 @@ from services.gateway.observe import ServerSpanMiddleware
 from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
+from services.gateway.validation import ChatBody, CompletionBody
 from shared import telemetry as tm
 from shared.bus import ensure_streams
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
+
+REDIS_TIMEOUT_S = 5.0
 
 # FastAPI releases with native OpenTelemetry would add their own server span, per-operation spans
 # (dependencies, endpoint) and HTTP metrics whenever a global tracer provider is set: off, the
@@ -53,7 +59,10 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
                         "serves %s only", ENV_API_KEYS, settings.host)
         nc = await nats.connect(settings.nats_url, name="slinfer-gateway", connect_timeout=5,
                                 max_reconnect_attempts=-1, allow_reconnect=True)
-        redis = Redis.from_url(settings.redis_url)
+        # Bounded waits: a Redis that went away answers 503 in seconds instead of hanging requests.
+        redis = Redis.from_url(settings.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                               socket_timeout=REDIS_TIMEOUT_S)
+        metrics_server = None
         try:
             await redis.ping()
             js = nc.jetstream()
@@ -63,21 +72,27 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
                                      metrics)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
+            if settings.metrics_port is not None:
+                metrics_server = await tm.serve_metrics(tel, settings.metrics_host,
+                                                        settings.metrics_port)
             log.info("gateway ready: NATS %s, Redis %s", settings.nats_url, settings.redis_url)
             yield
         finally:
+            if metrics_server is not None:
+                metrics_server.close()
             await nc.drain()
             await redis.aclose()
 
-    app = FastAPI(title="slinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  **_NO_NATIVE_TELEMETRY)
+    app = FastAPI(title="slinfer gateway", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.settings = settings
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, openapi_extra={"security": []},
+             responses={200: docs.HEALTH, 503: docs.HEALTH_DOWN})
     async def health(ctx: Context) -> Any:
         nats_ok = ctx.nc.is_connected
         try:
@@ -88,11 +103,29 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         return JSONResponse({"status": "ok" if ok else "degraded", "nats": nats_ok, "redis": redis_ok,
                              "auth": settings.auth_enabled}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
-        return Response(tel.metrics_text(), media_type=tm.PROMETHEUS_CONTENT_TYPE)
+    if settings.metrics_port is None:  # else only on the internal port (see lifespan)
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics(request: Request) -> Response:
+            if not may_read_metrics(settings, request):
+                raise errors.invalid_api_key()  # its labels name models, private ones too
+            return Response(tel.metrics_text(), media_type=tm.PROMETHEUS_CONTENT_TYPE)
+
+    _publish_schema(app)
 
     if tel.tracing:  # outermost of our middlewares: the body limit's refusals are traced too
         app.add_middleware(ServerSpanMiddleware, tracer=tel.tracer("slinfer.gateway.http"),
                            meter=tel.meter("slinfer.gateway.http"), excluded=("/health", "/metrics"))
     return app
+
+
+def _publish_schema(app: FastAPI) -> None:
+    """/openapi.json with the request bodies the routes parse themselves, and no 422."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = docs.finish_schema(schema, {
+                "ChatBody": ChatBody, "CompletionBody": CompletionBody,
+                "RegisterModel": admin_routes.RegisterModel})
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,5 +1,5 @@
-"""FastAPI dependencies: the per-process context (opened in the lifespan), the caller's tenant,
-the raw request body."""
+"""FastAPI dependencies: the per-process context (opened in the lifespan), the caller (its tenant
+and whether it is the operator), the raw request body."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
-from services.gateway.auth import authenticate
+from services.gateway.auth import Principal, authenticate
 from services.gateway.body import read_utf8_body
 from services.gateway.service import GatewayService
 from services.gateway.settings import GatewaySettings
@@ -34,8 +34,13 @@ def get_context(request: Request) -> GatewayContext:
     return request.app.state.ctx
 
 
-def get_tenant(request: Request, settings: Annotated[GatewaySettings, Depends(get_settings)]) -> str:
+def get_caller(request: Request, settings: Annotated[GatewaySettings, Depends(get_settings)]
+               ) -> Principal:
     return authenticate(settings, request)
+
+
+def get_tenant(caller: Annotated[Principal, Depends(get_caller)]) -> str:
+    return caller.tenant
 
 
 def get_service(ctx: Annotated[GatewayContext, Depends(get_context)]) -> GatewayService:
@@ -48,6 +53,7 @@ def get_registry(ctx: Annotated[GatewayContext, Depends(get_context)]) -> ModelR
 
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
 Context = Annotated[GatewayContext, Depends(get_context)]
+Caller = Annotated[Principal, Depends(get_caller)]
 Tenant = Annotated[str, Depends(get_tenant)]
 Service = Annotated[GatewayService, Depends(get_service)]
 Registry = Annotated[ModelRegistry, Depends(get_registry)]

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("slinfer.gateway")
@@ -85,6 +86,11 @@ def request_dropped(detail: str | None = None) -> APIError:
 def backend_unavailable(detail: str) -> APIError:
     return APIError(503, f"The inference backend is unavailable: {detail}", type="server_error",
                     code="backend_unavailable")
+
+
+def registry_unavailable() -> APIError:
+    return APIError(503, "The model registry (Redis) is unavailable; retry shortly.",
+                    type="server_error", code="registry_unavailable", headers={"Retry-After": "1"})
 
 
 def request_timeout(seconds: float) -> APIError:
@@ -159,6 +165,11 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = APIError(exc.status_code, str(exc.detail), code=None)
         return err.response()
+
+    @app.exception_handler(RedisError)
+    async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        log.warning("registry unavailable on %s %s: %r", request.method, request.url.path, exc)
+        return registry_unavailable().response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

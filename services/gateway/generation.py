@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -48,6 +48,7 @@ class Generation:
         stop: tuple[str, ...],
         timeout_s: float,
         observer: RequestObserver | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.request_id = stream.request_id
         self._backend = backend
@@ -63,6 +64,7 @@ class Generation:
         self._node_done = False  # the node finished the request itself: nothing to cancel
         self._closed = False
         self._observer = observer  # span and metrics of this request
+        self._on_close = on_close  # gives back the request's admission slot
         self.failure: str | None = None  # why it ended without output: dropped, timeout, ...
         self.failure_detail: str | None = None
 
@@ -158,11 +160,15 @@ class Generation:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            if self.finish_reason is None:
-                if self.failure is None:
-                    self.failure, self.failure_detail = "cancelled", reason
-                await self._cancel(reason)
-            await self._stream.close()
+            try:
+                if self.finish_reason is None:
+                    if self.failure is None:
+                        self.failure, self.failure_detail = "cancelled", reason
+                    await self._cancel(reason)
+                await self._stream.close()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
         if self._observer is None:
             self._log_finished()
             return

@@ -10,6 +10,8 @@ from starlette.responses import Response
 
 from services.gateway.deps import RawBody, Registry, Service, Tenant
 from services.gateway.errors import model_not_found
+from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
+                                           MODEL_LIST, READ_ERRORS, json_body)
 from services.gateway.responses import ChatFormat, CompletionFormat
 from services.gateway.stream import respond
 from services.gateway.validation import (
@@ -21,46 +23,53 @@ from services.gateway.validation import (
     parse_body,
     sampling_params,
 )
+from shared.registry import display_name, strip_owner
 from shared.schemas import ModelRecord
 
 router = APIRouter()
 
 
 def model_object(record: ModelRecord) -> dict[str, Any]:
-    return {"id": record.name, "object": "model", "created": int(record.created_at),
-            "owned_by": record.owner or "public", "parent": record.base_model}
+    """A model as its callers name it (a private model by its owner's name for it)."""
+    parent = None if record.base_model is None else strip_owner(record.base_model, record.owner)
+    return {"id": display_name(record), "object": "model", "created": int(record.created_at),
+            "owned_by": record.owner or "public", "parent": parent}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses={200: MODEL_LIST, **READ_ERRORS})
 async def list_models(tenant: Tenant, registry: Registry) -> dict[str, Any]:
     return {"object": "list", "data": [model_object(r) for r in await registry.list(tenant)]}
 
 
-@router.get("/v1/models/{name:path}")
+@router.get("/v1/models/{name:path}", response_model=None, responses={200: MODEL, **READ_ERRORS})
 async def get_model(name: str, tenant: Tenant, registry: Registry) -> dict[str, Any]:
-    record = await registry.get_visible(name, tenant)
+    record = await registry.resolve(name, tenant)
     if record is None:
         raise model_not_found(name)
     return model_object(record)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=None, openapi_extra=json_body("CompletionBody"),
+             responses={200: COMPLETION, **INFERENCE_ERRORS})
 async def completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
     body = parse_body(CompletionBody, raw)
     params = sampling_params(body, body.max_tokens)
     prepared = await service.prepare(body.model, tenant, params, completion_input(body))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant, "text_completion")
-    fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage)
+    fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                           continuous_usage=params.continuous_usage)
     return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body("ChatBody"),
+             responses={200: CHAT_COMPLETION, **INFERENCE_ERRORS})
 async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
     body = parse_body(ChatBody, raw)
     params = sampling_params(body, *chat_max_tokens(body))
     prepared = await service.prepare(body.model, tenant, params, chat_input(body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant, "chat")
-    fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage)
+    fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                     continuous_usage=params.continuous_usage)
     return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)

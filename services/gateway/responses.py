@@ -7,9 +7,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+Usage = dict[str, int] | None  # a chunk's usage so far (continuous_usage_stats), else None
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _with_usage(chunk: dict[str, Any], use: Usage, include_usage: bool) -> dict[str, Any]:
+    """A chunk with the usage so far (continuous usage), or "usage": null where a usage chunk
+    follows at the end (include_usage), as OpenAI and vLLM write them."""
+    if use is not None:
+        chunk["usage"] = use
+    elif include_usage:
+        chunk["usage"] = None
+    return chunk
 
 
 @dataclass
@@ -19,6 +32,7 @@ class CompletionFormat:
     id: str
     model: str
     include_usage: bool = False  # streaming: chunks carry "usage": null, then a usage chunk
+    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self) -> dict[str, Any]:
@@ -28,21 +42,19 @@ class CompletionFormat:
         return {**self._base(), "choices": [
             {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        out = {**self._base(), "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+    def _chunk(self, text: str, finish_reason: str | None, use: Usage) -> dict[str, Any]:
+        return _with_usage({**self._base(), "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]},
+            use, self.include_usage)
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, use: Usage = None) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk(text, None)
+    def delta(self, text: str, use: Usage = None) -> dict[str, Any]:
+        return self._chunk(text, None, use)
 
-    def closing(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk("", finish_reason)
+    def closing(self, finish_reason: str, use: Usage = None) -> dict[str, Any]:
+        return self._chunk("", finish_reason, use)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._base(), "choices": [], "usage": use}
@@ -55,6 +67,7 @@ class ChatFormat:
     id: str
     model: str
     include_usage: bool = False
+    continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -65,21 +78,19 @@ class ChatFormat:
             "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": None, "finish_reason": finish_reason}], "usage": use}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        out = {**self._base("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, use: Usage) -> dict[str, Any]:
+        return _with_usage({**self._base("chat.completion.chunk"), "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]},
+            use, self.include_usage)
 
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening(self, use: Usage = None) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, use)]
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def delta(self, text: str, use: Usage = None) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, use)
 
-    def closing(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({}, finish_reason)
+    def closing(self, finish_reason: str, use: Usage = None) -> dict[str, Any]:
+        return self._chunk({}, finish_reason, use)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": use}

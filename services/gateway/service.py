@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway import errors
+from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, InferenceBackend
 from services.gateway.generation import Generation
 from services.gateway.observe import RequestObserver
@@ -49,9 +50,10 @@ class GatewayService:
         self.backend = backend
         self.tokenizers = tokenizers
         self.metrics = metrics
+        self.admission = Admission(settings)
 
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
-        record = await self.registry.get_visible(name, tenant)
+        record = await self.registry.resolve(name, tenant)
         if record is None:
             raise errors.model_not_found(name)
         return record
@@ -60,7 +62,7 @@ class GatewayService:
         # A LoRA adapter uses its base model's tokenizer unless it ships its own.
         path = record.path
         if record.base_model is not None:
-            base = await self.registry.get(record.base_model)
+            base = await self.registry.get(record.base_model)  # the base's registry id
             if base is not None:
                 path = base.path
         try:
@@ -71,6 +73,7 @@ class GatewayService:
 
     async def prepare(self, model: str, tenant: str, params: SamplingParams,
                       prompt: CompletionInput | ChatInput) -> Prepared:
+        self.admission.check_rate(tenant)  # before any work is spent on the request
         record = await self.visible_model(model, tenant)
         tokenizer = await self.tokenizer_for(record)
         if isinstance(prompt, ChatInput):
@@ -89,8 +92,13 @@ class GatewayService:
         if not prompt_ids:
             raise errors.invalid_request("The prompt is empty after tokenization.", param=param,
                                          code="empty_prompt")
+        max_tokens = self._max_tokens(record, len(prompt_ids), params.max_tokens, param)
+        if params.min_tokens > max_tokens:
+            raise errors.invalid_request(
+                f"min_tokens ({params.min_tokens}) must not exceed the completion's max_tokens "
+                f"({max_tokens}).", param="min_tokens", code="invalid_value")
         return Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt_ids, params=params,
-                        max_tokens=self._max_tokens(record, len(prompt_ids), params.max_tokens, param))
+                        max_tokens=max_tokens)
 
     def _max_tokens(self, record: ModelRecord, prompt_len: int, requested: int | None, param: str) -> int:
         context = record.max_context
@@ -116,26 +124,36 @@ class GatewayService:
     def build_request(self, prepared: Prepared, request_id: str, tenant: str) -> InferenceRequest:
         record, params = prepared.record, prepared.params
         slo = slo_for_class(record.slo_class, len(prepared.prompt_ids))
-        eos = list(record.eos_token_ids) or tokenizer_eos_ids(prepared.tokenizer)
+        # With ignore_eos no token ends the request: the node stops at max_tokens alone.
+        eos = [] if params.ignore_eos else (list(record.eos_token_ids)
+                                            or tokenizer_eos_ids(prepared.tokenizer))
         return InferenceRequest(
             request_id=request_id, tenant=tenant, model=record.name,
             prompt_token_ids=prepared.prompt_ids, max_tokens=prepared.max_tokens,
             arrival=time.time(), ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-            eos_token_ids=eos,
+            eos_token_ids=eos, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
+            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
         )
 
     async def start(self, prepared: Prepared, request_id: str, tenant: str,
                     operation: str = "text_completion") -> Generation:
         """Submit the request. `operation` is its GenAI operation name (chat, text_completion)."""
+        # 429 here, before the request is queued anywhere (after `prepare`, so a model the
+        # tenant may not see is a 404, never a "queue full" that would tell it exists).
+        slot = self.admission.acquire(tenant, prepared.record.name)
         request = self.build_request(prepared, request_id, tenant)
         timeout = self.settings.request_timeout_s
         observer = RequestObserver(self.metrics, request, operation)
         try:
             # The request span's context rides the NATS headers.
             stream = await self.backend.submit(request, timeout, observer.headers)
-        except BackendUnavailable as exc:
+        except BaseException as exc:
+            slot.release()
+            if not isinstance(exc, BackendUnavailable):
+                raise
             observer.failed_to_submit(exc)
             raise errors.backend_unavailable(str(exc)) from exc
         detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
-        return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer)
+        return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer,
+                          on_close=slot.release)

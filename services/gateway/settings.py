@@ -6,8 +6,10 @@ variable, never later inside a request.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 from shared.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, env_float, env_int, env_str
@@ -22,6 +24,18 @@ ENV_API_KEYS = "SLINFER_API_KEYS"
 ENV_MAX_BODY = "SLINFER_MAX_BODY_BYTES"
 ENV_TIMEOUT = "SLINFER_REQUEST_TIMEOUT_S"
 ENV_DEFAULT_MAX_TOKENS = "SLINFER_DEFAULT_MAX_TOKENS"
+ENV_OPERATOR_KEYS = "SLINFER_OPERATOR_KEYS"
+ENV_MODEL_ROOTS = "SLINFER_MODEL_ROOTS"
+ENV_TENANT_MODELS_DIR = "SLINFER_TENANT_MODELS_DIR"
+ENV_TENANT_CONCURRENCY = "SLINFER_TENANT_MAX_CONCURRENCY"
+ENV_TENANT_RATE = "SLINFER_TENANT_RATE_LIMIT"
+ENV_TENANT_BURST = "SLINFER_TENANT_RATE_BURST"
+ENV_MODEL_QUEUE = "SLINFER_MODEL_MAX_QUEUE"
+ENV_METRICS_KEY = "SLINFER_METRICS_KEY"
+ENV_METRICS_PORT = "SLINFER_GATEWAY_METRICS_PORT"
+ENV_METRICS_HOST = "SLINFER_GATEWAY_METRICS_HOST"
+
+OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,20 @@ class GatewaySettings:
     max_body_bytes: int = 1 << 20  # request bodies above this get 413 before being read
     request_timeout_s: float = 300.0  # submission to final token; then cancel and 504
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
+    # Operator keys: the admin rights (public models, any model, metrics). With no keys at all
+    # (no auth), the local caller is the operator.
+    operator_keys: frozenset[str] = field(default_factory=frozenset, hash=False, repr=False)
+    # Directories the operator may register models from; empty: anywhere.
+    model_roots: tuple[Path, ...] = ()
+    # Tenant T registers private models from <dir>/T only; None: tenants cannot register.
+    tenant_models_dir: Path | None = None
+    tenant_max_concurrency: int = 64  # requests in flight per tenant at this gateway; 0 = no cap
+    tenant_rate_limit: float = 0.0  # requests/s per tenant (token bucket); 0 = no limit
+    tenant_rate_burst: int = 20  # the bucket's size
+    model_max_queue: int = 256  # requests in flight per model at this gateway; 0 = no cap
+    metrics_key: str | None = field(default=None, repr=False)  # bearer key for /metrics
+    metrics_port: int | None = None  # serve /metrics there (not on `port`); None: on `port`
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -54,7 +82,18 @@ class GatewaySettings:
         for key, tenant in self.api_keys.items():
             if not key or not tenant:
                 raise ValueError(f"{ENV_API_KEYS}: empty key or tenant in {key!r}:{tenant!r}")
-        if not self.api_keys and self.host not in LOOPBACK_HOSTS:
+            if tenant == OPERATOR_TENANT:
+                raise ValueError(f"{ENV_API_KEYS}: tenant name {OPERATOR_TENANT!r} is reserved for "
+                                 f"operator keys ({ENV_OPERATOR_KEYS})")
+            if self.tenant_models_dir is not None and not _dir_name(tenant):
+                raise ValueError(f"{ENV_API_KEYS}: tenant {tenant!r} cannot name a directory under "
+                                 f"{ENV_TENANT_MODELS_DIR}")
+        if set(self.api_keys) & set(self.operator_keys):
+            raise ValueError(f"a key is in both {ENV_API_KEYS} and {ENV_OPERATOR_KEYS}")
+        if any(not key for key in self.operator_keys):
+            raise ValueError(f"{ENV_OPERATOR_KEYS}: empty key")
+        self._check_limits()
+        if not self.auth_enabled and self.host not in LOOPBACK_HOSTS:
             raise ValueError(
                 f"refusing to bind {self.host!r} without API keys: with {ENV_API_KEYS} unset the "
                 f"gateway has no auth and serves only 127.0.0.1/localhost; set {ENV_API_KEYS} "
@@ -62,10 +101,36 @@ class GatewaySettings:
             )
         # A read-only view, so the frozen dataclass is frozen all the way down.
         object.__setattr__(self, "api_keys", MappingProxyType(dict(self.api_keys)))
+        object.__setattr__(self, "operator_keys", frozenset(self.operator_keys))
+        # Absolute and with symlinks followed once here, so every containment check compares
+        # real paths.
+        object.__setattr__(self, "model_roots", tuple(Path(r).resolve() for r in self.model_roots))
+        if self.tenant_models_dir is not None:
+            object.__setattr__(self, "tenant_models_dir", Path(self.tenant_models_dir).resolve())
+
+    def _check_limits(self) -> None:
+        for name, value in ((ENV_TENANT_CONCURRENCY, self.tenant_max_concurrency),
+                            (ENV_MODEL_QUEUE, self.model_max_queue)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no cap), got {value}")
+        if not self.tenant_rate_limit >= 0:
+            raise ValueError(f"{ENV_TENANT_RATE} must be >= 0 (0 = no limit), got {self.tenant_rate_limit}")
+        if self.tenant_rate_burst < 1:
+            raise ValueError(f"{ENV_TENANT_BURST} must be >= 1, got {self.tenant_rate_burst}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ValueError(f"{ENV_METRICS_PORT} must be in 1..65535, got {self.metrics_port}")
+        if self.metrics_key is not None and not self.metrics_key:
+            raise ValueError(f"{ENV_METRICS_KEY} must not be empty")
 
     @property
     def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.api_keys) or bool(self.operator_keys)
+
+    def tenant_model_root(self, tenant: str) -> Path | None:
+        """Where `tenant` may register private models from (None: nowhere)."""
+        if self.tenant_models_dir is None or not _dir_name(tenant):
+            return None
+        return self.tenant_models_dir / tenant
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewaySettings:
@@ -82,7 +147,47 @@ class GatewaySettings:
                                         minimum=0.001),
             default_max_tokens=env_int(ENV_DEFAULT_MAX_TOKENS, d["default_max_tokens"].default,
                                        env=env, minimum=1),
+            **_access_from_env(env),
+            **_limits_from_env(env),
         )
+
+
+def _access_from_env(env: Mapping[str, str] | None) -> dict:
+    operator_keys = [k.strip() for k in (env_str(ENV_OPERATOR_KEYS, "", env=env) or "").split(",")]
+    roots = env_str(ENV_MODEL_ROOTS, "", env=env) or ""
+    tenant_dir = env_str(ENV_TENANT_MODELS_DIR, None, env=env)
+    for name, value in ((ENV_MODEL_ROOTS, roots), (ENV_TENANT_MODELS_DIR, tenant_dir or "")):
+        if any(part and not os.path.isabs(part) for part in value.split(os.pathsep)):
+            raise ValueError(f"{name} must hold absolute paths, got {value!r}")
+    port = env_int(ENV_METRICS_PORT, 0, env=env, minimum=0, maximum=65535)
+    return {
+        "operator_keys": frozenset(k for k in operator_keys if k),
+        "model_roots": tuple(Path(r) for r in roots.split(os.pathsep) if r),
+        "tenant_models_dir": Path(tenant_dir) if tenant_dir else None,
+        "metrics_key": env_str(ENV_METRICS_KEY, None, env=env),
+        "metrics_port": port or None,  # 0 or unset: /metrics on the gateway's own port
+        "metrics_host": env_str(ENV_METRICS_HOST, "127.0.0.1", env=env),
+    }
+
+
+def _limits_from_env(env: Mapping[str, str] | None) -> dict:
+    d = GatewaySettings.__dataclass_fields__
+    return {
+        "tenant_max_concurrency": env_int(ENV_TENANT_CONCURRENCY, d["tenant_max_concurrency"].default,
+                                          env=env, minimum=0),
+        "tenant_rate_limit": env_float(ENV_TENANT_RATE, d["tenant_rate_limit"].default, env=env,
+                                       minimum=0.0),
+        "tenant_rate_burst": env_int(ENV_TENANT_BURST, d["tenant_rate_burst"].default, env=env,
+                                     minimum=1),
+        "model_max_queue": env_int(ENV_MODEL_QUEUE, d["model_max_queue"].default, env=env,
+                                   minimum=0),
+    }
+
+
+def _dir_name(tenant: str) -> bool:
+    """Whether `tenant` is one plain directory name (no separators, not . or ..)."""
+    return tenant not in (".", "..") and "/" not in tenant and "\\" not in tenant \
+        and "\0" not in tenant
 
 
 def parse_api_keys(raw: str) -> dict[str, str]:

@@ -136,17 +136,20 @@ async def _whole(gen: Generation, fmt: ResponseFormat, prompt_tokens: int) -> di
 
 async def _sse_chunks(gen: Generation, deltas: AsyncIterator[str], first: Any, fmt: ResponseFormat,
                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    def so_far() -> dict[str, int] | None:  # read when each chunk is made: the count grows
+        return usage(prompt_tokens, gen.completion_tokens) if fmt.continuous_usage else None
+
     try:
-        for chunk in fmt.opening():
+        for chunk in fmt.opening(so_far()):
             yield sse(chunk)
         if first is not _END:
             if first:
-                yield sse(fmt.delta(first))
+                yield sse(fmt.delta(first, so_far()))
             async for text in deltas:
                 if text:
-                    yield sse(fmt.delta(text))
+                    yield sse(fmt.delta(text, so_far()))
         assert gen.finish_reason is not None
-        yield sse(fmt.closing(gen.finish_reason))
+        yield sse(fmt.closing(gen.finish_reason, so_far()))
         if include_usage:
             yield sse(fmt.usage_chunk(usage(prompt_tokens, gen.completion_tokens)))
     except APIError as exc:

@@ -8,6 +8,7 @@ model (context length, vocabulary) live with the tokenizer, in `openai_routes.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -24,7 +25,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(_Strict):
@@ -37,6 +39,11 @@ class _Common(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's sampling extensions, which load generators (guidellm, vllm bench, aiperf) send.
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     # In the OpenAI API, not implemented here: any value other than the neutral one is refused
     # by `reject_unsupported`, which names the parameter.
     n: Any = None
@@ -62,6 +69,7 @@ class _Common(_Strict):
     audio: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    min_p: Any = None  # vLLM's, not implemented
 
 
 class CompletionBody(_Common):
@@ -114,7 +122,10 @@ _NEUTRAL = {
     "audio": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "web_search_options": lambda v: v is None,
+    "min_p": lambda v: v in (None, 0),
 }
+
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; keeps the value a plain int32 on every engine
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,11 @@ class SamplingParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a final chunk with usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    top_k: int = 0  # 0: no limit
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,9 +195,28 @@ def sampling_params(body: _Common, max_tokens: int | None,
     if body.stream_options is not None and not stream:
         raise invalid_request("stream_options is only allowed when stream is true.",
                               param="stream_options", code="invalid_value")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options or StreamOptions()
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
-                          stop=stop, stream=stream, include_usage=include_usage)
+                          stop=stop, stream=stream, include_usage=options.include_usage,
+                          continuous_usage=options.continuous_usage_stats, **_extensions(body))
+
+
+def _extensions(body: _Common) -> dict[str, Any]:
+    """vLLM's sampling extensions, range-checked as vLLM checks them."""
+    top_k = 0 if body.top_k is None else body.top_k
+    if not (top_k in (-1, 0) or 1 <= top_k <= MAX_TOP_K):
+        raise invalid_request(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}.",
+                              param="top_k", code="invalid_value")
+    penalty = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not (math.isfinite(penalty) and penalty > 0):
+        raise invalid_request(f"repetition_penalty must be a number > 0, got {penalty}.",
+                              param="repetition_penalty", code="invalid_value")
+    min_tokens = 0 if body.min_tokens is None else body.min_tokens
+    if min_tokens < 0:
+        raise invalid_request(f"min_tokens must be >= 0, got {min_tokens}.", param="min_tokens",
+                              code="invalid_value")
+    return {"top_k": max(top_k, 0), "repetition_penalty": penalty, "min_tokens": min_tokens,
+            "ignore_eos": bool(body.ignore_eos)}
 
 
 def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ another test package on the session's servers.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,15 +25,16 @@ from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from shared import wire
 from shared.modelgen import ensure_demo_model
-from shared.registry import model_record_from_dir
+from shared.registry import model_id, model_record_from_dir
 from shared.servers import ServerProcess, free_port, start_nats, start_redis
 from shared.subjects import MODELS_HASH
 from tests.gateway.responder import Responder
 
 API_KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+OPERATOR_KEY = "key-op"
 PUBLIC_MODEL = "tiny"  # public, max_context from the directory (2048)
 SHORT_MODEL = "tiny-short"  # public, max_context 64: context-length errors
-PRIVATE_A = "a-private"  # private to tenant-a
+PRIVATE_A = "a-private"  # private to tenant-a (its registry id: model_id(PRIVATE_A, "tenant-a"))
 
 
 @pytest.fixture(scope="package")
@@ -64,6 +66,24 @@ def model_dir(tmp_path_factory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("gw-data"))
 
 
+def copy_model(src: Path, dst: Path) -> Path:
+    """A model directory of hard links to `src`'s files (no symlink: those are checked)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not (dst / f.name).exists():
+            os.link(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="package")
+def tenant_models(tmp_path_factory, model_dir: Path) -> Path:
+    """SLINFER_TENANT_MODELS_DIR: <dir>/tenant-a/tiny and <dir>/tenant-b/tiny hold the model."""
+    root = tmp_path_factory.mktemp("gw-tenants")
+    for tenant in API_KEYS.values():
+        copy_model(model_dir, root / tenant / "tiny")
+    return root
+
+
 @pytest.fixture(scope="package")
 def hf_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
@@ -78,11 +98,11 @@ def seeded_models(redis_url: str, model_dir: Path) -> dict[str, object]:
     records = {
         PUBLIC_MODEL: base,
         SHORT_MODEL: dataclasses.replace(base, name=SHORT_MODEL, max_context=64),
-        PRIVATE_A: dataclasses.replace(base, name=PRIVATE_A, owner="tenant-a"),
+        PRIVATE_A: dataclasses.replace(base, name=model_id(PRIVATE_A, "tenant-a"), owner="tenant-a"),
     }
     r = SyncRedis.from_url(redis_url)
-    for name, record in records.items():
-        r.hset(MODELS_HASH, name, wire.encode(record))
+    for record in records.values():
+        r.hset(MODELS_HASH, record.name, wire.encode(record))
     r.close()
     return records
 
@@ -115,11 +135,13 @@ def start_gateway(settings: GatewaySettings) -> RunningGateway:
 
 
 @pytest.fixture(scope="package")
-def make_settings(nats_url: str, redis_url: str):
+def make_settings(nats_url: str, redis_url: str, model_dir: Path, tenant_models: Path):
     def make(**overrides) -> GatewaySettings:
         base = GatewaySettings(nats_url=nats_url, redis_url=redis_url, host="127.0.0.1",
                                port=free_port(), api_keys=API_KEYS, max_body_bytes=64 * 1024,
-                               request_timeout_s=10.0, default_max_tokens=16)
+                               request_timeout_s=10.0, default_max_tokens=16,
+                               operator_keys=frozenset({OPERATOR_KEY}),
+                               model_roots=(model_dir.parent,), tenant_models_dir=tenant_models)
         return dataclasses.replace(base, **overrides)
 
     return make
@@ -136,7 +158,7 @@ def gateway(make_settings, seeded_models) -> Iterator[RunningGateway]:
 @pytest.fixture(scope="package")
 def local_gateway(make_settings, seeded_models) -> Iterator[RunningGateway]:
     """The gateway with no API keys: no auth, tenant "local", loopback only."""
-    gw = start_gateway(make_settings(api_keys={}))
+    gw = start_gateway(make_settings(api_keys={}, operator_keys=frozenset()))
     yield gw
     gw.stop()
 
@@ -151,6 +173,13 @@ def client_a(gateway: RunningGateway) -> Iterator[httpx.Client]:
 @pytest.fixture
 def client_b(gateway: RunningGateway) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer key-b"},
+                      timeout=20, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+def client_op(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {OPERATOR_KEY}"},
                       timeout=20, trust_env=False) as c:
         yield c
 

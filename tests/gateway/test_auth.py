@@ -79,7 +79,7 @@ def test_no_keys_means_no_auth_and_tenant_local(local_gateway, caplog):
 
 def test_auth_off_is_logged(make_settings, seeded_models, caplog):
     caplog.set_level(logging.WARNING, logger="slinfer.gateway")
-    gw = start_gateway(make_settings(api_keys={}))
+    gw = start_gateway(make_settings(api_keys={}, operator_keys=frozenset()))
     gw.stop()
     assert any("auth is OFF" in r.getMessage() for r in caplog.records)
 

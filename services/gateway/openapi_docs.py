@@ -1,0 +1,215 @@
+"""What `/openapi.json` declares: the real request bodies (the routes read raw bytes, so FastAPI
+cannot see them), the real answers, and every error status in OpenAI's shape. FastAPI's own 422
+is never sent (validation errors are 400 here) and is taken out (`finish_schema`).
+
+The response models below document; the routes build their answers themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+COMPONENTS = "#/components/schemas/"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the gateway answers, as the OpenAI API shapes it."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorDetail
+
+
+_ERROR_TEXT = {
+    400: "Invalid request (bad JSON, a bad or unsupported parameter, a prompt too long).",
+    401: "Missing or unknown API key.",
+    403: "The caller's key may not do this.",
+    404: "No such model (or another tenant's private one), or no such route.",
+    405: "Method not allowed on this route.",
+    409: "A model of that name exists already.",
+    413: "The request body is larger than the limit.",
+    429: "A limit of the caller's tenant or of the model is reached; see Retry-After.",
+    500: "The gateway or the inference backend failed.",
+    503: "The inference backend or the registry is unavailable, or the request was dropped "
+         "(it could not meet its SLO).",
+    504: "The request did not finish within the gateway's timeout.",
+}
+
+
+def errors_doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": ErrorResponse, "description": _ERROR_TEXT[s]} for s in statuses}
+
+
+_COMMON = (400, 401, 404, 405, 413, 500, 503)
+INFERENCE_ERRORS = errors_doc(*_COMMON, 429, 504)
+ADMIN_ERRORS = errors_doc(*_COMMON, 403, 409)
+READ_ERRORS = errors_doc(401, 404, 405, 500, 503)
+
+
+def json_body(component: str) -> dict[str, Any]:
+    """`openapi_extra` declaring the JSON body a route parses itself."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": COMPONENTS + component}}}}}
+
+
+# -- the answers ------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str
+
+
+class Completion(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    role: str
+    content: str
+    refusal: None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    parent: str | None
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: str
+    nats: bool
+    redis: bool
+    auth: bool
+
+
+class RegisteredModel(BaseModel):
+    """A registry record; `path` only for the operator, names as the caller calls them."""
+
+    name: str
+    path: str | None = None
+    engine: str
+    slo_class: str
+    owner: str | None
+    base_model: str | None
+    max_context: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    eos_token_ids: list[int]
+    created_at: float
+
+
+class RegisteredList(BaseModel):
+    object: str
+    data: list[RegisteredModel]
+
+
+class Deleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool
+
+
+class NodeList(BaseModel):
+    object: str
+    data: list[dict[str, Any]]  # the placer's node views (shared.core.types.NodeView)
+
+
+class InstanceRow(BaseModel):
+    instance_id: str
+    node_id: str
+    hardware: str
+    model: str
+    status: str
+    batch_size: int
+    kv_bytes: int
+    weight_bytes: int
+    last_active: float
+    requests: list[str]
+
+
+class InstanceList(BaseModel):
+    object: str
+    data: list[InstanceRow]
+
+
+def _ok(model: type[BaseModel], description: str) -> dict[str, Any]:
+    return {"model": model, "description": description}
+
+
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+COMPLETION = {**_ok(Completion, "The completion; with stream=true, server-sent events."),
+              "content": _SSE}
+CHAT_COMPLETION = {**_ok(ChatCompletion, "The chat completion; with stream=true, server-sent "
+                         "events of chat.completion.chunk objects."), "content": _SSE}
+MODEL_LIST = _ok(ModelList, "The models this key's tenant may call.")
+MODEL = _ok(ModelObject, "The model.")
+HEALTH = _ok(Health, "NATS and Redis are reachable.")
+HEALTH_DOWN = _ok(Health, "NATS or Redis is unreachable.")
+MODEL_RECORD = _ok(RegisteredModel, "The registered model.")
+RECORD_LIST = _ok(RegisteredList, "The models the caller may see.")
+DELETED = _ok(Deleted, "The model was deleted.")
+NODE_LIST = _ok(NodeList, "The live nodes, with the instances the caller may see.")
+INSTANCE_LIST = _ok(InstanceList, "The instances the caller may see.")
+
+
+def finish_schema(schema: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    """Add the request-body schemas and bearer auth; drop FastAPI's 422 (never sent)."""
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for name, model in bodies.items():
+        body = model.model_json_schema(ref_template=COMPONENTS + "{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[name] = body
+    for key in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(key, None)
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            operation.get("responses", {}).pop("422", None)
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    schema["security"] = [{"bearer": []}]
+    return schema
