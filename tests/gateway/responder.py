@@ -127,6 +127,14 @@ class Responder:
 
         return await asyncio.wait_for(wait(), timeout_s)
 
+    async def settle(self) -> None:
+        """Until what the gateway published before its last answer has reached our callbacks:
+        the gateway flushes a cancel before it answers, NATS delivers it ahead of the reply to
+        this flush, and the callbacks run within a few loop turns after that."""
+        await self._nc.flush()
+        for _ in range(10):
+            await asyncio.sleep(0)
+
     async def wait_requests(self, n: int, timeout_s: float = 5.0) -> list[InferenceRequest]:
         async def wait() -> list[InferenceRequest]:
             while len(self.requests) < n:

@@ -12,7 +12,10 @@ from shared.registry import (
     ModelDirError,
     ModelExistsError,
     ModelRegistry,
+    display_name,
+    model_id,
     model_record_from_dir,
+    strip_owner,
 )
 from shared.schemas import ModelRecord
 from shared.subjects import MODELS_HASH
@@ -89,6 +92,39 @@ def test_adapter_needs_adapter_config(tmp_path):
     assert (rec.base_model, rec.max_context, rec.kv_bytes_per_token, rec.eos_token_ids) == ("b", 99, 7, [1])
 
 
+def test_private_ids_and_display_names():
+    assert model_id("org/m", None) == "org/m"
+    assert model_id("org/m", "team:x") == "team:x~org/m"
+    rec = ModelRecord(name=model_id("org/m", "team:x"), path="/p", owner="team:x")
+    assert display_name(rec) == "org/m"
+    assert display_name(ModelRecord(name="legacy", path="/p", owner="t")) == "legacy"
+    assert strip_owner("t~base", "t") == "base" and strip_owner("public-base", "t") == "public-base"
+    assert strip_owner("u~base", "t") == "u~base"  # another owner's id is not shortened
+
+
+@pytest.mark.integration
+async def test_resolve_prefers_the_tenants_own_then_public(redis_url):
+    redis = Redis.from_url(redis_url)
+    reg = ModelRegistry(redis)
+    ids = ["res-x", model_id("res-x", "ta"), model_id("res-y", "tb"), "res-legacy"]
+    try:
+        await reg.register(ModelRecord(name="res-x", path="/public"))
+        await reg.register(ModelRecord(name=model_id("res-x", "ta"), path="/ta", owner="ta"))
+        await reg.register(ModelRecord(name=model_id("res-y", "tb"), path="/tb", owner="tb"))
+        await reg.register(ModelRecord(name="res-legacy", path="/l", owner="ta"))  # older layout
+        assert (await reg.resolve("res-x", "ta")).path == "/ta"
+        assert (await reg.resolve("res-x", "tb")).path == "/public"
+        assert (await reg.resolve("res-y", "tb")).path == "/tb"
+        assert await reg.resolve("res-y", "ta") is None
+        assert await reg.resolve(model_id("res-y", "tb"), "ta") is None  # ids do not get around it
+        assert (await reg.resolve("res-legacy", "ta")).path == "/l"
+        assert await reg.resolve("res-legacy", "tb") is None
+    finally:
+        await redis.hdel(MODELS_HASH, *ids)
+        await redis.aclose()
+
+
+@pytest.mark.integration
 async def test_registry_crud_and_visibility(redis_url):
     redis = Redis.from_url(redis_url)
     reg = ModelRegistry(redis)

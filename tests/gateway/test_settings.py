@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,16 @@ def test_parses_everything():
     ({"SLINFER_NATS_URL": "http://x"}, "SLINFER_NATS_URL"),
     ({"SLINFER_REDIS_URL": "x"}, "SLINFER_REDIS_URL"),
     ({"SLINFER_GATEWAY_HOST": "0.0.0.0"}, "SLINFER_API_KEYS"),
+    ({"SLINFER_API_KEYS": "k:operator"}, "SLINFER_API_KEYS"),  # reserved
+    ({"SLINFER_API_KEYS": "k:a", "SLINFER_OPERATOR_KEYS": "k"}, "SLINFER_OPERATOR_KEYS"),
+    ({"SLINFER_MODEL_ROOTS": "relative/dir"}, "SLINFER_MODEL_ROOTS"),
+    ({"SLINFER_TENANT_MODELS_DIR": "rel"}, "SLINFER_TENANT_MODELS_DIR"),
+    ({"SLINFER_TENANT_MODELS_DIR": "/m", "SLINFER_API_KEYS": "k:a/b"}, "SLINFER_TENANT_MODELS_DIR"),
+    ({"SLINFER_TENANT_MAX_CONCURRENCY": "-1"}, "SLINFER_TENANT_MAX_CONCURRENCY"),
+    ({"SLINFER_TENANT_RATE_LIMIT": "fast"}, "SLINFER_TENANT_RATE_LIMIT"),
+    ({"SLINFER_TENANT_RATE_BURST": "0"}, "SLINFER_TENANT_RATE_BURST"),
+    ({"SLINFER_MODEL_MAX_QUEUE": "-3"}, "SLINFER_MODEL_MAX_QUEUE"),
+    ({"SLINFER_GATEWAY_METRICS_PORT": "99999"}, "SLINFER_GATEWAY_METRICS_PORT"),
 ])
 def test_bad_values_name_the_variable(env, names):
     with pytest.raises(ValueError, match=names):
@@ -51,3 +62,31 @@ def test_bad_values_name_the_variable(env, names):
 
 def test_parse_api_keys_tenant_may_contain_colon():
     assert parse_api_keys("abc:org:team") == {"abc": "org:team"}
+
+
+def test_access_and_limits(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    s = GatewaySettings.from_env({
+        "SLINFER_OPERATOR_KEYS": " op1, op2 ", "SLINFER_MODEL_ROOTS": f"{tmp_path / 'link'}:/srv/m",
+        "SLINFER_TENANT_MODELS_DIR": str(tmp_path), "SLINFER_API_KEYS": "k:alice",
+        "SLINFER_TENANT_MAX_CONCURRENCY": "8", "SLINFER_TENANT_RATE_LIMIT": "2.5",
+        "SLINFER_TENANT_RATE_BURST": "5", "SLINFER_MODEL_MAX_QUEUE": "0",
+        "SLINFER_METRICS_KEY": "scrape", "SLINFER_GATEWAY_METRICS_PORT": "9100"})
+    assert s.operator_keys == {"op1", "op2"} and "op1" not in repr(s) and "scrape" not in repr(s)
+    assert s.model_roots == (tmp_path / "real", Path("/srv/m"))  # symlinks followed once, here
+    assert s.tenant_model_root("alice") == tmp_path / "alice"
+    assert s.tenant_model_root("..") is None
+    assert (s.tenant_max_concurrency, s.tenant_rate_limit, s.tenant_rate_burst, s.model_max_queue) == \
+        (8, 2.5, 5, 0)
+    assert (s.metrics_key, s.metrics_port, s.metrics_host) == ("scrape", 9100, "127.0.0.1")
+    assert s.auth_enabled
+
+
+def test_limits_defaults_bound_the_queue():
+    s = GatewaySettings.from_env({})
+    assert s.tenant_max_concurrency == 64 and s.model_max_queue == 256 and s.tenant_rate_limit == 0
+    assert s.metrics_port is None and s.tenant_models_dir is None and s.model_roots == ()
+    # Operator keys alone turn auth on, so a public host is allowed with them.
+    assert GatewaySettings.from_env({"SLINFER_OPERATOR_KEYS": "op",
+                                     "SLINFER_GATEWAY_HOST": "0.0.0.0"}).auth_enabled
