@@ -36,8 +36,11 @@ help:
 run: $(STAMP)
 	$(BIN)/slinfer up $(ARGS)
 
+# -X faulthandler: a crash of the pytest process itself (SIGSEGV, SIGABRT...) prints every
+# thread's Python traceback, from interpreter start to exit (pytest's own faulthandler plugin
+# covers only the session); the servers the run started die with it (PR_SET_PDEATHSIG).
 test: $(STAMP) $(ENGINE_STAMPS)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -X faulthandler -m pytest -q $(PYTEST_ARGS)
 
 install: $(STAMP) $(ENGINE_STAMPS)
 
