@@ -230,6 +230,21 @@ def test_rejects_zero_nodes(capsys) -> None:
     assert "--nodes must be >= 1" in capsys.readouterr().err
 
 
+def test_backoff_doubles_caps_resets_after_a_healthy_run_and_gives_up() -> None:
+    b = launcher.Backoff(first_s=0.5, max_s=3.0, healthy_s=60.0, give_up_after=6)
+    assert [b.after_crash(1.0) for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]  # capped
+    assert b.after_crash(1.0) is None  # the 6th fast crash in a row: give up
+    b = launcher.Backoff(first_s=0.5, max_s=30.0, healthy_s=60.0, give_up_after=3)
+    assert [b.after_crash(1.0), b.after_crash(1.0)] == [0.5, 1.0]
+    assert b.after_crash(61.0) == 0.5  # a minute of running ended the row
+    assert b.after_crash(1.0) == 1.0 and b.after_crash(1.0) is None
+
+
+def test_exit_status_names_the_signal() -> None:
+    assert launcher.exit_status(3) == "exited with code 3"
+    assert launcher.exit_status(-signal.SIGSEGV) == "was killed by SIGSEGV"
+
+
 # ---------------------------------------------------------------- stand-in services
 
 
