@@ -14,7 +14,6 @@ model registry and the profiles back.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,21 +93,27 @@ def _kill_group(pgid: int) -> None:
 # ---------------------------------------------------------------- processes that die with us
 
 PR_SET_PDEATHSIG = 1
-# Resolved once here, in the parent: between fork and exec the child of a threaded parent must
-# not load a library (another thread may have held the loader's lock at the fork); it only
-# calls prctl and getppid.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+# Put in front of the real command (`python -I -S -c TIE parent sig argv...`): it asks the kernel
+# for `sig` when its parent dies, checks the parent did not die already, and becomes the command
+# (exec keeps the pid, the process group and the death signal). A separate program rather than a
+# preexec_fn: no Python runs between fork and exec in the (threaded, multi-GB) parent's child,
+# and without a preexec_fn subprocess can use vfork and skips the parent's at-fork hooks.
+_TIE = """import ctypes, os, sys
+parent, sig = int(sys.argv[1]), int(sys.argv[2])
+ctypes.CDLL(None, use_errno=True).prctl(1, sig)
+if os.getppid() != parent:
+    os.kill(os.getpid(), sig)
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
 _spawner: ThreadPoolExecutor | None = None
 _spawner_lock = threading.Lock()
 
 
-def _die_with_parent(parent_pid: int, sig: int) -> Callable[[], None]:
-    def preexec() -> None:
-        if _prctl is not None:
-            _prctl(PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent_pid:  # the parent died before the prctl took effect
-            os.kill(os.getpid(), sig)
-    return preexec
+def tied_argv(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """`argv` wrapped so that the process gets `sig` when the process running this dies."""
+    if shutil.which(argv[0]) is None:  # fail here, as Popen would, not in the wrapper
+        raise FileNotFoundError(f"no such program: {argv[0]!r}")
+    return [sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), str(int(sig)), *argv]
 
 
 def _spawn_thread() -> ThreadPoolExecutor:
@@ -123,15 +128,15 @@ def _spawn_thread() -> ThreadPoolExecutor:
 
 
 def popen_tied(argv: Sequence[str], sig: int = signal.SIGKILL, **kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen(argv, **kwargs)` whose child gets `sig` when this process dies (on
+    """`subprocess.Popen(argv, **kwargs)` whose process gets `sig` when this process dies (on
     Linux; elsewhere a plain Popen). SIGKILL by default: the parent is gone, nobody would
     escalate a signal the child ignores, and the services keep their state in NATS and Redis."""
     if sys.platform != "linux":
         return subprocess.Popen(list(argv), **kwargs)
-    kwargs["preexec_fn"] = _die_with_parent(os.getpid(), sig)
+    wrapped = tied_argv(argv, sig)
     if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(list(argv), **kwargs)
-    return _spawn_thread().submit(subprocess.Popen, list(argv), **kwargs).result()
+        return subprocess.Popen(wrapped, **kwargs)
+    return _spawn_thread().submit(subprocess.Popen, wrapped, **kwargs).result()
 
 
 # ---------------------------------------------------------------- the servers
