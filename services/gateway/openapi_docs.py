@@ -181,7 +181,11 @@ def _ok(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"model": model, "description": description}
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# Each server-sent event (OpenAPI 3.1 has `schema` describe one event): its data is a JSON chunk,
+# an error object, or the closing "[DONE]".
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 COMPLETION = {**_ok(Completion, "The completion; with stream=true, server-sent events."),
               "content": _SSE}
 CHAT_COMPLETION = {**_ok(ChatCompletion, "The chat completion; with stream=true, server-sent "

@@ -10,14 +10,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import invalid_request, validation_error
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON Schema counts them: 2.0 is one (a strict int refuses it); "2" and true stay
+# refused.
+JSONInt = Annotated[int, BeforeValidator(_integral)]
+
+
+def _one_prompt(schema: dict[str, Any]) -> None:
+    for variant in schema.get("anyOf", []):
+        if variant.get("type") == "string":
+            variant["minLength"] = 1
+        elif variant.get("items", {}).get("type") in ("string", "array"):
+            variant["minItems"] = variant["maxItems"] = 1  # one prompt per request
+        else:
+            variant["minItems"] = 1
+            variant["items"]["minimum"] = 0
 
 
 class _Strict(BaseModel):
@@ -29,72 +49,104 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+def _doc(**schema: Any) -> Any:
+    """A field whose published JSON schema says what the checks below accept (the checks, not
+    pydantic, enforce it, so their 400s name the parameter the same way)."""
+    return Field(None, json_schema_extra=schema)
+
+
+def _neutral(*values: Any) -> Any:
+    """An OpenAI parameter slinfer does not implement: only its neutral values are accepted."""
+    return _doc(enum=[None, *values])
+
+
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: JSONInt | None = _doc(minimum=1)
+    temperature: float | None = _doc(minimum=0, maximum=2)
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
+    seed: JSONInt | None = _doc(minimum=-(2**63), maximum=2**64 - 1)
+    stop: str | list[str] | None = _doc(minLength=1, maxLength=MAX_STOP_CHARS,
+                                        maxItems=MAX_STOP_SEQUENCES,
+                                        items={"type": "string", "minLength": 1,
+                                               "maxLength": MAX_STOP_CHARS})
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
     user: str | None = None
     # vLLM's sampling extensions, which load generators (guidellm, vllm bench, aiperf) send.
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    min_tokens: JSONInt | None = _doc(minimum=0)  # at most max_tokens
+    top_k: JSONInt | None = _doc(minimum=-1, maximum=2**31 - 1)  # -1 or 0: no limit
+    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
     # In the OpenAI API, not implemented here: any value other than the neutral one is refused
     # by `reject_unsupported`, which names the parameter.
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    suffix: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
-    prediction: Any = None
-    modalities: Any = None
-    audio: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-    min_p: Any = None  # vLLM's, not implemented
+    n: Any = _neutral(1)
+    best_of: Any = _neutral(1)
+    logprobs: Any = _neutral(False)
+    top_logprobs: Any = _neutral(0)
+    echo: Any = _neutral(False)
+    suffix: Any = _neutral("")
+    logit_bias: Any = _neutral({})
+    presence_penalty: Any = _neutral(0)
+    frequency_penalty: Any = _neutral(0)
+    tools: Any = _neutral([])
+    tool_choice: Any = _neutral("none")
+    parallel_tool_calls: Any = _neutral()
+    functions: Any = _neutral([])
+    function_call: Any = _neutral("none")
+    response_format: Any = _neutral({"type": "text"})
+    service_tier: Any = _neutral("auto", "default")
+    store: Any = _neutral(False)
+    metadata: Any = _neutral({})
+    prediction: Any = _neutral()
+    modalities: Any = _neutral(["text"])
+    audio: Any = _neutral()
+    reasoning_effort: Any = _neutral()
+    web_search_options: Any = _neutral()
+    min_p: Any = _neutral(0)  # vLLM's, not implemented
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Text, or token ids; a list of one of those is one prompt too (batches are refused).
+    prompt: str | list[JSONInt] | list[str] | list[list[JSONInt]] = Field(
+        json_schema_extra=_one_prompt)
+
+
+def _require(*names: str) -> Any:
+    """Model-level schema: `names` documented as required (the checks below refuse their absence
+    with a message of their own)."""
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted({*schema.get("required", ()), *names})
+    return extra
+
+
+def _not_null(schema: dict[str, Any]) -> None:
+    """A field documented without null: the checks below refuse a null."""
+    schema["anyOf"] = [s for s in schema.get("anyOf", []) if s.get("type") != "null"]
+    schema.pop("default", None)
 
 
 class TextPart(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")  # image_url etc., refused below
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(strict=True, extra="allow",  # image_url etc., refused below
+                              json_schema_extra=_require("text"))
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # the only kind supported
+    text: str | None = Field(None, json_schema_extra=_not_null)
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_require("content"))
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, json_schema_extra=_not_null)
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
+    tool_calls: Any = _neutral()
+    tool_call_id: Any = _neutral()
+    function_call: Any = _neutral()
     refusal: Any = None
 
 
 class ChatBody(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: JSONInt | None = _doc(minimum=1)
 
 
 # value is acceptable (neutral) -> True

@@ -91,7 +91,7 @@ class Responder:
         while True:
             try:
                 msgs = await self._psub.fetch(8, timeout=0.5)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when idle
                 continue
             for msg in msgs:
                 await msg.ack()

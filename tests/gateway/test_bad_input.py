@@ -92,6 +92,13 @@ CASES = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      400, "messages[0].content[0]", "unsupported_parameter"),
     (CHAT, chat(frobnicate=1), 400, "frobnicate", "unknown_parameter"),
+    # JSON escapes of a lone surrogate: refused by the parser (no tokenizer could take them)
+    (COMPL, b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, None, "invalid_json"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     None, "invalid_json"),
+    # JSON Schema integers: 2.0 is one, "2" and true are not
+    (CHAT, chat(max_tokens=True), 400, "max_tokens", "invalid_value"),
+    (COMPL, compl(max_tokens=2.5), 400, "max_tokens", "invalid_value"),
 ]
 
 
