@@ -1,13 +1,16 @@
-"""Build random-weight Hugging Face Llama directories offline (no model hub is reachable here).
+"""Build random-weight Hugging Face model directories offline (no model hub is reachable here).
 
-`slinfer make-model --shape {tiny,small,llama-3.2-3b,llama-2-7b,llama-2-13b} --out DIR` writes a
-directory that `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
-load: config.json, generation_config.json, safetensors shards, and a byte-level BPE tokenizer
-trained here on a corpus made from the docstrings of standard-library modules.
+`slinfer make-model --shape SHAPE --out DIR` writes a directory that
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load:
+config.json, generation_config.json, safetensors shards, and a byte-level BPE tokenizer trained
+here on a corpus made from the docstrings of standard-library modules. Shapes: `tiny` and `small`
+(tests and the demo, float32), `tiny-qwen2` (the tiny size in the Qwen2 architecture, for tests),
+and the real models' shapes `llama-3.2-1b`, `qwen2.5-0.5b`, `llama-3.2-3b`, `llama-2-7b`,
+`llama-2-13b`, stored in bfloat16 as their published checkpoints are.
 
 Weights are random (nonsense text, real timings). Everything is seeded and deterministic. Weights
 are generated tensor by tensor straight into safetensors shards, never as a whole nn.Module, so a
-7B model in float32 needs about one shard of memory rather than twice the model.
+7B model needs about one shard of memory rather than twice the model.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-SHAPES = ("tiny", "small", "llama-3.2-3b", "llama-2-7b", "llama-2-13b")
+SHAPES = ("tiny", "small", "tiny-qwen2", "llama-3.2-1b", "qwen2.5-0.5b", "llama-3.2-3b",
+          "llama-2-7b", "llama-2-13b")
+ARCHITECTURES = ("llama", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Special tokens get the first ids, in this order.
@@ -77,9 +82,16 @@ class Shape:
     rope_parameters: dict | None = None
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    architecture: str = "llama"  # "qwen2": Qwen2ForCausalLM (q/k/v projections with biases)
+    default_dtype: str = "float32"  # what `make-model` writes unless --dtype says otherwise
 
 
-# The real models' config numbers (Meta's published config.json files).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+# The real models' config numbers (Meta's and Qwen's published config.json files); their
+# published checkpoints are bfloat16, so these are written in bfloat16 by default.
 SHAPE_SPECS: dict[str, Shape] = {
     # A larger init std sharpens the logits of the tiny random model, so greedy argmax has clear
     # margins and CPU/GPU numeric noise does not flip tokens in tests.
@@ -89,16 +101,26 @@ SHAPE_SPECS: dict[str, Shape] = {
     # AVX-512 box, a time to first token of a realistic order, still inside the 0.5 s TTFT SLO.
     "small": Shape(512, 1536, 12, 8, 4, 2048, None, 8192,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "llama-3.2-3b": Shape(
-        3072, 8192, 28, 24, 8, 131072, 128256, 16384,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        tie_word_embeddings=True),
+    # The tiny size in the Qwen2 architecture: tests that an engine handles q/k/v biases.
+    "tiny-qwen2": Shape(128, 352, 4, 4, 2, 2048, None, 2048, rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                        tie_word_embeddings=True, init_std=0.06, architecture="qwen2"),
+    "llama-3.2-1b": Shape(2048, 8192, 16, 32, 8, 131072, 128256, 16384,
+                          rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True,
+                          default_dtype="bfloat16"),
+    "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 32768, 151936, 16384, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                          tie_word_embeddings=True, architecture="qwen2",
+                          default_dtype="bfloat16"),
+    "llama-3.2-3b": Shape(3072, 8192, 28, 24, 8, 131072, 128256, 16384,
+                          rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True,
+                          default_dtype="bfloat16"),
     "llama-2-7b": Shape(4096, 11008, 32, 32, 32, 4096, 32000, 16384,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        default_dtype="bfloat16"),
     "llama-2-13b": Shape(5120, 13824, 40, 40, 40, 4096, 32000, 16384,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         default_dtype="bfloat16"),
 }
 
 
@@ -170,22 +192,20 @@ def save_tokenizer(tokenizer, out_dir: Path, model_max_length: int) -> None:
 # Config and weights
 
 
-def model_config(shape: str, vocab_size: int | None = None, dtype: str = "float32"):
-    """The LlamaConfig of a shape; only `tiny` needs `vocab_size` (its tokenizer's size)."""
-    from transformers import LlamaConfig
-
+def model_config(shape: str, vocab_size: int | None = None, dtype: str | None = None):
+    """The HF config of a shape (LlamaConfig or Qwen2Config); only the shapes without a vocabulary
+    of their own (`tiny`, `small`, `tiny-qwen2`) need `vocab_size` (their tokenizer's size)."""
     spec = _spec(shape)
     vocab = spec.vocab_size or vocab_size
     if vocab is None:
         raise ValueError(f"shape {shape!r} takes its vocabulary size from the tokenizer")
-    return LlamaConfig(
+    common = dict(
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         rope_parameters=dict(spec.rope_parameters or {}),
@@ -195,24 +215,35 @@ def model_config(shape: str, vocab_size: int | None = None, dtype: str = "float3
         bos_token_id=SPECIAL_TOKENS.index(BOS),
         eos_token_id=SPECIAL_TOKENS.index(EOS),
         pad_token_id=SPECIAL_TOKENS.index(PAD),
-        dtype=dtype,
+        dtype=dtype or spec.default_dtype,
     )
+    if spec.architecture == "qwen2":
+        from transformers import Qwen2Config
+
+        # Qwen2's head size is always hidden / heads (its config has no head_dim).
+        return Qwen2Config(use_sliding_window=False, **common)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(head_dim=spec.hidden_size // spec.num_attention_heads, **common)
 
 
 def weight_specs(config) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) of every parameter of LlamaForCausalLM; init is "normal" or "ones"."""
+    """(name, shape, init) of every parameter of LlamaForCausalLM / Qwen2ForCausalLM; init is
+    "normal" or "ones"."""
     hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = config.head_dim
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q_out = config.num_attention_heads * head_dim
     kv_out = config.num_key_value_heads * head_dim
+    qkv_bias = config.model_type == "qwen2"  # Qwen2: biases on q/k/v (not o)
     specs = [("model.embed_tokens.weight", (config.vocab_size, hidden), "normal")]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (hidden,), "ones")]
+        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            specs.append((p + f"self_attn.{proj}.weight", (out, hidden), "normal"))
+            if qkv_bias:
+                specs.append((p + f"self_attn.{proj}.bias", (out,), "normal"))
         specs += [
-            (p + "input_layernorm.weight", (hidden,), "ones"),
-            (p + "self_attn.q_proj.weight", (q_out, hidden), "normal"),
-            (p + "self_attn.k_proj.weight", (kv_out, hidden), "normal"),
-            (p + "self_attn.v_proj.weight", (kv_out, hidden), "normal"),
             (p + "self_attn.o_proj.weight", (hidden, q_out), "normal"),
             (p + "post_attention_layernorm.weight", (hidden,), "ones"),
             (p + "mlp.gate_proj.weight", (inter, hidden), "normal"),
@@ -277,11 +308,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 # Public API
 
 
-def build_model(shape: str, out_dir: Path, dtype: str = "float32", seed: int = 0) -> Path:
-    """Write a complete random-weight model directory for `shape` into `out_dir`."""
+def build_model(shape: str, out_dir: Path, dtype: str | None = None, seed: int = 0) -> Path:
+    """Write a complete random-weight model directory for `shape` into `out_dir` (in the shape's
+    default dtype unless `dtype` is given)."""
     from transformers import GenerationConfig
 
     spec = _spec(shape)
+    dtype = dtype or spec.default_dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     out_dir = Path(out_dir)
@@ -346,14 +379,17 @@ def ensure_model(data_dir: Path, shape: str, name: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="slinfer make-model",
-        description="Build a random-weight Hugging Face Llama directory and tokenizer offline.")
+        description="Build a random-weight Hugging Face model directory and tokenizer offline.")
     parser.add_argument("--shape", required=True, choices=SHAPES)
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="weights on disk (default: float32 for tiny/small/tiny-qwen2, "
+                             "bfloat16 for the real shapes)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = build_model(args.shape, args.out, dtype=args.dtype, seed=args.seed)
-    print(f"built {args.shape} ({args.dtype}, seed {args.seed}) in {path}")
+    dtype = args.dtype or _spec(args.shape).default_dtype
+    path = build_model(args.shape, args.out, dtype=dtype, seed=args.seed)
+    print(f"built {args.shape} ({dtype}, seed {args.seed}) in {path}")
     return 0
 
 

@@ -91,19 +91,28 @@ def test_sharded_weights_load_identically(tmp_path, tiny_model_dir, hf_model):
     ("llama-3.2-3b", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                           num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
                           max_position_embeddings=131072, params=3_212_749_824)),
+    ("llama-3.2-1b", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, tie_word_embeddings=True,
+                          params=1_235_814_400)),
+    ("qwen2.5-0.5b", dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                          vocab_size=151936, max_position_embeddings=32768,
+                          tie_word_embeddings=True, params=494_032_768)),
 ])
 def test_real_shape_configs(shape, expected):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = modelgen.model_config(shape)
     expected = dict(expected)
     params = expected.pop("params")
     assert {key: getattr(config, key) for key in expected} == expected
+    assert config.dtype == torch.bfloat16  # the real shapes are stored as published: bf16
     specs = modelgen.weight_specs(config)
     assert sum(torch.Size(s).numel() for _, s, _ in specs) == params
     # The names and shapes we would write are exactly what HF expects (meta: no memory used).
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     hf_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         hf_shapes.pop("lm_head.weight")
@@ -114,3 +123,15 @@ def test_real_shape_configs(shape, expected):
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_qwen2_directory_loads_with_biases(data_dir):
+    from transformers import AutoModelForCausalLM
+
+    path = modelgen.ensure_model(data_dir, "tiny-qwen2", "tiny-qwen2")
+    model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.model_type == "qwen2" and model.dtype == torch.float32
+    bias = model.model.layers[0].self_attn.q_proj.bias
+    assert bias is not None and bias.abs().sum() > 0  # random, not zero-initialised

@@ -51,15 +51,18 @@ _allocator_tuned: bool | None = None
 
 
 def create_engine(name: str, model_dir: str | Path, device: str = "cpu",
-                  kv_capacity_bytes: int | None = None, dtype: str | None = None) -> Engine:
-    """Construct (not load) an engine for the model directory; call `.load()` before use."""
+                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
+                  loader=None) -> Engine:
+    """Construct (not load) an engine for the model directory; call `.load()` before use.
+    `loader` is the node's `CheckpointLoader` (services.node.loader); the torch engine loads
+    converted checkpoints through it (its tiers and bandwidth figures are the node's)."""
     if str(device).startswith("cpu"):
         tune_cpu_allocator()
     if name == "torch":
         from .torch_engine import TorchEngine
 
         return TorchEngine(model_dir, device=device, kv_capacity_bytes=kv_capacity_bytes,
-                           dtype=dtype)
+                           dtype=dtype, loader=loader)
     if name == "openvino":  # OpenVINO GenAI in this environment; IR conversion in .venv-openvino
         from .openvino_engine import OpenVINOEngine
 

@@ -109,13 +109,33 @@ class PagedKVCache:
         self._flat(self.k[layer]).index_copy_(0, slots, k.to(self.dtype))
         self._flat(self.v[layer]).index_copy_(0, slots, v.to(self.dtype))
 
-    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of a batch as [batch, width * block_size, n_kv_heads, head_dim] (one gather)."""
+    def gather(self, layer: int, tables: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of a batch as [batch, width * block_size, n_kv_heads, head_dim] (one gather).
+        With `out` (two buffers of at least batch * width blocks, see `new_buffers`) the blocks
+        are gathered into them, so a decode step allocates nothing per layer."""
         batch, width = tables.shape
         shape = (batch, width * self.block_size, self.n_kv_heads, self.head_dim)
         flat = tables.reshape(-1)  # index_select is much faster than fancy indexing here
-        return (self.k[layer].index_select(0, flat).view(shape),
-                self.v[layer].index_select(0, flat).view(shape))
+        if out is None:
+            return (self.k[layer].index_select(0, flat).view(shape),
+                    self.v[layer].index_select(0, flat).view(shape))
+        n = flat.numel()
+        keys = torch.index_select(self.k[layer], 0, flat, out=out[0][:n])
+        values = torch.index_select(self.v[layer], 0, flat, out=out[1][:n])
+        return keys.view(shape), values.view(shape)
+
+    def new_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers of `num_blocks` blocks of one layer, for `gather(..., out=)`."""
+        shape = (num_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """K of one block in one layer."""
+        return self.block_bytes // (2 * self.num_layers)
 
     def set_length(self, request_id: str, length: int) -> None:
         self.lengths[request_id] = length

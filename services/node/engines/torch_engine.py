@@ -6,7 +6,8 @@ resized at run time and whose blocks a request gives back on release or evict.
 
 One call = one iteration, as the node scheduler decides: `prefill(id)` runs one request's whole
 token list alone; `decode(ids)` runs one batched step for requests of different lengths (their
-cached K/V are gathered per layer into a padded batch and masked), one new token each.
+cached K/V are gathered per layer, in groups of similar length, into a reused buffer, padded
+within a group and masked), one new token each.
 
 Sampling is greedy at temperature 0; otherwise temperature + top-p, with the uniform draw of each
 step taken from a torch.Generator seeded from (params.seed, token position). A seeded request is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +26,17 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ..loader import CheckpointLoader, LoaderSettings
 from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
 from .kv_cache import PagedKVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_TOKENS = 16384  # default pool: min(this, 4 x context length) tokens
+# K+V of one layer gathered at once by a decode step (see _DecodeAttention); not counted in
+# MemoryReport, like activations. 64 MiB holds a batch of 32 x 2k tokens of llama-3.2-1b.
+DECODE_WORKSPACE_BYTES = 64 << 20
 
 __all__ = ["TorchEngine", "KVCacheFull"]
 
@@ -49,7 +55,8 @@ class TorchEngine(RequestBook):
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE,
+                 loader: CheckpointLoader | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, not {dtype!r}")
         self.model_dir = Path(model_dir)
@@ -57,34 +64,80 @@ class TorchEngine(RequestBook):
         self.dtype_name = dtype
         self.block_size = block_size
         self._initial_kv_bytes = kv_capacity_bytes
+        self._loader = loader  # the node's; None: a private one without caches
         self.model = None
         self.cache: PagedKVCache | None = None
         self.requests: dict[str, _Request] = {}
+        self.load_info: dict[str, object] = {}  # how the weights came: source, tier, s, bytes
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load weights from the local directory and allocate the KV pool."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        """Load weights and allocate the KV pool. Weights come from the loader when the model
+        has a converted checkpoint in one of its tiers, else from the Hugging Face files."""
+        from transformers import AutoConfig
 
         if self.model is not None:
             return
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         _check_supported(config)
-        dtype = DTYPES[self.dtype_name] if self.dtype_name else "auto"
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, local_files_only=True, dtype=dtype)
+        started = time.perf_counter()
+        loader = self._loader or CheckpointLoader(LoaderSettings(dram_bytes_per_s=1e10))
+        try:
+            if loader.has_checkpoint(self.model_dir):
+                model = self._model_from_loader(loader, config)
+            else:
+                model = self._model_from_hf()
+        finally:
+            if self._loader is None:
+                loader.close()
         self.model = model.to(self.device).eval()
+        self.load_info["seconds"] = time.perf_counter() - started
         self.config = config
         self.dtype = self.model.dtype
         # parameters() yields tied tensors once, so a tied lm_head is not counted twice.
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache = self._new_cache(config)
+        self._workspace = _Workspace(self.cache, DECODE_WORKSPACE_BYTES)
+
+    def _model_from_hf(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        dtype = DTYPES[self.dtype_name] if self.dtype_name else "auto"
+        self.load_info = {"source": "hf"}
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True,
+                                                    dtype=dtype)
+
+    def _model_from_loader(self, loader: CheckpointLoader, config) -> torch.nn.Module:
+        """The model built on the meta device (no memory, no init), then given the loader's
+        tensors as its parameters (assign=True): on CPU they view the loader's host pool, so
+        the weights are read once into memory and never copied."""
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        result = loader.load(self.model_dir, device=self.device)
+        self.load_info = {"source": "loader", "tier": result.tier,
+                          "loader_seconds": result.seconds, "bytes": result.bytes,
+                          "direct": result.direct}
+        state = result.state_dict
+        dtype = DTYPES[self.dtype_name] if self.dtype_name else _config_dtype(config, state)
+        if any(t.is_floating_point() and t.dtype != dtype for t in state.values()):
+            state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()
+        _rebuild_meta_buffers(model, config, self.device)
+        if left := [n for n, p in model.named_parameters() if p.is_meta]:
+            raise ValueError(f"the checkpoint of {self.model_dir} lacks {left[:5]}")
+        if (self.model_dir / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.model_dir)
+        return model
 
     def unload(self) -> None:
         """Drop weights, KV pool and all requests; device memory is handed back."""
         self.model = None
         self.cache = None
+        self._workspace = None
         self.requests.clear()
         gc.collect()
         if self.device.type == "cuda":
@@ -176,7 +229,7 @@ class TorchEngine(RequestBook):
         try:
             ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.device)
             positions = torch.tensor(lengths, device=self.device)[:, None]
-            attention = _DecodeAttention(cache, request_ids, positions[:, 0])
+            attention = _DecodeAttention(cache, request_ids, lengths, self._workspace)
             logits = self._forward(ids, positions, attention)
             tokens = self._sample(logits[:, -1], requests)
         except BaseException:
@@ -281,33 +334,136 @@ class _PrefillAttention:
 
 
 class _DecodeAttention:
-    """One new token per request against its cached K/V, batched over ragged lengths: the
-    block tables are gathered into a padded [batch, width * block_size] view and masked."""
+    """One new token per request against its cached K/V, batched over ragged lengths.
 
-    def __init__(self, cache: PagedKVCache, request_ids: list[str], positions: torch.Tensor
-                 ) -> None:
-        self.cache = cache
-        self.tables = cache.table_tensor(request_ids)
+    Requests are sorted by length and split into groups whose padded K/V gather ([rows, widest
+    row's blocks]) fits the engine's decode workspace; each group is gathered into that
+    workspace and masked. Padding the whole batch to its longest request instead made the
+    per-layer temporaries grow with batch x longest context: on the llama-3.2-1b shape, 31
+    requests of 128 tokens beside one of 8192 gathered 32 x 8192 tokens per layer (+513 MB of
+    peak RSS and a 4.9 s step instead of 0.7 s; bench/results/torch_decode_memory.json). Now
+    they cost the sum of the groups' tokens, and nothing is allocated per layer."""
+
+    def __init__(self, cache: PagedKVCache, request_ids: list[str], lengths: list[int],
+                 workspace: _Workspace) -> None:
         bs = cache.block_size
-        block = self.tables.gather(1, (positions // bs)[:, None])[:, 0]
-        self.slots = block * bs + positions % bs  # where each new token's K/V goes
-        keys = torch.arange(self.tables.shape[1] * bs, device=positions.device)
-        self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        self.cache = cache
+        tables = [cache.block_tables[rid] for rid in request_ids]
+        # Where each new token's K/V goes: position n of a request holding n tokens.
+        self.slots = torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(tables, lengths)],
+                                  device=cache.device)
+        widths = [len(t) for t in tables]
+        groups = plan_groups(widths, workspace.budget_blocks)
+        self.buffers = workspace.buffers(max(len(g) * max(widths[i] for i in g) for g in groups))
+        self.groups = [_Group.build(cache, [tables[i] for i in g], [lengths[i] for i in g], g,
+                                    len(tables)) for g in groups]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         self.cache.write(layer, self.slots, k[:, 0], v[:, 0])
-        keys, values = self.cache.gather(layer, self.tables)
+        if len(self.groups) == 1 and self.groups[0].rows is None:
+            return self._attend(layer, self.groups[0], q)
+        out = torch.empty_like(q)
+        for group in self.groups:
+            rows = group.rows
+            out.index_copy_(0, rows, self._attend(layer, group, q.index_select(0, rows)))
+        return out
+
+    def _attend(self, layer: int, group: _Group, q: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.gather(layer, group.tables, out=self.buffers)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=self.mask, enable_gqa=True)
+            attn_mask=group.mask, enable_gqa=True)
         return out.transpose(1, 2)
+
+
+@dataclass
+class _Group:
+    """Requests whose K/V are gathered together: padded block tables and the mask of the pad."""
+
+    tables: torch.Tensor  # [rows, width] block ids, right-padded with block 0
+    mask: torch.Tensor  # [rows, 1, 1, width * block_size]: True where a key is real
+    rows: torch.Tensor | None  # the group's rows in the batch; None: the whole batch, in order
+
+    @classmethod
+    def build(cls, cache: PagedKVCache, tables: list[list[int]], lengths: list[int],
+              rows: list[int], batch: int) -> _Group:
+        width = max(len(t) for t in tables)
+        device = cache.device
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        keys = torch.arange(width * cache.block_size, device=device)
+        positions = torch.tensor(lengths, device=device)
+        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+        whole = rows == list(range(batch))
+        return cls(padded, mask, None if whole else torch.tensor(rows, device=device))
+
+
+def plan_groups(widths: list[int], budget_blocks: int) -> list[list[int]]:
+    """Batch rows grouped for the padded gather: rows sorted by width (blocks), a new group
+    whenever rows x widest would pass `budget_blocks` (a row wider than the budget is a group of
+    its own). Sorting keeps the padding small; the budget bounds the gather's memory."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * widths[i] > budget_blocks:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+class _Workspace:
+    """The decode gather's K and V buffers, kept across steps and layers and grown on demand
+    (to fit one request wider than the budget): a step allocates nothing per layer."""
+
+    def __init__(self, cache: PagedKVCache, budget_bytes: int) -> None:
+        self.cache = cache
+        self.budget_blocks = max(1, budget_bytes // (2 * cache.layer_block_bytes))
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def buffers(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._buffers is None or self._buffers[0].shape[0] < blocks:
+            self._buffers = None  # free the old pair before allocating the new one
+            self._buffers = self.cache.new_buffers(max(blocks, 1))
+        return self._buffers
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffers is None else 2 * self._buffers[0].numel() * \
+            self._buffers[0].element_size()
 
 
 def _uniform(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) fixed by (seed, position): reproducible and resumable."""
     generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + position) % 2**63)
     return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+
+def _config_dtype(config, state: dict[str, torch.Tensor]) -> torch.dtype:
+    """What from_pretrained(dtype="auto") picks: the config's dtype, else the checkpoint's."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next(t.dtype for t in state.values() if t.is_floating_point())
+
+
+def _rebuild_meta_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Non-persistent buffers (the rotary embedding's inverse frequencies) are not in a
+    checkpoint: a model built on the meta device gets its rotary modules built again for real."""
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if not name.endswith("rotary_emb"):
+            raise ValueError(f"{name} has buffers that are neither in the checkpoint nor known")
+        parent, _, child = name.rpartition(".")
+        with torch.device(device):  # where the module computes its buffers
+            rebuilt = type(module)(config)
+        setattr(model.get_submodule(parent), child, rebuilt)
 
 
 def _check_supported(config) -> None:
