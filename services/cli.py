@@ -28,6 +28,8 @@ COMMANDS: dict[str, Command] = {
     "simulate": Command("sim.cli", "discrete-event cluster simulation with the real policy core"),
     "convert-openvino": Command("services.node.engines.openvino_engine",
                                 "convert a HF model directory to OpenVINO IR (cached)"),
+    "convert-checkpoint": Command("services.node.loader.convert",
+                                  "convert a HF checkpoint to the fast-loading format (once)"),
 }
 
 
