@@ -120,3 +120,25 @@ def test_default_precision_runs_with_a_smaller_kv_cache(tiny_model_dir, ir_dir, 
         assert len(out) == 8 and all(0 <= t < 2048 for t in out)
     finally:
         default.unload()
+
+
+def test_compiled_model_cache_is_written_then_used(tiny_model_dir, ir_dir, expected):
+    """The first build compiles and writes OpenVINO's cache beside the IR; a fresh engine then
+    imports it (warm) and still produces the reference tokens."""
+    import shutil
+
+    shutil.rmtree(ir_dir / "compiled", ignore_errors=True)
+    cold = OpenVINOEngine(tiny_model_dir, dtype="float32", ir_dir=ir_dir)
+    cold.load()
+    cold.unload()
+    assert not cold.load_info["compile_cache_warm"]
+    assert list((ir_dir / "compiled").glob("*.blob"))
+    warm = OpenVINOEngine(tiny_model_dir, dtype="float32", ir_dir=ir_dir)
+    warm.load()
+    try:
+        assert warm.load_info["compile_cache_warm"] and warm.load_info["build_s"]
+        assert checks.run_alone(warm, "w", checks.PROMPTS[0], checks.N_TOKENS) == expected[0]
+    finally:
+        warm.unload()
+    off = OpenVINOEngine(tiny_model_dir, dtype="float32", ir_dir=ir_dir, compile_cache=False)
+    assert "CACHE_DIR" not in off._properties()

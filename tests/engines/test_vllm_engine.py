@@ -97,3 +97,27 @@ def test_child_errors_and_exit_are_reported(make):
     engine.proc.wait()
     with pytest.raises(RuntimeError, match="exited|gone"):
         engine.memory()
+
+
+def test_weights_through_the_checkpoint_loader(tiny_model_dir, tmp_path, expected):
+    """With a converted checkpoint, vLLM's weights come through our loader (registered as a vLLM
+    load format in the child) and the outputs are the same."""
+    import shutil
+
+    from services.node.loader import convert_checkpoint
+
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_model_dir, model)
+    convert_checkpoint(model)
+    engine = VllmEngine(model, dtype="float32")
+    engine.load()
+    try:
+        assert engine.info["load_format"] == "slinfer"
+        assert engine.info["weights"]["tier"] == "registry" and engine.info["weights"]["bytes"] > 0
+        assert checks.run_alone(engine, "l", checks.PROMPTS[1], checks.N_TOKENS) == expected[1]
+    finally:
+        engine.unload()
+
+
+def test_without_a_converted_checkpoint_vllm_loads_safetensors(engine):
+    assert engine.info["load_format"] == "auto" and engine.info["weights"] == {}

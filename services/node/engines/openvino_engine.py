@@ -200,7 +200,8 @@ class OpenVINOEngine(RequestBook):
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
-                 ir_dir: str | Path | None = None, max_num_seqs: int = 256) -> None:
+                 ir_dir: str | Path | None = None, max_num_seqs: int = 256,
+                 compile_cache: bool = True) -> None:
         if not str(device).startswith("cpu"):
             raise ValueError(f"the openvino engine runs on cpu, not {device!r}")
         if dtype is not None and dtype not in PRECISIONS:
@@ -210,7 +211,9 @@ class OpenVINOEngine(RequestBook):
         self.dtype_name = dtype
         self.ir_dir = Path(ir_dir) if ir_dir is not None else None
         self.max_num_seqs = max_num_seqs
+        self.compile_cache = compile_cache
         self._initial_kv_bytes = kv_capacity_bytes
+        self.load_info: dict[str, object] = {}  # conversion, compile cache state, build times
         self.pipe = None
         self.requests: dict[str, _Request] = {}
         self._by_pipe: dict[int, str] = {}
@@ -228,6 +231,9 @@ class OpenVINOEngine(RequestBook):
         started = time.perf_counter()
         self.ir_dir = ensure_ir(self.ir_dir or self.model_dir)
         self.convert_s = time.perf_counter() - started
+        cache = self._compile_cache_dir()
+        self.load_info = {"convert_s": self.convert_s, "compile_cache": str(cache or ""),
+                          "compile_cache_warm": bool(cache and any(cache.glob("*.blob")))}
         config = json.loads((self.model_dir / "config.json").read_text())
         self.config = config
         self.max_context = int(config["max_position_embeddings"])
@@ -247,17 +253,36 @@ class OpenVINOEngine(RequestBook):
                 blocks = self._initial_kv_bytes // block_bytes
             if self.pipe is None or blocks != self.num_blocks:
                 self._build(blocks)
+        self.load_info["load_s"] = time.perf_counter() - started
 
     def unload(self) -> None:
         self._drop_pipeline()
         self.requests.clear()
         self._by_pipe.clear()
 
+    def _compile_cache_dir(self) -> Path | None:
+        """OpenVINO's model cache (CACHE_DIR) beside the IR: the compiled model is an artifact
+        tier of its own. The first build compiles and writes it; every later build of the same IR
+        and properties (a resize, another instance, a restart) imports it instead of compiling.
+        OpenVINO keys the blobs by model, device and properties, so one directory serves every
+        dtype. None when off or when the IR directory is not writable."""
+        if not self.compile_cache:
+            return None
+        cache = self.ir_dir / "compiled"
+        try:
+            cache.mkdir(exist_ok=True)
+        except OSError:
+            return None
+        return cache if os.access(cache, os.W_OK) else None
+
     def _properties(self) -> dict[str, str]:
-        if self.dtype_name is None:
-            return {}
-        compute, kv = PRECISIONS[self.dtype_name]
-        return {"INFERENCE_PRECISION_HINT": compute, "KV_CACHE_PRECISION": kv}
+        properties = {}
+        if (cache := self._compile_cache_dir()) is not None:
+            properties["CACHE_DIR"] = str(cache)
+        if self.dtype_name is not None:
+            compute, kv = PRECISIONS[self.dtype_name]
+            properties |= {"INFERENCE_PRECISION_HINT": compute, "KV_CACHE_PRECISION": kv}
+        return properties
 
     def _build(self, num_blocks: int) -> None:
         """A fresh pipeline with `num_blocks` KV blocks, its pool allocated (by one probe step of
@@ -274,8 +299,10 @@ class OpenVINOEngine(RequestBook):
         config.max_num_seqs = self.max_num_seqs
         config.enable_prefix_caching = False
         config.use_cache_eviction = False
+        started = time.perf_counter()
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.ir_dir), config, "CPU",
                                                         self._properties())
+        self.load_info.setdefault("build_s", []).append(time.perf_counter() - started)
         probe = self.pipe.add_request(self._new_pipe_id(), ov.Tensor(np.array([[0]], np.int64)),
                                       self._generation_config(SamplingParams(1), 0, 1))
         self.pipe.step()

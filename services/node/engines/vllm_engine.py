@@ -49,6 +49,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +265,62 @@ def _blocks(tokens: int) -> int:
     return blocks(tokens, BLOCK_SIZE)
 
 
+LOAD_FORMAT = "slinfer"  # vLLM load format of our loader (registered in the child)
+_LAST_WEIGHT_LOAD: dict = {}  # the child's last load through it: tier, seconds, bytes, copy_s
+
+
+def _load_format(model_dir: Path) -> str:
+    """"slinfer" (our checkpoint loader, registered with vLLM) when the model has a converted
+    checkpoint, else vLLM's own safetensors loader."""
+    from services.node.loader import CheckpointLoader, LoaderSettings
+
+    loader = CheckpointLoader(LoaderSettings(dram_bytes_per_s=1e10))
+    try:
+        if not loader.has_checkpoint(model_dir):
+            return "auto"
+    finally:
+        loader.close()
+    _register_checkpoint_loader()
+    return LOAD_FORMAT
+
+
+def _register_checkpoint_loader() -> None:
+    """vLLM's model-loader plug-in point: the model is built by vLLM as usual, and its
+    `load_weights` is fed our loader's tensors (O_DIRECT reads into aligned host memory). vLLM
+    copies each into its own parameter (and may repack it for its CPU kernels), so this path
+    saves the read, not the copy: the pool cannot become vLLM's parameters. The child has no
+    DRAM tier of its own (it would hold a second copy of the weights)."""
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from services.node.loader import CheckpointLoader, LoaderSettings
+
+    if getattr(_register_checkpoint_loader, "done", False):
+        return
+
+    class SlinferCheckpointLoader(BaseModelLoader):
+        def download_model(self, model_config) -> None:
+            pass  # the checkpoint is local (the node's tiers)
+
+        def load_weights(self, model, model_config) -> None:
+            loader = CheckpointLoader(LoaderSettings(dram_bytes_per_s=1e10))
+            try:
+                result = loader.load(model_config.model)
+                wanted = {name for name, _ in model.named_parameters()}
+                started = time.perf_counter()
+                loaded = model.load_weights(iter(result.state_dict.items()))
+                copy_s = time.perf_counter() - started
+            finally:
+                loader.close()
+            if loaded is not None and (missing := wanted - set(loaded)):
+                raise ValueError(f"the checkpoint lacks weights vLLM needs: {sorted(missing)[:5]}")
+            _LAST_WEIGHT_LOAD.update(tier=result.tier, read_s=result.seconds, copy_s=copy_s,
+                                     bytes=result.bytes, direct=result.direct)
+
+    register_model_loader(LOAD_FORMAT)(SlinferCheckpointLoader)
+    _register_checkpoint_loader.done = True
+
+
 def _scheduler_class():
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -311,11 +368,13 @@ class _Core(RequestBook):
         capacity = options["kv_capacity_bytes"]
         if capacity is None:
             capacity = -(-min(DEFAULT_KV_TOKENS, 4 * self.context) // BLOCK_SIZE) * self.block_bytes
+        self.load_format = _load_format(model_dir)
         self._build(capacity // self.block_bytes)
         self.weight_bytes = _checkpoint_elements(model_dir) * DTYPE_BYTES[dtype]
         eos = config.get("eos_token_id")
         return {"eos_token_ids": [] if eos is None else (eos if isinstance(eos, list) else [eos]),
-                "block_bytes": self.block_bytes, "dtype": dtype}
+                "block_bytes": self.block_bytes, "dtype": dtype, "load_format": self.load_format,
+                "build_s": self.build_s, "weights": dict(_LAST_WEIGHT_LOAD)}
 
     def _build(self, blocks: int) -> None:
         from vllm import EngineArgs
@@ -324,8 +383,9 @@ class _Core(RequestBook):
         if blocks < 1:
             raise ValueError(f"a vLLM pool needs at least one block of {self.block_bytes} bytes")
         self._shutdown()
+        started = time.perf_counter()
         args = EngineArgs(
-            model=self.options["model_dir"], dtype=self.dtype, seed=0,
+            model=self.options["model_dir"], dtype=self.dtype, seed=0, load_format=self.load_format,
             max_model_len=min(self.context, blocks * BLOCK_SIZE),
             block_size=BLOCK_SIZE, num_gpu_blocks_override=blocks + 1,  # + vLLM's null block
             kv_cache_memory_bytes=(blocks + 1) * self.block_bytes,
@@ -333,6 +393,7 @@ class _Core(RequestBook):
             max_num_seqs=self.options["max_num_seqs"], enable_prefix_caching=False,
             enforce_eager=True, scheduler_cls=_scheduler_class(), skip_tokenizer_init=True)
         self.engine = LLMEngine.from_engine_args(args)
+        self.build_s = time.perf_counter() - started
         # vLLM's page is one layer's block; a block of the pool spans every layer.
         groups = self._scheduler().kv_cache_config.kv_cache_groups
         block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
@@ -375,7 +436,6 @@ class _Core(RequestBook):
                 "kv_bytes_per_token": self.block_bytes // BLOCK_SIZE}
 
     def resize_kv(self, capacity_bytes: int) -> dict:
-        import time
 
         self._loaded()
         if capacity_bytes < 0:
