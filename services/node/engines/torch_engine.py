@@ -9,9 +9,10 @@ token list alone; `decode(ids)` runs one batched step for requests of different 
 cached K/V are gathered per layer, in groups of similar length, into a reused buffer, padded
 within a group and masked), one new token each.
 
-Sampling is greedy at temperature 0; otherwise temperature + top-p, with the uniform draw of each
-step taken from a torch.Generator seeded from (params.seed, token position). A seeded request is
-therefore reproducible, and also continues identically after an evict and re-add.
+Sampling is greedy at temperature 0; otherwise temperature + top-k + top-p, with the uniform draw
+of each step taken from a torch.Generator seeded from (params.seed, token position). A seeded
+request is therefore reproducible, and also continues identically after an evict and re-add. The
+repetition penalty and min_tokens' EOS ban change the logits first, for greedy rows too.
 """
 
 from __future__ import annotations
@@ -270,8 +271,10 @@ class TorchEngine(RequestBook):
     # -- sampling ------------------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> list[int]:
-        """One token per row of logits [batch, vocab]: greedy rows by argmax, the others by
-        temperature + top-p with a per-request, per-position seeded uniform draw."""
+        """One token per row of logits [batch, vocab]: the requests' logit processors first
+        (repetition penalty, EOS held back until min_tokens), then greedy rows by argmax, the
+        others by temperature + top-k + top-p with a per-request, per-position seeded draw."""
+        logits = _process_logits(logits, requests)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
         if rows:
@@ -284,6 +287,8 @@ class TorchEngine(RequestBook):
         top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
+        if any(r.params.top_k for r in requests):
+            sorted_probs = _keep_top_k(sorted_probs, [r.params.top_k for r in requests])
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs * (mass_before < top_p[:, None])
@@ -434,6 +439,36 @@ class _Workspace:
     def nbytes(self) -> int:
         return 0 if self._buffers is None else 2 * self._buffers[0].numel() * \
             self._buffers[0].element_size()
+
+
+def _process_logits(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+    """The per-request logit processors, on a float32 copy when any row needs one."""
+    rows = [(i, r.params) for i, r in enumerate(requests)
+            if r.params.repetition_penalty != 1.0 or r.generated < r.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.to(torch.float32, copy=True)  # the model's output stays as it was
+    vocab = logits.shape[-1]
+    for i, params in rows:
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(requests[i].tokens)), device=logits.device)
+            score = logits[i, seen]
+            # As Hugging Face's RepetitionPenaltyLogitsProcessor: the penalty always lowers.
+            logits[i, seen] = torch.where(score < 0, score * params.repetition_penalty,
+                                          score / params.repetition_penalty)
+        if requests[i].generated < params.min_tokens:
+            eos = [t for t in params.eos_token_ids if 0 <= t < vocab]
+            logits[i, eos] = float("-inf")
+    return logits
+
+
+def _keep_top_k(sorted_probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Zero all but each row's k most likely (sorted) tokens and renormalise, so top-p then
+    works on the top-k distribution (the order vLLM and Hugging Face apply them in)."""
+    vocab = sorted_probs.shape[-1]
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=sorted_probs.device)
+    kept = sorted_probs * (torch.arange(vocab, device=sorted_probs.device)[None, :] < k[:, None])
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _uniform(seed: int, position: int) -> float:
