@@ -127,7 +127,8 @@ def bench_in_operation(n_nodes: int, duration: float, seed: int) -> dict:
         return plan
 
     cfg = SimConfig(system="slinfer", models=16 * n_nodes, model_size="mix", cpu_nodes=n_nodes // 2,
-                    gpu_nodes=n_nodes - n_nodes // 2, duration=duration, seed=seed, cv=2.0)
+                    gpu_nodes=n_nodes - n_nodes // 2, duration=duration, seed=seed,
+                    arrivals="synthetic", cv=2.0)
     slinfer_system.place = timed_place  # the simulator's placer, wrapped for timing only
     try:
         report = simulate(cfg).report
@@ -156,7 +157,7 @@ def bench_pick(samples: int, seed: int) -> dict:
     for inst in node.instances:  # every instance loaded, no memory op in flight
         for op in sched.ledger.request(MemOpKind.LOAD, inst.instance_id,
                                        inst.model.weight_bytes + inst.kv_bytes, 0.0)[1]:
-            sched.ledger.complete(op.instance_id, op.op_id)
+            sched.ledger.complete(op.instance_id, op.op_id, 0.0)
     for _ in range(samples):
         start = time.perf_counter()
         choose_iteration(node.instances, 1.0)
@@ -179,6 +180,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-duration", type=float, default=300.0,
                    help="seconds of simulated arrivals per cluster size (0: skip)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "core_overhead.json"))
     args = p.parse_args()
     result = {
         "command": "python bench/core_overhead.py " + " ".join(sys.argv[1:]),
@@ -189,7 +191,7 @@ def main() -> int:
                                    for n in args.nodes] if args.sim_duration > 0 else [],
         "pick": bench_pick(args.samples * 5, args.seed),
     }
-    out = ROOT / "bench" / "results" / "core_overhead.json"
+    out = Path(args.out)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

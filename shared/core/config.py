@@ -14,7 +14,7 @@ class CoreConfig:
     enable_sharing: bool = True  # ablation "--no-sharing": one instance per node
     enable_consolidation: bool = True  # ablation "--no-consolidation": no preemption
     require_matrix_accel: bool = True  # CPUs without AMX-like units are never used (§V)
-    shadow_max_steps: int = 256  # bound on simulated iterations per shadow validation
+    shadow_max_steps: int = 1024  # bound on simulated iterations per shadow validation
 
     def __post_init__(self) -> None:
         if self.watermark < 0:

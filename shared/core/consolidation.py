@@ -3,7 +3,8 @@
 - Reactive bin-packing: among a model's instances, try the one with the largest batch first, so
   small fragmented instances drain and can be reclaimed (`binpack_order`).
 - Proactive preemption: when an instance cannot grow because of its neighbours, it may preempt
-  neighbours with a *smaller* batch than its own (counting the new request), smallest first, and
+  neighbours with a strictly smaller batch than its own (the new request not counted, so equal
+  instances never preempt each other and a new instance preempts nobody), smallest first, and
   only if every preempted request shadow-validates on another node (`plan_preemption`).
 - Keep-alive: idle instances are reclaimed after the keep-alive (`idle_instances`).
 """
@@ -48,8 +49,8 @@ class Preemption:
 
 
 def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[InstanceView]:
-    """Neighbours with a strictly smaller batch than the preemptor will have with the new request."""
-    own_batch = (preemptor.batch_size if preemptor else 0) + 1
+    """Neighbours with a strictly smaller batch than the preemptor has now (§VIII-A)."""
+    own_batch = preemptor.batch_size if preemptor else 0
     own_id = preemptor.instance_id if preemptor else None
     victims = [i for i in node.instances
                if i.instance_id != own_id and i.status is not InstanceStatus.UNLOADING

@@ -40,12 +40,6 @@ def slo_check(profile: Profile | None, request: RequestView, config: CoreConfig,
     return None
 
 
-def hardware_check(node: NodeView, model: ModelSpec, request: RequestView, perf: PerfModel,
-                   config: CoreConfig) -> AdmitReason | None:
-    """Can this node's hardware serve this request at all?"""
-    return node_check(node, config) or slo_check(perf.get(model.name, node.hardware), request, config)
-
-
 def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
                  config: CoreConfig) -> Admission:
     """Memory side: M_require with the newcomer; scale to M_recommend, or compromise to M_require,
@@ -75,9 +69,27 @@ def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = 
 
 
 def new_instance_view(node: NodeView, model: ModelSpec, now: float) -> InstanceView:
-    """A not-yet-loaded instance, for validation only: see `evaluate` for why it is ready now."""
+    """A not-yet-loaded instance, for validation only (its `ready_at` is set once its KV size,
+    and so its load, is known: see `cold_start_ready_at`)."""
     return InstanceView(NEW_INSTANCE_ID, model, node.node_id, InstanceStatus.LOADING,
                         kv_bytes=0, ready_at=now, last_active=now)
+
+
+def cold_start_ready_at(node: NodeView, load_bytes: int, profile: Profile, now: float) -> float:
+    """When a new instance could run its first iteration: its load starts now, or, if pessimistic
+    tracking would park it in the reservation station, once the memory ops under way have ended."""
+    start = now
+    if node.pessimistic_bytes + load_bytes > node.memory_bytes:
+        start = max(now, node.memops_until)
+    return start + profile.load_s
+
+
+def join_grace(request: RequestView, target: InstanceView, now: float) -> float:
+    """§IX-A: a request that waits for a cold start has the wait as TTFT grace, also when it
+    joins an instance that is still loading (what is left of the load)."""
+    if target.status is InstanceStatus.LOADING and target.ready_at > now:
+        return max(request.grace_s, target.ready_at - now)
+    return request.grace_s
 
 
 def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,
@@ -91,25 +103,20 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         profile = perf.get(model.name, node.hardware)
         if profile is None:
             return Admission(AdmitReason.NO_PROFILE)
-        # §IX-A: a request that waits for a cold start gets the load time as TTFT grace.
-        grace = max(request.grace_s, profile.load_s)
-        reason = node_check(node, config) or slo_check(profile, request, config, grace)
+        reason = node_check(node, config) or slo_check(profile, request, config,
+                                                       max(request.grace_s, profile.load_s))
         if reason is not None:
             return Admission(reason)
-        # While it loads, a new instance cannot disturb the node: validate the interference from
-        # the moment it can run, with its own deadline moved earlier by the load time (which its
-        # cold-start grace then gives back). Simulating the node's unchanged work during the load
-        # would cost ~10x more steps and decide nothing.
         target = new_instance_view(node, model, now)
-        request = replace(request, grace_s=grace - profile.load_s)
         instances = [*node.instances, target]
     else:
-        reason = hardware_check(node, model, request, perf, config)
-        if reason is not None:
-            return Admission(reason)
         target = node.instance(instance_id)
         if target is None or target.status is InstanceStatus.UNLOADING:
             return Admission(AdmitReason.INSTANCE_GONE)
+        reason = node_check(node, config) or slo_check(perf.get(model.name, node.hardware), request,
+                                                       config, join_grace(request, target, now))
+        if reason is not None:
+            return Admission(reason)
         instances = node.instances
     memory = kv_admission(target, request, node, config)
     if not memory.ok:
@@ -117,9 +124,15 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
     profiles = node_profiles(node, perf, target if instance_id is None else None)
     if profiles is None:
         return Admission(AdmitReason.NO_PROFILE)
+    if instance_id is None:  # the load (and its wait) is known now that the KV size is
+        kv = memory.kv_target_bytes or 0
+        target.ready_at = cold_start_ready_at(node, model.weight_bytes + kv, profiles[NEW_INSTANCE_ID], now)
+    request = replace(request, grace_s=join_grace(request, target, now))
     verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
-                              node.busy_until, config)
-    return memory if verdict is AdmitReason.ADMITTED else Admission(verdict)
+                              node.busy_until, config, node.running)
+    if verdict is not AdmitReason.ADMITTED:
+        return Admission(verdict)
+    return replace(memory, grace_s=request.grace_s)
 
 
 def with_request(node: NodeView, instance_id: str, request: RequestView,
@@ -134,7 +147,8 @@ def with_request(node: NodeView, instance_id: str, request: RequestView,
             if admission.kv_target_bytes is not None:
                 budget += admission.kv_target_bytes - inst.kv_bytes
                 kv = admission.kv_target_bytes
-            inst = replace(inst, kv_bytes=kv, requests=[*inst.requests, request])
+            joined = replace(request, grace_s=admission.grace_s)
+            inst = replace(inst, kv_bytes=kv, requests=[*inst.requests, joined])
         instances.append(inst)
     return replace(node, instances=instances, budget_bytes=budget)
 

@@ -31,10 +31,7 @@ class IterationChoice:
 
 
 def least_headroom(instance: InstanceView, now: float) -> float:
-    # Eq. 1 inlined (RequestView.headroom): this runs for every instance on every cycle and on
-    # every simulated step of shadow validation.
-    return min(r.arrival + r.grace_s + r.slo.ttft_s + r.slo.tpot_s * r.generated
-               for r in instance.requests) - now
+    return min(r.deadline() for r in instance.requests) - now
 
 
 def runnable(inst: InstanceView, now: float, blocked: Collection[str] = ()) -> bool:

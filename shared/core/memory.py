@@ -12,7 +12,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from shared.core.perf_model import Profile
 from shared.core.types import ModelSpec, RequestView
+
+UNLOAD_S = 0.05  # freeing an instance's memory (ASSUMPTION: tens of milliseconds)
 
 
 def in_blocks(tokens: float, block: int) -> int:
@@ -67,10 +70,22 @@ class MemOp:
     bytes_before: int  # instance's total bytes (weights + KV) before the op
     bytes_after: int  # ... and after
     issued_at: float  # when the ledger accepted it (parked time = start - issued)
+    started_at: float | None = None  # when it left the reservation station (None: parked)
 
     @property
     def grows(self) -> bool:
         return self.bytes_after > self.bytes_before
+
+
+def memop_seconds(op: MemOp, profile: Profile, weight_bytes: int) -> float:
+    """How long an op takes, from the profile: a load (weights and the first KV pool), a KV
+    resize (Fig. 17's cost model) or an unload. The node's timeline and the simulator's engines
+    both use this estimate."""
+    if op.kind is MemOpKind.UNLOAD:
+        return UNLOAD_S
+    if op.kind is MemOpKind.LOAD:
+        return profile.load_s
+    return profile.kv_scale_s(op.bytes_before - weight_bytes, op.bytes_after - weight_bytes)
 
 
 class MemoryLedger:
@@ -144,9 +159,9 @@ class MemoryLedger:
         self._alloc.setdefault(instance_id, 0)
         self._target[instance_id] = new_bytes
         self._enqueue(kind, instance_id, old_target, new_bytes, now)
-        return True, self._dispatch()
+        return True, self._dispatch(now)
 
-    def complete(self, instance_id: str, op_id: int) -> list[MemOp]:
+    def complete(self, instance_id: str, op_id: int, now: float) -> list[MemOp]:
         """An op finished: its bytes are real now. Returns parked ops that may start."""
         op = self._running.get(instance_id)
         if op is None or op.op_id != op_id:
@@ -156,7 +171,7 @@ class MemoryLedger:
         if op.bytes_after == 0 and self._target.get(instance_id) == 0 and not self.busy(instance_id):
             self._alloc.pop(instance_id, None)
             self._target.pop(instance_id, None)
-        return self._dispatch()
+        return self._dispatch(now)
 
     def _enqueue(self, kind: MemOpKind, instance_id: str, before: int, after: int, now: float) -> None:
         pending = next((o for o in self._waiting if o.instance_id == instance_id), None)
@@ -172,7 +187,7 @@ class MemoryLedger:
         self._waiting.append(MemOp(self._next_id, kind, instance_id, before, after, now))
         self._next_id += 1
 
-    def _dispatch(self) -> list[MemOp]:
+    def _dispatch(self, now: float) -> list[MemOp]:
         """Start every waiting op that is safe under pessimistic tracking, in issue order."""
         started: list[MemOp] = []
         for op in list(self._waiting):
@@ -181,6 +196,7 @@ class MemoryLedger:
             if op.grows and self.pessimistic - self._held(op.instance_id) + op.bytes_after > self.capacity:
                 continue  # stays parked in the reservation station
             self._waiting.remove(op)
+            op = replace(op, started_at=now)
             self._running[op.instance_id] = op
             started.append(op)
         return started

@@ -3,6 +3,7 @@
 The node worker (real engines) and the simulator (profile-timed engines) drive it the same way:
 
     result = sched.admit(request, instance_id, model, now)   # re-check, then commit
+    result = sched.preempt_and_admit(victims, request, instance_id, model, now)  # §VIII-A
     plan = sched.step(now)                                    # what to run now (+ memory ops)
     ...execute plan.iteration and plan.start_ops...
     sched.finish_iteration(plan.iteration, now, finished)     # feed the outcome back
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.core.admission import Admission
+from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import evaluate
-from shared.core.iteration import (IterationChoice, apply_iteration, choose_iteration,
-                                   kv_tokens_needed, least_headroom, predict_seconds, runnable)
-from shared.core.memory import MemOp, MemOpKind, MemoryLedger, kv_demand, watermark_target
-from shared.core.consolidation import idle_instances
+from shared.core.consolidation import idle_instances, preemption_victims
+from shared.core.evaluate import evaluate, without_instances
+from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
+                                   choose_iteration, kv_tokens_needed, least_headroom,
+                                   predict_seconds, runnable)
+from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
+                                memop_seconds, watermark_target)
 from shared.core.perf_model import PerfModel
-from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
+from shared.core.types import (Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView,
+                               RequestView, RunningIteration)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class AdmitResult:
     admission: Admission
     instance_id: str | None = None  # where the request now lives (a new id if created)
     start_ops: tuple[MemOp, ...] = ()  # memory operations to begin now (load or KV scale-up)
+    evicted: tuple[RequestView, ...] = ()  # preempt-and-admit: the victims' requests, to move
 
 
 @dataclass(frozen=True)
@@ -71,25 +76,42 @@ class NodeScheduler:
         ops: list[MemOp] = []
         if admission.kv_target_bytes is not None:
             ops = self._resize(inst, admission.kv_target_bytes, now)
-        inst.requests.append(replace(request))
+        inst.requests.append(replace(request, grace_s=admission.grace_s))
         inst.last_active = now
         return AdmitResult(admission, instance_id, tuple(ops))
 
     def _admit_new(self, request: RequestView, model: ModelSpec, admission: Admission,
                    now: float) -> AdmitResult:
-        profile = self.perf.get(model.name, self.node.hardware)
-        assert profile is not None  # evaluate() returned NO_PROFILE otherwise
         iid = f"{model.name}@{self.node.node_id}#{self._next_instance}"
         self._next_instance += 1
         kv = admission.kv_target_bytes or 0
         inst = InstanceView(iid, model, self.node.node_id, InstanceStatus.LOADING, kv_bytes=kv,
-                            ready_at=now + profile.load_s, last_active=now)
-        inst.requests.append(replace(request, grace_s=max(request.grace_s, profile.load_s)))
+                            ready_at=now, last_active=now)
+        inst.requests.append(replace(request, grace_s=admission.grace_s))
         self.node.instances.append(inst)
         ok, ops = self.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)
         assert ok, "evaluate() approved the budget"
-        self._sync()
+        self._sync(now)
         return AdmitResult(admission, iid, tuple(ops))
+
+    def preempt_and_admit(self, victims: list[str], request: RequestView, instance_id: str | None,
+                          model: ModelSpec, now: float) -> AdmitResult:
+        """Proactive preemption (§VIII-A) as one step the node re-checks first: the victims must
+        still be strictly smaller than the preemptor, and the request must pass on this node
+        without them. Only then are they unloaded (their requests come back in `evicted`, to be
+        moved where the plan validated them) and the request admitted. A refusal leaves the
+        victims untouched."""
+        preemptor = self._find(instance_id) if instance_id is not None else None
+        allowed = {v.instance_id for v in preemption_victims(self.node, preemptor)}
+        if (instance_id is not None and preemptor is None) or not set(victims) <= allowed:
+            return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
+        trial = without_instances(self.view(), set(victims))
+        admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config)
+        if not admission.ok:
+            return AdmitResult(admission)
+        evicted, unload_ops = self.preempt(victims, now)
+        result = self.admit(request, instance_id, model, now)
+        return replace(result, start_ops=(*unload_ops, *result.start_ops), evicted=tuple(evicted))
 
     # --- the token-level loop ---------------------------------------------------------------
     def step(self, now: float) -> StepPlan:
@@ -106,6 +128,8 @@ class NodeScheduler:
             if kv_tokens_needed(choice, inst) <= self._kv_capacity_tokens(inst):
                 predicted = predict_seconds(choice, inst, self._profile(inst))
                 self.node.busy_until = now + predicted
+                self.node.running = RunningIteration(choice.instance_id, choice.request_ids,
+                                                     choice.kind is IterationKind.PREFILL)
                 considered = tuple((i.instance_id, least_headroom(i, now)) for i in self.node.instances
                                    if runnable(i, now, blocked))
                 return StepPlan(choice, predicted, tuple(ops), tuple(evictions), considered)
@@ -135,7 +159,7 @@ class NodeScheduler:
                          finished: set[str] = frozenset()) -> list[MemOp]:
         """The iteration ran: credit its tokens, drop finished requests, maybe scale down."""
         inst = self._find(choice.instance_id)
-        self.node.busy_until = now
+        self._idle(now)
         if inst is None:
             return []
         apply_iteration(choice, inst)
@@ -145,7 +169,7 @@ class NodeScheduler:
     def evict_for_memory(self, instance_id: str, now: float) -> Eviction | None:
         """The engine ran out of KV blocks mid-iteration (its block rounding outran our token
         accounting): the iteration did not happen; evict the longest-headroom request (§VII-D)."""
-        self.node.busy_until = now
+        self._idle(now)
         inst = self._find(instance_id)
         if inst is None or not inst.requests:
             return None
@@ -155,7 +179,11 @@ class NodeScheduler:
 
     def abort_iteration(self, now: float) -> None:
         """The iteration failed; its requests are dealt with by the caller (cancel or evict)."""
+        self._idle(now)
+
+    def _idle(self, now: float) -> None:
         self.node.busy_until = now
+        self.node.running = None
 
     def cancel(self, request_id: str, now: float) -> list[MemOp]:
         for inst in self.node.instances:
@@ -178,14 +206,15 @@ class NodeScheduler:
     # --- memory operations ------------------------------------------------------------------
     def memop_done(self, op: MemOp, now: float) -> list[MemOp]:
         """A memory op completed (reservation-station stream): release what is now safe."""
-        started = self.ledger.complete(op.instance_id, op.op_id)
+        started = self.ledger.complete(op.instance_id, op.op_id, now)
         inst = self._find(op.instance_id)
         if inst is not None and op.kind is MemOpKind.LOAD and inst.status is InstanceStatus.LOADING:
             inst.status = InstanceStatus.READY
-            inst.ready_at = now
+        if inst is not None and not self.ledger.busy(inst.instance_id):
+            inst.ready_at = min(inst.ready_at, now)  # free to run now, however long we guessed
         if op.kind is MemOpKind.UNLOAD and self.ledger.target(op.instance_id) == 0:
             self.node.instances = [i for i in self.node.instances if i.instance_id != op.instance_id]
-        self._sync()
+        self._sync(now)
         return started
 
     def reclaim_idle(self, now: float) -> list[MemOp]:
@@ -223,7 +252,7 @@ class NodeScheduler:
         if self.ledger.target(inst.instance_id) == 0 and not self.ledger.busy(inst.instance_id):
             # a load that never started was cancelled outright: nothing to execute
             self.node.instances = [i for i in self.node.instances if i.instance_id != inst.instance_id]
-        self._sync()
+        self._sync(now)
         return ops
 
     def _resize(self, inst: InstanceView, kv_bytes: int, now: float) -> list[MemOp]:
@@ -234,7 +263,7 @@ class NodeScheduler:
         ok, ops = self.ledger.request(kind, inst.instance_id, inst.model.weight_bytes + kv_bytes, now)
         if ok:
             inst.kv_bytes = kv_bytes
-        self._sync()
+        self._sync(now)
         return ops
 
     # --- views and helpers ------------------------------------------------------------------
@@ -270,9 +299,34 @@ class NodeScheduler:
             raise KeyError(f"unknown instance {instance_id}")
         return inst
 
-    def _sync(self) -> None:
+    def _sync(self, now: float) -> None:
         self.node.budget_bytes = self.ledger.budget
         self.node.pessimistic_bytes = self.ledger.pessimistic
+        self._refresh_timeline(now)
+
+    def _refresh_timeline(self, now: float) -> None:
+        """Put the memory ops into the timeline the shadow validation simulates: an instance with
+        a load or resize running, or parked in the reservation station, runs nothing until that
+        op ends. A parked op starts once the ops under way have ended (conservatively all of
+        them: pessimistic tracking releases it on some completion)."""
+        running = self.ledger.running()
+        running_end = max((op.started_at + self._op_s(op) for op in running if op.started_at is not None),
+                          default=now)
+        ends: dict[str, float] = {op.instance_id: op.started_at + self._op_s(op)
+                                  for op in running if op.started_at is not None}
+        for op in self.ledger.parked():
+            ends[op.instance_id] = max(ends.get(op.instance_id, now), running_end) + self._op_s(op)
+        for inst in self.node.instances:
+            if inst.instance_id in ends:
+                inst.ready_at = max(ends[inst.instance_id], now)
+        self.node.memops_until = max([now, *ends.values()])
+
+    def _op_s(self, op: MemOp) -> float:
+        inst = self._find(op.instance_id)
+        profile = self.perf.get(inst.model.name, self.node.hardware) if inst is not None else None
+        if inst is None or profile is None:
+            return UNLOAD_S
+        return memop_seconds(op, profile, inst.model.weight_bytes)
 
 
 def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:

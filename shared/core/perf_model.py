@@ -10,6 +10,7 @@ table that stops at 4K is predicted slower than 4K rather than clamped to it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.core.types import Hardware
@@ -56,17 +57,26 @@ class DecodeTable:
 
     def predict(self, batch_size: int, avg_len: float) -> float:
         """Bilinear: interpolate along length in the two bracketing batch rows, then along batch."""
+        return self.at_batch(batch_size)(avg_len)
+
+    def at_batch(self, batch_size: int) -> Callable[[float], float]:
+        """`predict` with the batch size fixed: the batch bracket is located once. Shadow
+        validation simulates many decode steps of one batch; the values are `predict`'s own."""
         if len(self.batch_sizes) == 1:
-            return interp1(self.lengths, self.seconds[0], avg_len)
-        # Runs for every instance on every shadow-validation check: locate each axis once.
+            return lambda avg_len: interp1(self.lengths, self.seconds[0], avg_len)
         i = _segment(self.batch_sizes, batch_size)
+        xs, b = self.batch_sizes[i:i + 2], float(batch_size)
+        low, high = self.seconds[i], self.seconds[i + 1]
         if len(self.lengths) == 1:
-            rows = [self.seconds[i][0], self.seconds[i + 1][0]]
-        else:
-            j = _segment(self.lengths, avg_len)
-            rows = [_on_segment(self.lengths, self.seconds[i], j, avg_len),
-                    _on_segment(self.lengths, self.seconds[i + 1], j, avg_len)]
-        return _on_segment(self.batch_sizes[i:i + 2], rows, 0, float(batch_size))
+            value = _on_segment(xs, [low[0], high[0]], 0, b)
+            return lambda avg_len: value
+        lengths = self.lengths
+
+        def at(avg_len: float) -> float:
+            j = _segment(lengths, avg_len)
+            return _on_segment(xs, [_on_segment(lengths, low, j, avg_len),
+                                    _on_segment(lengths, high, j, avg_len)], 0, b)
+        return at
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,12 @@ class Profile:
         if batch_size <= 0:
             return 0.0
         return self.decode.predict(batch_size, avg_len)
+
+    def decode_at(self, batch_size: int) -> Callable[[float], float]:
+        """`decode_s` for one batch size, as a function of the average length."""
+        if batch_size <= 0:
+            return lambda avg_len: 0.0
+        return self.decode.at_batch(batch_size)
 
     def kv_scale_s(self, bytes_before: int, bytes_after: int) -> float:
         """Allocating the new pool dominates (Fig. 17: 32->16 GB 0.3 s, 32->64 GB 1.9 s)."""

@@ -2,8 +2,9 @@
 
 Order: an existing instance (CPU nodes first, only CPUs with a matrix accelerator whose profile
 meets the SLO; then GPUs; among one model's instances the largest batch first) -> proactive
-preemption of smaller neighbours -> a new instance on the node with the best startup time (CPU
-first) -> queue, or drop once queueing alone would break the TTFT SLO.
+preemption of strictly smaller neighbours -> a new instance (CPU first; nodes whose startup meets
+the TTFT SLO first; then bin-packing) -> queue, or drop once queueing alone would break the TTFT
+SLO.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import evaluate, node_check, slo_check
+from shared.core.evaluate import cold_start_ready_at, evaluate, node_check, slo_check
+from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
 
@@ -32,6 +34,9 @@ class Attempt:
     node_id: str
     instance_id: str | None  # None: a new instance on that node
     reason: AdmitReason
+    # New-instance candidates only: why the node came where it did in the order.
+    startup_s: float | None = None  # load wait + load time (ServerlessLLM's startup estimate)
+    free_bytes: int | None = None  # the node's optimistic free memory before this instance
 
 
 @dataclass(frozen=True)
@@ -45,11 +50,36 @@ class PlacementPlan:
     attempts: tuple[Attempt, ...] = ()  # every candidate tried, with the core's answer
 
 
-def startup_s(node: NodeView, model: ModelSpec, perf: PerfModel, now: float) -> float:
-    """ServerlessLLM-style startup estimate: wait for the node's current iteration + load time."""
-    profile = perf.get(model.name, node.hardware)
-    load = profile.load_s if profile else float("inf")
-    return max(0.0, node.busy_until - now) + load
+@dataclass(frozen=True)
+class NewInstanceSpot:
+    """One node as a home for a new instance, with what orders it (see `new_instance_order`)."""
+
+    node: NodeView
+    startup_s: float  # until the instance can run: a parked load's wait + the load itself
+    meets_ttft: bool  # that startup plus the prefill still meets the TTFT SLO
+    free_bytes: int  # optimistic budget left on the node now
+
+
+def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[NodeView],
+                       perf: PerfModel, now: float, config: CoreConfig) -> list[NewInstanceSpot]:
+    """Where a new instance goes first: CPU nodes first (§V); then nodes whose startup still lets
+    the first token meet the TTFT SLO (the load itself is covered by the cold-start grace, a wait
+    for memory is not); then bin-packing (§V): the node with the least free memory first, so used
+    nodes fill up and empty ones stay empty (and can be given back). The shadow validation that
+    follows decides whether the packed node can take the interference."""
+    spots = []
+    need = model.weight_bytes + kv_demand(model, [request])
+    for node in eligible:
+        profile = perf.get(model.name, node.hardware)
+        if profile is None:
+            continue
+        startup = cold_start_ready_at(node, need, profile, now) - now
+        first_token = now + startup + profile.prefill_s(request.context_len()) * (1 + config.overestimate)
+        deadline = request.deadline() - request.grace_s + max(request.grace_s, profile.load_s)
+        spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
+                                     node.memory_bytes - node.budget_bytes))
+    return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU, not s.meets_ttft,
+                                        s.free_bytes, s.node.node_id))
 
 
 def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: PerfModel,
@@ -84,38 +114,38 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts))
 
-    by_startup = sorted(eligible, key=lambda n: (n.hardware is not Hardware.CPU,
-                                                 startup_s(n, model, perf, now), n.node_id))
-    for node in by_startup:
-        adm = evaluate(node, None, request, model, perf, now, config)
-        attempts.append(Attempt(node.node_id, None, adm.reason))
+    # A new instance preempts nobody: it has no batch, and only strictly smaller ones may go.
+    for spot in new_instance_order(request, model, eligible, perf, now, config):
+        adm = evaluate(spot.node, None, request, model, perf, now, config)
+        attempts.append(Attempt(spot.node.node_id, None, adm.reason, spot.startup_s, spot.free_bytes))
         if adm.ok:
-            return PlacementPlan(PlaceAction.NEW_INSTANCE, node.node_id, None, adm,
+            return PlacementPlan(PlaceAction.NEW_INSTANCE, spot.node.node_id, None, adm,
                                  attempts=tuple(attempts))
-    if config.enable_consolidation:
-        failed = {(a.node_id, a.instance_id): a.reason for a in attempts}
-        for node in by_startup:
-            pre = plan_preemption(node, None, request, model, nodes, models, perf, now, config,
-                                  failed[node.node_id, None])
-            if pre is not None:
-                return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, None,
-                                     pre.admission, pre.victims, pre.migrations, tuple(attempts))
 
     if not nodes:  # no node has reported yet (a stack starting up): wait for one
-        late = now > request.arrival + request.slo.ttft_s + request.grace_s
+        late = now > request.deadline()
         return PlacementPlan(PlaceAction.DROP if late else PlaceAction.QUEUE)
-    action = PlaceAction.DROP if queueing_breaks_ttft(request, eligible, model, perf, now) else PlaceAction.QUEUE
-    return PlacementPlan(action, attempts=tuple(attempts))
+    drop = queueing_breaks_ttft(request, eligible, model, perf, now, config)
+    return PlacementPlan(PlaceAction.DROP if drop else PlaceAction.QUEUE, attempts=tuple(attempts))
 
 
 def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: ModelSpec,
-                         perf: PerfModel, now: float) -> bool:
-    """True when even the fastest eligible hardware, starting now (with a cold start's grace),
-    would deliver the first token after the deadline."""
-    best = float("inf")
-    for node in eligible:
-        p = perf.get(model.name, node.hardware)
-        if p is not None:
-            best = min(best, p.prefill_s(request.context_len()))
-    grace = max((p.load_s for n in eligible if (p := perf.get(model.name, n.hardware))), default=0.0)
-    return now + best > request.arrival + request.slo.ttft_s + max(request.grace_s, grace)
+                         perf: PerfModel, now: float, config: CoreConfig) -> bool:
+    """True when no eligible hardware kind could give the request its next token in time even if
+    it started now, each kind judged with its own numbers and the shadow's 10% margin: on an
+    instance of the model already there (the request's own grace), or by a cold start (the load
+    as grace, §IX-A)."""
+    warm = {n.hardware for n in eligible
+            if any(i.model.name == model.name and i.status is not InstanceStatus.UNLOADING
+                   for i in n.instances)}
+    no_grace = request.deadline() - request.grace_s
+    for hw in {n.hardware for n in eligible}:
+        p = perf.get(model.name, hw)
+        if p is None:
+            continue
+        prefill = p.prefill_s(request.context_len()) * (1 + config.overestimate)
+        if hw in warm and now + prefill <= request.deadline():
+            return False
+        if now + p.load_s + prefill <= no_grace + max(request.grace_s, p.load_s):
+            return False
+    return True

@@ -7,10 +7,22 @@ overestimated by 10%. Reject on:
   2. HEADROOM     - some request already on the node is pushed past its deadline;
   3. TPOT_BUDGET  - one decode step of every busy instance on the node, added up, exceeds the
                     tightest TPOT SLO on the node.
-The simulation runs until the new request has its first token and then until every request on the
-node has at least one full decode round of slack (or `shadow_max_steps` iterations), assuming no
-request finishes meanwhile. Past that point nothing the newcomer did can make anyone late: case 3
-already guarantees a round fits within the TPOT SLO, so each request is served again in time.
+
+The simulation starts from the node as it really is:
+- the iteration running now (`NodeView.running`) ends at `busy_until`, and its requests get
+  their token then: a prefill in flight is not run a second time;
+- an instance runs nothing before its `ready_at`: the end of its load, or of a KV resize that is
+  running or parked in the reservation station.
+A request is not counted against the newcomer when it is lost either way: already late at the
+start, or late in an iteration that starts before the newcomer's instance can first run (until
+then the newcomer changes nothing on the node).
+
+It runs until the new request has its first token and then until every request on the node has
+at least one full decode round of slack, assuming no request finishes meanwhile. Past that point
+nothing the newcomer did can make anyone late: case 3 already guarantees a round fits within the
+TPOT SLO, so each request is served again in time. Up to `shadow_max_steps` simulated iterations
+the answer is exact; a future that takes longer to decide is refused with HORIZON (conservative:
+running out of budget never means yes).
 
 The placer runs this for every candidate it tries, so the simulation works on a compact copy of
 the node (`_SimInstance`) that keeps each instance's earliest deadline up to date instead of
@@ -24,32 +36,36 @@ from __future__ import annotations
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.perf_model import Profile
-from shared.core.types import InstanceStatus, InstanceView, RequestView
+from shared.core.types import (InstanceStatus, InstanceView, RequestView, RunningIteration,
+                               token_deadline)
 
 INF = float("inf")
 
 
 class _SimRequest:
-    __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late")
+    __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late",
+                 "deadline")
 
-    def __init__(self, r: RequestView, start: float) -> None:
+    def __init__(self, r: RequestView) -> None:
         self.request_id = r.request_id
-        # Eq. 1 as RequestView.headroom computes it, term by term, so the float results match.
-        self.base = r.arrival + r.grace_s + r.slo.ttft_s
+        self.base = r.deadline_base()
         self.tpot = r.slo.tpot_s
         self.generated = r.generated
         self.input_len = r.input_len
         self.prefilled = r.prefilled
-        # Already late at the start: lost with or without the newcomer, so not counted again.
-        self.late = self.deadline() - start < 0
+        self.late = False  # lost with or without the newcomer: never counted against it
+        self.deadline = r.deadline()  # kept current by `credit` (read on every step)
 
-    def deadline(self) -> float:
-        return self.base + self.tpot * self.generated
+    def credit(self) -> None:
+        """The request got a token: its KV cache holds it and the next one is due later."""
+        self.generated += 1
+        self.prefilled = True
+        self.deadline = token_deadline(self.base, self.tpot, self.generated)
 
 
 class _SimInstance:
     __slots__ = ("instance_id", "profile", "ready_at", "can_run", "requests", "context",
-                 "min_deadline", "min_on_time")
+                 "min_deadline", "min_on_time", "unprefilled", "decode_at")
 
     def __init__(self, inst: InstanceView, profile: Profile, requests: list[_SimRequest]) -> None:
         self.instance_id = inst.instance_id
@@ -58,22 +74,41 @@ class _SimInstance:
         self.can_run = inst.status is not InstanceStatus.UNLOADING
         self.requests = requests
         self.context = sum(r.input_len + r.generated for r in requests)  # tokens in its KV cache
+        self.unprefilled = 0  # requests still to prefill (set by `refresh`)
+        self.decode_at = profile.decode_at(len(requests))  # no request finishes in the simulation
         self.refresh()
 
     def refresh(self) -> None:
         """Earliest deadline of all requests (the pick) and of the ones still on time (the checks)."""
         lowest = on_time = INF
+        unprefilled = 0
         for r in self.requests:
-            d = r.base + r.tpot * r.generated  # r.deadline(), inlined: this is the hot loop
+            d = r.deadline
             if d < lowest:
                 lowest = d
             if d < on_time and not r.late:
                 on_time = d
-        self.min_deadline, self.min_on_time = lowest, on_time
+            if not r.prefilled:
+                unprefilled += 1
+        self.min_deadline, self.min_on_time, self.unprefilled = lowest, on_time, unprefilled
 
     def decode_s(self) -> float:
         n = len(self.requests)
-        return self.profile.decode_s(n, self.context / n) if n else 0.0
+        return self.decode_at(self.context / n) if n else 0.0
+
+    def credit_batch(self) -> None:
+        """A decode step ran: every request got a token. Credits and refreshes in one pass
+        (`_SimRequest.credit` and `refresh`, fused: this is the hot loop of the simulation)."""
+        lowest = on_time = INF
+        for r in self.requests:  # all prefilled already: a decode runs only then
+            r.generated += 1
+            d = r.deadline = token_deadline(r.base, r.tpot, r.generated)
+            if d < lowest:
+                lowest = d
+            if d < on_time and not r.late:
+                on_time = d
+        self.context += len(self.requests)
+        self.min_deadline, self.min_on_time, self.unprefilled = lowest, on_time, 0
 
 
 def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
@@ -104,14 +139,36 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
 
 
 def _build(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-           request: RequestView, start: float) -> list[_SimInstance]:
+           request: RequestView) -> list[_SimInstance]:
     sim = []
     for inst in instances:
-        reqs = [_SimRequest(r, start) for r in inst.requests]
+        reqs = [_SimRequest(r) for r in inst.requests]
         if inst.instance_id == target_id:
-            reqs.append(_SimRequest(request, start))
+            reqs.append(_SimRequest(request))
         sim.append(_SimInstance(inst, profiles[inst.instance_id], reqs))
     return sim
+
+
+def _start_state(sim: list[_SimInstance], running: RunningIteration | None, busy_until: float,
+                 start: float, new_request_id: str) -> None:
+    """Credit the iteration in flight with its tokens at `busy_until` (a token that comes after
+    its deadline is late whatever the newcomer does), then mark every request already late.
+    The newcomer is never written off: if it is already late, that is its miss (case 1)."""
+    if running is not None:
+        ids = set(running.request_ids)
+        for si in sim:
+            if si.instance_id != running.instance_id:
+                continue
+            for r in si.requests:
+                if r.request_id in ids:
+                    r.late = r.deadline - busy_until < 0
+                    r.credit()
+                    si.context += 1
+    for si in sim:
+        for r in si.requests:
+            if r.deadline - start < 0 and r.request_id != new_request_id:
+                r.late = True
+        si.refresh()
 
 
 def _pick(sim: list[_SimInstance], t: float) -> _SimInstance | None:
@@ -126,60 +183,77 @@ def _pick(sim: list[_SimInstance], t: float) -> _SimInstance | None:
     return best
 
 
-def _missed(chosen: list[_SimRequest], t: float, new_request_id: str) -> AdmitReason | None:
-    for r in chosen:
-        if not r.late and r.deadline() - t < 0:
-            return AdmitReason.TTFT_MISS if r.request_id == new_request_id else AdmitReason.HEADROOM
-    return None
+def _missed(chosen: list[_SimRequest], t: float) -> list[_SimRequest]:
+    return [r for r in chosen if not r.late and r.deadline - t < 0]
+
+
+def _verdict(missed: list[_SimRequest], new_request_id: str) -> AdmitReason:
+    first = missed[0]
+    return AdmitReason.TTFT_MISS if first.request_id == new_request_id else AdmitReason.HEADROOM
 
 
 def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: CoreConfig,
-              new_request_id: str) -> AdmitReason:
-    """Run the node's future on the copy; ADMITTED if nobody misses a deadline within the horizon."""
+              new_request_id: str, blame_from: float) -> AdmitReason:
+    """Run the node's future on the copy. Misses in iterations that start before `blame_from`
+    (the newcomer's instance cannot run yet) are the node's own and only mark requests late."""
     waiting = sum(1 for si in sim for r in si.requests if not r.prefilled and not r.late)
+    last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
     new_done = False
-    for _ in range(config.shadow_max_steps):
-        if new_done and waiting == 0 and all(si.min_on_time - t >= round_s for si in sim):
-            break  # every request can wait a whole decode round and still be on time
+    steps = 0
+    scale = 1 + config.overestimate
+    while True:
+        if new_done and waiting == 0 and t >= last_ready \
+                and all(si.min_on_time - t >= round_s for si in sim):
+            return AdmitReason.ADMITTED  # every request can wait a whole decode round
         inst = _pick(sim, t)
         if inst is None:
-            ready = [si.ready_at for si in sim if si.requests and si.ready_at > t]
+            ready = [si.ready_at for si in sim if si.requests and si.can_run and si.ready_at > t]
             if not ready:
-                break
-            t = min(ready)  # only loading instances have work: jump to the first ready one
+                return AdmitReason.ADMITTED  # nothing left that could run
+            t = min(ready)  # only blocked instances have work: jump to the first one ready
             continue
-        unprefilled = [r for r in inst.requests if not r.prefilled]
-        if unprefilled:  # a prefill runs alone: the waiting request with the least headroom
-            first = min(unprefilled, key=lambda r: (r.deadline() - t, r.request_id))
+        if steps == config.shadow_max_steps:
+            return AdmitReason.HORIZON
+        steps += 1
+        blamed = t >= blame_from
+        prefill = inst.unprefilled > 0
+        if prefill:  # a prefill runs alone: the waiting request with the least headroom
+            first = min((r for r in inst.requests if not r.prefilled),
+                        key=lambda r: (r.deadline - t, r.request_id))
             chosen = [first]
-            t += inst.profile.prefill_s(first.input_len + first.generated) * (1 + config.overestimate)
+            t += inst.profile.prefill_s(first.input_len + first.generated) * scale
         else:
             chosen = inst.requests
-            t += inst.decode_s() * (1 + config.overestimate)
+            t += inst.decode_s() * scale
         if inst.min_on_time - t < 0:
-            missed = _missed(chosen, t, new_request_id)
-            if missed is not None:
-                return missed
-        for r in chosen:
-            if not r.prefilled and not r.late:
-                waiting -= 1
-            r.generated += 1
-            r.prefilled = True
-        inst.context += len(chosen)
-        inst.refresh()
-        if unprefilled and chosen[0].request_id == new_request_id:
-            new_done = True
-    return AdmitReason.ADMITTED
+            missed = _missed(chosen, t)
+            if missed and blamed:
+                return _verdict(missed, new_request_id)
+            for r in missed:  # the node's own loss, not the newcomer's doing
+                r.late = True
+                waiting -= not r.prefilled
+        if prefill:
+            first = chosen[0]
+            waiting -= not first.late
+            first.credit()
+            inst.context += 1
+            inst.refresh()
+            new_done = new_done or first.request_id == new_request_id
+        else:
+            inst.credit_batch()
 
 
 def shadow_validate(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-                    request: RequestView, now: float, busy_until: float,
-                    config: CoreConfig) -> AdmitReason:
-    """Virtually add `request` to instance `target_id` and check the three cases of Fig. 15."""
+                    request: RequestView, now: float, busy_until: float, config: CoreConfig,
+                    running: RunningIteration | None = None) -> AdmitReason:
+    """Virtually add `request` to instance `target_id` and check the three cases of Fig. 15.
+    `busy_until` and `running`: the node's iteration in flight (see the module docstring)."""
     over, round_s = _round_over_budget(instances, profiles, target_id, request, config.overestimate)
     if over:
         return AdmitReason.TPOT_BUDGET
     start = max(now, busy_until)
-    sim = _build(instances, profiles, target_id, request, start)
-    return _simulate(sim, round_s, start, config, request.request_id)
+    sim = _build(instances, profiles, target_id, request)
+    _start_state(sim, running, busy_until, start, request.request_id)
+    target = next(si for si in sim if si.instance_id == target_id)
+    return _simulate(sim, round_s, start, config, request.request_id, max(start, target.ready_at))

@@ -55,13 +55,20 @@ class ModelSpec:
     kv_block_tokens: int = 1
 
 
+def token_deadline(base: float, tpot_s: float, generated: int) -> float:
+    """Eq. 1 (SLINFER §VI-A), the one definition every caller uses: the next token of a request
+    that has produced `generated` tokens is due at ST + grace + TTFT_SLO + TPOT_SLO * O, where
+    `base` = ST + grace + TTFT_SLO. Headroom is this minus the current time."""
+    return base + tpot_s * generated
+
+
 @dataclass
 class RequestView:
     """One request as the scheduler sees it (SLINFER §VI-A)."""
 
     request_id: str
     model: str
-    input_len: int  # I_r: prompt tokens (plus resumed tokens after a migration)
+    input_len: int  # I_r: prompt tokens only; tokens produced before a migration are in `generated`
     arrival: float  # ST: when the request entered the system
     slo: SLO
     generated: int = 0  # O_r: output tokens produced so far, including before a migration
@@ -71,9 +78,17 @@ class RequestView:
     # generated > 0 and prefilled False: it keeps its headroom but must recompute its KV cache.
     prefilled: bool = False
 
+    def deadline_base(self) -> float:
+        """The deadline of the first token: ST + grace + TTFT_SLO."""
+        return self.arrival + self.grace_s + self.slo.ttft_s
+
+    def deadline(self) -> float:
+        """When the next token is due (Eq. 1 without CT)."""
+        return token_deadline(self.deadline_base(), self.slo.tpot_s, self.generated)
+
     def headroom(self, now: float) -> float:
-        """Eq. 1: ST + TTFT_SLO + TPOT_SLO * O - CT."""
-        return self.arrival + self.grace_s + self.slo.ttft_s + self.slo.tpot_s * self.generated - now
+        """Eq. 1: ST + TTFT_SLO + TPOT_SLO * O - CT (plus a cold start's grace)."""
+        return self.deadline() - now
 
     def context_len(self) -> int:
         """Tokens in the KV cache once prefilled; also what a (re-)prefill computes."""
@@ -93,13 +108,24 @@ class InstanceView:
     node_id: str
     status: InstanceStatus = InstanceStatus.READY
     kv_bytes: int = 0  # M_cur: KV-cache bytes allocated (or being scaled to)
-    ready_at: float = 0.0  # when a LOADING instance can run its first iteration
+    # The earliest time the instance can run an iteration: the end (estimated) of its load, or of
+    # a KV resize that is running or parked in the reservation station (nothing runs meanwhile).
+    ready_at: float = 0.0
     last_active: float = 0.0  # last time it held a request (for keep-alive)
     requests: list[RequestView] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
         return len(self.requests)
+
+
+@dataclass(frozen=True)
+class RunningIteration:
+    """The iteration a node is executing now; it ends at `NodeView.busy_until`."""
+
+    instance_id: str
+    request_ids: tuple[str, ...]  # the requests that get a token when it ends
+    prefill: bool  # a prefill (one request, which is then prefilled) or a decode step
 
 
 @dataclass
@@ -112,7 +138,11 @@ class NodeView:
     hardware_name: str = ""  # CPU model or GPU name (NVML), as the node detected it
     cores: int = 0  # CPU cores (0 for a GPU node)
     accel_flags: list[str] = field(default_factory=list)  # e.g. amx_tile, amx_bf16 from cpuid
-    busy_until: float = 0.0  # end of the iteration running now (shadow simulation starts there)
+    busy_until: float = 0.0  # predicted end of the iteration running now (shadow starts there)
+    running: RunningIteration | None = None  # that iteration: its tokens are credited at its end
+    # When every memory op running or parked now should have ended (estimated): a load that the
+    # reservation station would park cannot start before this.
+    memops_until: float = 0.0
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot

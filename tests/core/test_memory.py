@@ -42,6 +42,6 @@ def test_parked_op_absorbs_later_demand_and_load_can_be_cancelled():
     assert ok and ops == []  # pessimistic: a holds 90 while loading
     ok, ops = ledger.request(MemOpKind.UNLOAD, "b", 0, 0.0)  # cancelled before it started
     assert ok and ops == [] and ledger.parked()[0].instance_id == "a"
-    released = ledger.complete("a", 1)
+    released = ledger.complete("a", 1, 0.0)
     assert [o.bytes_after for o in released] == [50]
     assert ledger.budget == 50

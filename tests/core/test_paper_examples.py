@@ -83,13 +83,13 @@ def test_fig18_hazard_avoided_by_fig19_flow():
         ok, ops = ledger.request(MemOpKind.LOAD, iid, size, 0.0)
         assert ok
         for op in ops:
-            ledger.complete(op.instance_id, op.op_id)
+            ledger.complete(op.instance_id, op.op_id, 0.0)
     ok, down = ledger.request(MemOpKind.SCALE, "A", 40, 1.0)
     assert ok and [o.instance_id for o in down] == ["A"]  # scale-down runs at once
     ok, up = ledger.request(MemOpKind.SCALE, "B", 60, 1.0)
     assert ok and up == []  # approved by the optimistic budget (40 + 60 = 100) ...
     assert [o.instance_id for o in ledger.parked()] == ["B"]  # ... but parked: A still holds 60
     assert ledger.pessimistic <= 100
-    released = ledger.complete("A", down[0].op_id)
+    released = ledger.complete("A", down[0].op_id, 0.0)
     assert [o.instance_id for o in released] == ["B"]
     assert ledger.pessimistic == 100

@@ -30,7 +30,7 @@ def test_pessimistic_never_exceeds_capacity_and_parked_ops_drain(actions, order_
         iid = f"i{inst}"
         if action == "complete" and running:  # completions arrive in any order
             op = running.pop(rng.randrange(len(running)))
-            running += ledger.complete(op.instance_id, op.op_id)
+            running += ledger.complete(op.instance_id, op.op_id, 0.0)
         elif action == "resize":
             kind = MemOpKind.SCALE if ledger.target(iid) else MemOpKind.LOAD
             ok, ops = ledger.request(kind, iid, size, 0.0)
@@ -42,7 +42,7 @@ def test_pessimistic_never_exceeds_capacity_and_parked_ops_drain(actions, order_
         assert ledger.budget <= cap
     while running:  # liveness: once nothing new arrives, every parked op gets to run
         op = running.pop(rng.randrange(len(running)))
-        running += ledger.complete(op.instance_id, op.op_id)
+        running += ledger.complete(op.instance_id, op.op_id, 0.0)
         assert ledger.pessimistic <= cap
     assert ledger.parked() == []
     assert ledger.pessimistic == ledger.budget

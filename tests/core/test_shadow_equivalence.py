@@ -17,12 +17,13 @@ from shared.core.iteration import (IterationKind, apply_iteration, choose_iterat
                                    decode_shape, predict_seconds)
 from shared.core.node_scheduler import copy_instances
 from shared.core.shadow import shadow_validate
-from shared.core.types import SLO, Hardware, InstanceStatus, InstanceView, RequestView
+from shared.core.types import SLO, Hardware, InstanceStatus, InstanceView, RequestView, RunningIteration
 
 from tests.core.factories import linear_profile, model
 
 
-def reference_validate(instances, profiles, target_id, request, now, busy_until, config):
+def reference_validate(instances, profiles, target_id, request, now, busy_until, config,
+                       running=None):
     with_new = [replace(i, requests=[*i.requests, request]) if i.instance_id == target_id else i
                 for i in instances]
     tpot = min(r.slo.tpot_s for i in with_new for r in i.requests)
@@ -33,28 +34,48 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     start = max(now, busy_until)
     sim = copy_instances(with_new)
     by_id = {i.instance_id: i for i in sim}
-    late = {r.request_id for i in sim for r in i.requests if r.headroom(start) < 0}
-    t, new_done = start, False
-    for _ in range(config.shadow_max_steps):
-        if new_done and all(r.request_id in late or (r.prefilled and r.headroom(t) >= round_s)
-                            for i in sim for r in i.requests):
-            break
+    late = set()
+    if running is not None:  # the iteration in flight yields its tokens at busy_until
+        inst = by_id[running.instance_id]
+        for r in inst.requests:
+            if r.request_id in running.request_ids:
+                if r.headroom(busy_until) < 0:
+                    late.add(r.request_id)
+                r.generated += 1
+                r.prefilled = True
+    late |= {r.request_id for i in sim for r in i.requests
+             if r.headroom(start) < 0 and r.request_id != request.request_id}
+    blame_from = max(start, by_id[target_id].ready_at)
+    live = [i for i in sim if i.requests and i.status is not InstanceStatus.UNLOADING]
+    last_ready = max((i.ready_at for i in live), default=start)
+    t, new_done, steps = start, False, 0
+    while True:
+        if new_done and t >= last_ready and all(
+                r.request_id in late or (r.prefilled and r.headroom(t) >= round_s)
+                for i in sim for r in i.requests):
+            return AdmitReason.ADMITTED
         choice = choose_iteration(sim, t)
         if choice is None:
-            waiting = [i.ready_at for i in sim if i.requests and i.ready_at > t]
+            waiting = [i.ready_at for i in live if i.ready_at > t]
             if not waiting:
-                break
+                return AdmitReason.ADMITTED
             t = min(waiting)
             continue
+        if steps == config.shadow_max_steps:
+            return AdmitReason.HORIZON
+        steps += 1
+        blamed = t >= blame_from
         inst = by_id[choice.instance_id]
         t += predict_seconds(choice, inst, profiles[inst.instance_id]) * (1 + config.overestimate)
-        for r in inst.requests:
-            if r.request_id in choice.request_ids and r.request_id not in late and r.headroom(t) < 0:
-                return AdmitReason.TTFT_MISS if r.request_id == request.request_id else AdmitReason.HEADROOM
+        missed = [r for r in inst.requests if r.request_id in choice.request_ids
+                  and r.request_id not in late and r.headroom(t) < 0]
+        if missed and blamed:
+            new_missed = missed[0].request_id == request.request_id
+            return AdmitReason.TTFT_MISS if new_missed else AdmitReason.HEADROOM
+        late |= {r.request_id for r in missed}
         apply_iteration(choice, inst)
         if choice.kind is IterationKind.PREFILL and choice.request_ids[0] == request.request_id:
             new_done = True
-    return AdmitReason.ADMITTED
 
 
 requests = st.lists(st.tuples(st.integers(1, 3000),  # input length
@@ -71,10 +92,28 @@ instances = st.lists(st.tuples(requests,
                      min_size=1, max_size=5)
 
 
+def _running(views, which, kind):
+    """An iteration in flight on instance `which`: a prefill of its first unprefilled request,
+    or a decode of its batch when every request is prefilled."""
+    if kind is None or not views:
+        return None
+    inst = views[which % len(views)]
+    if not inst.requests or inst.status is not InstanceStatus.READY:
+        return None
+    waiting = [r for r in inst.requests if not r.prefilled]
+    if kind == "prefill" and waiting:
+        return RunningIteration(inst.instance_id, (waiting[0].request_id,), True)
+    if kind == "decode" and not waiting:
+        return RunningIteration(inst.instance_id, tuple(r.request_id for r in inst.requests), False)
+    return None
+
+
 @given(node=instances, target=st.integers(0, 4), new=st.tuples(st.integers(1, 3000), st.floats(0.3, 6.0)),
-       now=st.floats(0.0, 1.0), busy=st.floats(0.0, 1.5), steps=st.sampled_from([8, 256]))
+       now=st.floats(0.0, 1.0), busy=st.floats(0.0, 1.5), steps=st.sampled_from([8, 256]),
+       running=st.tuples(st.integers(0, 4), st.sampled_from([None, "prefill", "decode"])))
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, new, now, busy, steps):
+def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, new, now, busy,
+                                                                   steps, running):
     spec = model("m")
     views, profiles = [], {}
     for k, (reqs, status, ready_at) in enumerate(node):
@@ -88,10 +127,15 @@ def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, 
     target_id = views[target % len(views)].instance_id
     request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25))
     config = CoreConfig(shadow_max_steps=steps)
+    in_flight = _running(views, *running)
     before = copy_instances(views)
-    fast = shadow_validate(views, profiles, target_id, request, now, busy, config)
+    fast = shadow_validate(views, profiles, target_id, request, now, busy, config, in_flight)
     assert views == before  # the node's own views are left untouched
-    assert fast is reference_validate(views, profiles, target_id, request, now, busy, config)
+    assert fast is reference_validate(views, profiles, target_id, request, now, busy, config, in_flight)
+    if fast is AdmitReason.ADMITTED:  # a yes is final: a larger step budget says the same
+        exact = reference_validate(views, profiles, target_id, request, now, busy,
+                                   CoreConfig(shadow_max_steps=2_000), in_flight)
+        assert exact is AdmitReason.ADMITTED
 
 
 def test_the_reference_can_tell_the_cases_apart():
