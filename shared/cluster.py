@@ -29,10 +29,10 @@ def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
 
 def request_view(req: InferenceRequest) -> RequestView:
     """The core's view of a wire request. A resumed request counts its earlier tokens as output
-    (they set its headroom) but must re-prefill them where it lands."""
+    (they set its headroom) but must re-prefill them where it lands; it keeps its cold-start grace."""
     return RequestView(req.request_id, req.model, len(req.prompt_token_ids), req.arrival,
                        SLO(req.ttft_slo_s, req.tpot_slo_s), generated=len(req.resumed_token_ids),
-                       max_tokens=req.max_tokens, prefilled=False)
+                       max_tokens=req.max_tokens, grace_s=req.grace_s, prefilled=False)
 
 
 async def publish_node(redis: Redis, view: NodeView, ttl_s: float) -> None:

@@ -54,6 +54,13 @@ class InferenceRequest:
     # prompt + resumed tokens and continues the sequence numbering after them.
     resumed_token_ids: list[int] = field(default_factory=list)
     trace_context: dict[str, str] = field(default_factory=dict)
+    # TTFT grace a cold start gave it (§IX-A); a moved request keeps it, so every node and
+    # placer judges it as the one that admitted it did.
+    grace_s: float = 0.0
+    # A request displaced by a preemption: the node and instance the plan validated for it. The
+    # placer offers it there first, and places it afresh only if that node refuses.
+    target_node: str | None = None
+    target_instance: str | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -88,7 +95,18 @@ class TokenMessage:
 
 class CommandKind(str, enum.Enum):
     ADMIT = "admit"  # add a request to an instance (creating it first if needed)
-    PREEMPT = "preempt"  # unload instances, handing their requests back to the placer
+    # Re-check the admission without the victims; only if it holds, unload them, admit the
+    # request, and hand the victims' requests to the request stream, each with its destination.
+    PREEMPT_ADMIT = "preempt_admit"
+
+
+@dataclass(frozen=True)
+class MigrationTarget:
+    """Where the preemption plan validated one displaced request."""
+
+    request_id: str
+    node_id: str
+    instance_id: str
 
 
 @dataclass(frozen=True)
@@ -99,7 +117,8 @@ class NodeCommand:
     request: InferenceRequest | None = None  # ADMIT
     instance_id: str | None = None  # ADMIT: target; a new id means "create this instance"
     model: ModelRecord | None = None  # ADMIT into a new instance: what to load
-    preempt_instance_ids: list[str] = field(default_factory=list)  # PREEMPT
+    preempt_instance_ids: list[str] = field(default_factory=list)  # PREEMPT_ADMIT: the victims
+    migrations: list[MigrationTarget] = field(default_factory=list)  # PREEMPT_ADMIT
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,8 @@ class NodeReply:
     accepted: bool
     reason: str  # the core's AdmitReason value ("admitted", "no_headroom", ...)
     instance_id: str | None = None
-    # PREEMPT: requests the node stopped, each carrying the tokens it had produced so far.
+    # PREEMPT_ADMIT: requests the node stopped (each with its tokens so far and its destination),
+    # already published to the request stream.
     evicted: list[InferenceRequest] = field(default_factory=list)
     node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
 

@@ -29,7 +29,7 @@ from shared.bus import ensure_streams
 from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
 from shared.core.iteration import IterationKind
 from shared.core.memory import MemOp, MemOpKind
-from shared.core.node_scheduler import Eviction, NodeScheduler, StepPlan, new_node
+from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -151,7 +151,7 @@ class NodeWorker:
                 if cmd.kind is CommandKind.ADMIT:
                     reply = await self._admit(cmd)
                 else:
-                    reply = await self._preempt(cmd.preempt_instance_ids)
+                    reply = await self._preempt_admit(cmd)
             except wire.WireError as exc:
                 reply = NodeReply(False, f"bad_command: {exc}")
             except Exception as exc:  # one bad command must not take the node down
@@ -162,6 +162,37 @@ class NodeWorker:
             self.obs.command_result(command, kind, reply.accepted, reply.reason, reply.instance_id)
 
     async def _admit(self, cmd: NodeCommand) -> NodeReply:
+        checked = await self._admission_inputs(cmd)
+        if isinstance(checked, NodeReply):
+            return checked
+        req, record = checked
+        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        return self._commit(req, record, result, cold=cmd.instance_id is None)
+
+    async def _preempt_admit(self, cmd: NodeCommand) -> NodeReply:
+        """§VIII-A: the core re-checks the admission without the victims first; a refusal leaves
+        them untouched. Their requests go back to the request stream, each with the destination
+        the plan validated, before the reply (so a placer that dies now loses none of them)."""
+        checked = await self._admission_inputs(cmd)
+        if isinstance(checked, NodeReply):
+            return checked
+        req, record = checked
+        result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
+                                              cmd.instance_id, model_spec(record), time.time())
+        targets = {m.request_id: m for m in cmd.migrations}
+        moved = []
+        for view in result.evicted:
+            resumed = self._take_back(view.request_id, view.grace_s)
+            if resumed is None:
+                continue
+            if (target := targets.get(view.request_id)) is not None:
+                resumed = replace(resumed, target_node=target.node_id, target_instance=target.instance_id)
+            await self._requeue(resumed)
+            moved.append(resumed)
+        return replace(self._commit(req, record, result, cold=cmd.instance_id is None), evicted=moved)
+
+    async def _admission_inputs(self, cmd: NodeCommand) -> tuple[InferenceRequest, ModelRecord] | NodeReply:
+        """The request and model record an admission needs, or the reply that refuses it."""
         req = cmd.request
         if req is None:
             return NodeReply(False, "bad_command: admit without a request")
@@ -172,37 +203,38 @@ class NodeWorker:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
             self.sched.perf = await load_perf(self.redis)
-        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        return req, record
+
+    def _commit(self, req: InferenceRequest, record: ModelRecord, result: AdmitResult,
+                cold: bool) -> NodeReply:
+        """Carry out what the core admitted: the request becomes ours, its memory ops start."""
+        self._start_ops(result.start_ops)
         if not result.admission.ok:
             return NodeReply(False, result.admission.reason.value)
         iid = result.instance_id
         self.records[iid] = record
+        req = replace(req, grace_s=result.admission.grace_s, target_node=None, target_instance=None)
         self.live[req.request_id] = Live(req, iid, output=list(req.resumed_token_ids))
-        self.obs.admitted(req, iid, cold=cmd.instance_id is None)
+        self.obs.admitted(req, iid, cold=cold)
         if self._loaded(iid):
             self._engine_add(self.live[req.request_id])
-        self._start_ops(result.start_ops)
         self.wake.set()
         return NodeReply(True, result.admission.reason.value, iid)
 
-    async def _preempt(self, instance_ids: list[str]) -> NodeReply:
-        evicted, ops = self.sched.preempt(instance_ids, time.time())
-        handed_back = [self._take_back(r.request_id) for r in evicted]
-        self._start_ops(ops)
-        return NodeReply(True, "preempted", evicted=[r for r in handed_back if r is not None])
-
-    def _take_back(self, request_id: str) -> InferenceRequest | None:
-        """Remove a request from this node, returning it with its tokens so far (to resume)."""
+    def _take_back(self, request_id: str, grace_s: float) -> InferenceRequest | None:
+        """Remove a request from this node, returning it with its tokens so far and its grace
+        (to resume elsewhere)."""
         live = self.live.pop(request_id, None)
         if live is None:
             return None
         engine = self.engines.get(live.instance_id)
         if engine is not None:
             engine.release(request_id)
-        # Its trace goes with it (in the body: a preemption hands it back inside the reply).
+        # Its trace goes with it (in the body: it travels on the request stream again).
         trace_context = self.obs.headers(request_id) or live.request.trace_context
         self.obs.ended(request_id, "handed_back", len(live.output) - len(live.request.resumed_token_ids))
-        return replace(live.request, resumed_token_ids=list(live.output), trace_context=trace_context)
+        return replace(live.request, resumed_token_ids=list(live.output), trace_context=trace_context,
+                       grace_s=grace_s)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -400,9 +432,12 @@ class NodeWorker:
         rid = eviction.request.request_id
         with self.obs.use(rid):
             log.info("evicting %s from %s for rescheduling", rid, eviction.instance_id)
-        resumed = self._take_back(rid)
-        if resumed is None:
-            return
+        resumed = self._take_back(rid, eviction.request.grace_s)
+        if resumed is not None:
+            await self._requeue(resumed)
+
+    async def _requeue(self, resumed: InferenceRequest) -> None:
+        """Back to the placers through the durable request stream, with its tokens so far."""
         msg_id = f"{resumed.request_id}:resume:{len(resumed.resumed_token_ids)}"
         await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
                               headers={**resumed.trace_context, "Nats-Msg-Id": msg_id})

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -38,8 +38,8 @@ from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
-from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, ModelRecord,
-                            NodeCommand, NodeReply, TokenMessage)
+from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
+                            MigrationTarget, ModelRecord, NodeCommand, NodeReply, TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT, node_command_subject,
                              token_subject)
 
@@ -139,6 +139,8 @@ class Placer:
             with self._span(p, None):
                 await self._fail(p, FinishReason.ERROR, f"model {p.request.model!r} is not registered")
             return nodes
+        if p.request.target_node is not None and await self._offer_to_target(p, record, nodes):
+            return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
         plan = place(request_view(p.request), specs[record.name], nodes, self.perf, time.time(),
                      self.s.core, models=specs)
@@ -179,26 +181,52 @@ class Placer:
                                                          "slinfer.instance_id": a.instance_id or "(new)",
                                                          "slinfer.admit_reason": a.reason.value})
 
+    async def _offer_to_target(self, p: Pending, record: ModelRecord, nodes: list[NodeView]) -> bool:
+        """A request displaced by a preemption goes first to the node and instance the plan
+        validated for it (§VIII-A: preempted requests are moved, not queued). Only if that node
+        refuses now is it placed afresh. True if it was placed."""
+        req = p.request
+        plan = PlacementPlan(PlaceAction.ROUTE, req.target_node, req.target_instance)
+        p.request = replace(req, target_node=None, target_instance=None)  # one offer only
+        with self._span(p, plan) as outcome:
+            outcome["slinfer.placement.migration"] = True
+            reply = await self._command(plan.node_id, NodeCommand(
+                CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id))
+            outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
+            outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
+            if reply is not None and reply.accepted:
+                await self._placed(p, plan, reply)
+                return True
+        log.info("migration target %s/%s refused %s (%s); placing it afresh", plan.node_id,
+                 plan.instance_id, req.request_id, reply.reason if reply else "no reply")
+        return False
+
+    async def _placed(self, p: Pending, plan: PlacementPlan, reply: NodeReply) -> None:
+        self.queue.pop(p.request.request_id, None)
+        await p.msg.ack()
+        log.info("placed %s on %s/%s (%s)", p.request.request_id, plan.node_id,
+                 reply.instance_id, plan.action.value)
+
     async def _carry_out(self, p: Pending, plan: PlacementPlan, record: ModelRecord,
                          nodes: list[NodeView], outcome: dict) -> list[NodeView]:
-        if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
-            reply = await self._command(plan.node_id, NodeCommand(
-                CommandKind.PREEMPT, preempt_instance_ids=list(plan.preempt)))
-            for evicted in (reply.evicted if reply else []):
-                await self._requeue(evicted)
         new = plan.instance_id is None
-        reply = await self._command(plan.node_id, NodeCommand(
-            CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
-            model=record if new else None))
+        if plan.action is PlaceAction.PREEMPT_AND_ROUTE:  # one command: the node re-checks first
+            cmd = NodeCommand(CommandKind.PREEMPT_ADMIT, request=p.request,
+                              instance_id=plan.instance_id, model=record if new else None,
+                              preempt_instance_ids=list(plan.preempt),
+                              migrations=[MigrationTarget(m.request_id, m.to_node, m.to_instance)
+                                          for m in plan.migrations])
+        else:
+            cmd = NodeCommand(CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
+                              model=record if new else None)
+        reply = await self._command(plan.node_id, cmd)
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
         outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
         if reply is not None and reply.instance_id:
             outcome["slinfer.placement.instance_id"] = reply.instance_id
         if reply is not None and reply.accepted:
-            self.queue.pop(p.request.request_id, None)
-            await p.msg.ack()
-            log.info("placed %s on %s/%s (%s)", p.request.request_id, plan.node_id,
-                     reply.instance_id, plan.action.value)
+            outcome["slinfer.placement.moved"] = [r.request_id for r in reply.evicted]
+            await self._placed(p, plan, reply)
         else:
             await self._refused(p, plan.node_id, reply.reason if reply else "no reply")
         if reply is not None and reply.node is not None:  # fresher than Redis: use it
@@ -225,13 +253,6 @@ class Placer:
         except Exception as exc:  # e.g. no responders: the node is gone
             log.warning("node %s unreachable: %s", node_id, exc)
             return None
-
-    async def _requeue(self, req: InferenceRequest) -> None:
-        """A preempted request goes back through the stream with its tokens (it resumes)."""
-        msg_id = f"{req.request_id}:resume:{len(req.resumed_token_ids)}"
-        # Its own trace (the node put it in the request), not the decision that preempted it.
-        await self.js.publish(REQUEST_SUBJECT, wire.encode(req),
-                              headers={**req.trace_context, "Nats-Msg-Id": msg_id})
 
     async def _keep_waiting(self, p: Pending) -> None:
         now = time.time()
