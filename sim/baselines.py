@@ -19,9 +19,10 @@ times come from the same profiles as SLINFER. The KV cache is static: whatever m
 after the weights. If a decode step would overflow it, the newest request is evicted and later
 recomputed (vLLM's recompute preemption).
 
-Half-node slowdown. A half-node instance runs every iteration HALF_NODE_SLOWDOWN = 2x slower than
-on the whole node: its cores (CPU) or SMs (GPU) are statically halved, and so is its share of the
-memory bandwidth when the neighbour is busy. With the CPU profile this factor reproduces SLINFER
+Half-node slowdown. A half-node instance runs an iteration HALF_NODE_SLOWDOWN = 2x slower than on
+the whole node while the other half of the node is busy (an iteration of the neighbour in flight
+when it starts): they time-share the node's cores (CPU) or SMs (GPU) and its memory bandwidth.
+With the other half idle it has the whole node, as time-sharing gives it. With the CPU profile this factor reproduces SLINFER
 Table II: 7B on half a CPU node reaches 9 concurrent requests at 2K and 4 at 4K (Table II: 2x9 and
 2x4); on half an A100 the limit is memory (40 GB - weights), also as in Table II.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 from shared.core.perf_model import Profile
 from shared.core.types import Hardware
-from sim.engine import Event, EventLoop, Recorder, SimRequest, Usage
+from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 
 HALF_NODE_SLOWDOWN = 2.0
 
@@ -99,7 +100,6 @@ class BInstance:
     node: BNode
     slots: int
     limit: int  # concurrency limit: requests assigned (waiting + running) never exceed it
-    slowdown: float  # iteration time multiplier (2.0 on half a node)
     kv_capacity_tokens: int
     ready_at: float
     created_at: float
@@ -123,8 +123,10 @@ class BInstance:
 class BaselineSystem:
     """ServerlessLLM-style serving: concurrency-limited instances on exclusive (or half) nodes."""
 
-    def __init__(self, config: BaselineConfig, nodes: list[BNode], deployments: dict[str, Deployment]):
+    def __init__(self, config: BaselineConfig, nodes: list[BNode], deployments: dict[str, Deployment],
+                 noise: IterationNoise | None = None):
         self.config = config
+        self.noise = noise or IterationNoise(0.0, 0)
         self.name = config.name
         self.nodes = nodes
         self.deps = deployments
@@ -208,7 +210,6 @@ class BaselineSystem:
         inst = BInstance(
             iid=f"{self.name}-i{self._next_iid}", dep=dep, node=node, slots=slots,
             limit=self.config.limit(node.hardware, dep.size),
-            slowdown=1.0 if slots == 2 else self.config.half_slowdown,
             kv_capacity_tokens=int(kv_tokens), ready_at=now + profile.load_s, created_at=now)
         self._next_iid += 1
         node.free_slots -= slots
@@ -250,7 +251,7 @@ class BaselineSystem:
             return
         if inst.waiting and self._prompt_fits(inst, inst.waiting[0]):
             req = inst.waiting[0]
-            seconds = inst.profile.prefill_s(req.input_len + req.generated) * inst.slowdown
+            seconds = inst.profile.prefill_s(req.input_len + req.generated) * self._slowdown(inst)
             self._start(inst, ("prefill", req), seconds)
         elif inst.running:
             batch = len(inst.running)
@@ -258,13 +259,19 @@ class BaselineSystem:
                 self._evict_newest(inst)
                 return self._kick(inst)
             avg = inst.kv_used_tokens() / batch
-            seconds = inst.profile.decode_s(batch, avg) * inst.slowdown
+            seconds = inst.profile.decode_s(batch, avg) * self._slowdown(inst)
             self._start(inst, ("decode", None), seconds)
         elif inst.waiting:  # alone and still too long for this slot's KV cache: never fits
             self._drop(inst.waiting.popleft())
             self._kick(inst)
         else:
             self.loop.schedule(now + self.config.keep_alive_s, "keepalive", (inst, inst.idle_epoch))
+
+    def _slowdown(self, inst: BInstance) -> float:
+        """The iteration's time multiplier: the node's noise, and half a node's share while the
+        neighbour is busy."""
+        shared = inst.slots < 2 and any(o.busy for o in inst.node.instances if o is not inst)
+        return self.noise() * (self.config.half_slowdown if shared else 1.0)
 
     def _prompt_fits(self, inst: BInstance, req: SimRequest) -> bool:
         need = req.input_len + req.generated + 1

@@ -32,17 +32,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lengths", default=str(DEFAULT_LENGTHS_CSV),
                    help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
-    p.add_argument("--arrivals", default="synthetic",
-                   help="'synthetic' or an Azure Functions per-minute invocation CSV")
+    p.add_argument("--arrivals", default="functions",
+                   help="'synthetic', 'functions' (the Azure Functions sample in sim/data) or an "
+                        "Azure Functions per-minute invocation CSV")
     p.add_argument("--rps", type=float, help="total request rate (default: 0.02 per model)")
     p.add_argument("--cv", type=float, default=8.0,
-                   help="CV of per-model Gamma inter-arrivals (ServerlessLLM: 8)")
+                   help="synthetic arrivals: CV of per-model Gamma inter-arrivals (ServerlessLLM: 8)")
     p.add_argument("--no-cpu", action="store_true", help="ablation: GPU nodes only")
     p.add_argument("--no-sharing", action="store_true", help="ablation: one instance per node")
     p.add_argument("--no-consolidation", action="store_true", help="ablation: no preemption")
     p.add_argument("--watermark", type=float, default=0.25, help="KV scaling watermark (0.25 = 25%%)")
     p.add_argument("--keep-alive", type=float, default=1.0, help="idle seconds before reclaim")
     p.add_argument("--profiles", metavar="JSON", help="measured profiles replacing the built-in ones")
+    p.add_argument("--noise", type=float, default=0.07,
+                   help="sigma of the log-normal noise on every iteration time (0: exact profiles)")
+    p.add_argument("--engine-startup", type=float, default=0.0,
+                   help="seconds of engine start-up added to every cold start, for every system")
     p.add_argument("--out", help="write the JSON report here (default: stdout)")
     p.add_argument("--plot", metavar="DIR", help="write TTFT CDF and nodes-used timeline PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -56,7 +61,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes, duration=args.duration,
         seed=args.seed, lengths=args.lengths, arrivals=args.arrivals, rps=args.rps, cv=args.cv,
         no_cpu=args.no_cpu, no_sharing=args.no_sharing, no_consolidation=args.no_consolidation,
-        watermark=args.watermark, keep_alive=args.keep_alive, profiles=args.profiles)
+        watermark=args.watermark, keep_alive=args.keep_alive, profiles=args.profiles,
+        noise=args.noise, engine_startup=args.engine_startup)
 
 
 def _progress(total: float, enabled: bool):

@@ -10,6 +10,8 @@ memory-op completions, keep-alive checks, queue deadlines) and receive them back
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,6 +24,21 @@ from shared.core.types import SLO, Hardware
 # to the last sample. Exact when events are sparse, within 50 ms when they are dense, and it
 # keeps a run from paying O(cluster) on every event.
 USAGE_SAMPLE_S = 0.05
+
+
+class IterationNoise:
+    """How far a real iteration strays from its profile: actual = predicted x exp(sigma * z),
+    z standard normal (log-normal, median 1). Every system draws from its own seeded stream, so
+    a plan that counted on the prediction shows its misses, and SLINFER's 10% margin is used."""
+
+    def __init__(self, sigma: float, seed: int) -> None:
+        if sigma < 0:
+            raise ValueError("noise sigma must be >= 0")
+        self.sigma = sigma
+        self._rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        return math.exp(self.sigma * self._rng.gauss(0.0, 1.0)) if self.sigma else 1.0
 
 
 @dataclass(order=True, frozen=True)

@@ -18,6 +18,9 @@ REPORT_KEYS = (
 )
 
 
+ADMIT_PREFIX = "admit:"
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
     if not values:
@@ -85,6 +88,11 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
         "cold_starts": m.counters.get("cold_starts", 0),
         "node_rejections": m.counters.get("node_rejections", 0),
         "kv_scalings": m.counters.get("kv_scalings", 0),
+        "migration_refusals": m.counters.get("migration_refusals", 0),
+        # Every admission answer the placer's core gave, over all candidates of all decisions
+        # (a queued request is re-planned at each change, so it counts again).
+        "admission_answers": {k.removeprefix(ADMIT_PREFIX): v for k, v in sorted(m.counters.items())
+                              if k.startswith(ADMIT_PREFIX)},
     }
     return _round(report)
 

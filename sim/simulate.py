@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from shared.core.config import CoreConfig
+from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, ModelSpec, slo_for_input
 from sim import profiles as prof
 from sim.baselines import BaselineConfig, BaselineSystem, BNode, Deployment
-from sim.engine import RunResult, SimRequest, run
+from sim.engine import IterationNoise, RunResult, SimRequest, run
 from sim.metrics import Metrics
 from sim.report import build_report
 from sim.slinfer_system import SlinferSystem
@@ -23,6 +24,7 @@ from sim.workload import DEFAULT_LENGTHS_CSV, LengthSampler, build_workload
 SYSTEMS = ("slinfer", "sllm", "sllm+c", "sllm+c+s")
 SIZES = ("3b", "7b", "13b")
 DRAIN_S = 600.0  # after the last arrival, let in-flight requests finish for up to this long
+NOISE_SEED = 0x0015E  # mixed into the run's seed for the iteration-noise stream
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class SimConfig:
     duration: float = 1800.0  # seconds of arrivals (the paper: a 30-minute trace segment)
     seed: int = 0
     lengths: str = str(DEFAULT_LENGTHS_CSV)
-    arrivals: str = "synthetic"  # or an Azure Functions per-minute file
+    # "functions": the Azure Functions sample (SLINFER §IX-A's workload); "synthetic": log-normal
+    # popularity with Gamma(cv) bursts; or the path of an Azure Functions per-minute file.
+    arrivals: str = "functions"
     rps: float | None = None  # total requests/s; None: RPS_PER_MODEL per model
     cv: float = 8.0  # burstiness: CV of each model's Gamma inter-arrival times (ServerlessLLM: 8)
     no_cpu: bool = False
@@ -45,6 +49,8 @@ class SimConfig:
     watermark: float = 0.25
     keep_alive: float = 1.0
     profiles: str | None = None  # JSON of measured profiles that replace the built-in ones
+    noise: float = 0.07  # sigma of the log-normal factor on every real iteration time
+    engine_startup: float = 0.0  # seconds an engine takes to start, added to every cold start
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +71,10 @@ class SimConfig:
             raise ValueError("cv must be > 0")
         if self.rps is not None and self.rps <= 0:
             raise ValueError("rps must be > 0")
+        if self.noise < 0:
+            raise ValueError("noise must be >= 0")
+        if self.engine_startup < 0:
+            raise ValueError("engine_startup must be >= 0")
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
@@ -114,13 +124,17 @@ def node_views(cfg: SimConfig):
 
 def build_system(cfg: SimConfig, cluster: Cluster):
     perf = cluster.book.perf_model({m: prof.SHAPES[s].name for m, s in cluster.sizes.items()})
+    if cfg.engine_startup:  # every system's cold start pays it, and SLINFER's core knows it
+        perf = PerfModel({k: replace(p, load_s=p.load_s + cfg.engine_startup)
+                          for k, p in perf.profiles.items()})
+    noise = IterationNoise(cfg.noise, cfg.seed ^ NOISE_SEED)
     if cfg.system == "slinfer":
-        return SlinferSystem(node_views(cfg), perf, cluster.specs, cfg.core_config())
+        return SlinferSystem(node_views(cfg), perf, cluster.specs, cfg.core_config(), noise)
     deps = {m: Deployment(m, cluster.sizes[m], spec.weight_bytes, spec.kv_bytes_per_token,
                           {hw: perf.get(m, hw) for hw in Hardware if perf.get(m, hw) is not None})
             for m, spec in cluster.specs.items()}
     nodes = [BNode(v.node_id, v.hardware, v.memory_bytes) for v in node_views(cfg)]
-    return BaselineSystem(BaselineConfig.named(cfg.system, cfg.keep_alive), nodes, deps)
+    return BaselineSystem(BaselineConfig.named(cfg.system, cfg.keep_alive), nodes, deps, noise)
 
 
 def build_requests(cfg: SimConfig, cluster: Cluster) -> list[SimRequest]:
@@ -135,7 +149,7 @@ def build_requests(cfg: SimConfig, cluster: Cluster) -> list[SimRequest]:
 def params_of(cfg: SimConfig) -> dict[str, Any]:
     out = asdict(cfg)
     out["lengths"] = Path(cfg.lengths).name  # no machine-specific paths in the report
-    if cfg.arrivals != "synthetic":
+    if cfg.arrivals not in ("synthetic", "functions"):
         out["arrivals"] = Path(cfg.arrivals).name
     if cfg.profiles:
         out["profiles"] = Path(cfg.profiles).name

@@ -11,7 +11,10 @@ Timing of memory operations (the engines' side, not the core's):
 - SCALE: `Profile.kv_scale_s` (Fig. 17's magnitudes); the instance runs no iteration meanwhile
   (the node scheduler blocks an instance with a running op), and the time counts in
   `scaling_time_fraction`.
-- UNLOAD: UNLOAD_S, freeing device memory (ASSUMPTION: tens of milliseconds).
+- UNLOAD: `shared.core.memory.UNLOAD_S`, freeing device memory (ASSUMPTION: tens of ms).
+These are the same estimates the node scheduler puts into its timeline (`memop_seconds`).
+Iterations take the prediction times `IterationNoise` (the node scheduler still plans with the
+prediction, as a real node does).
 """
 
 from __future__ import annotations
@@ -20,14 +23,13 @@ from dataclasses import dataclass, field, replace
 
 from shared.core.config import CoreConfig
 from shared.core.iteration import IterationChoice, IterationKind
-from shared.core.memory import MemOp, MemOpKind
-from shared.core.node_scheduler import NodeScheduler
+from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
+from shared.core.node_scheduler import AdmitResult, NodeScheduler
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
-from sim.engine import Event, EventLoop, Recorder, SimRequest, Usage
-
-UNLOAD_S = 0.05
+from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
+from sim.report import ADMIT_PREFIX
 
 
 @dataclass
@@ -47,8 +49,9 @@ class SlinferSystem:
     name = "slinfer"
 
     def __init__(self, nodes: list[NodeView], perf: PerfModel, models: dict[str, ModelSpec],
-                 config: CoreConfig):
+                 config: CoreConfig, noise: IterationNoise | None = None):
         self.config = config
+        self.noise = noise or IterationNoise(0.0, 0)
         self.perf = perf
         self.models = models
         self.nodes = {n.node_id: SimNode(NodeScheduler(n, perf, config)) for n in nodes}
@@ -101,57 +104,77 @@ class SlinferSystem:
         now = self.loop.now
         model = self.models[view.model]
         plan = place(view, model, self._views(), self.perf, now, self.config, self.models)
+        for attempt in plan.attempts:
+            self.rec.count(ADMIT_PREFIX + attempt.reason.value)
         if plan.action is PlaceAction.DROP:
             self._drop(view.request_id)
             return True
         if plan.action is PlaceAction.QUEUE:
             if not from_queue:
-                self.queue.append(view)
-                self.loop.schedule(view.arrival + view.grace_s + view.slo.ttft_s, "deadline",
-                                   view.request_id)
+                self._enqueue(view)
             return False
         if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
-            self._preempt(plan)
+            return self._preempt_and_admit(plan, view)
         return self._admit(plan.node_id, plan.instance_id, view)
+
+    def _enqueue(self, view: RequestView) -> None:
+        """Wait for the next change in the cluster; dropped once its next token is due (a request
+        evicted or moved late in its life may be due already: then at once)."""
+        if view in self.queue:
+            return
+        self.queue.append(view)
+        self.loop.schedule(max(self.loop.now, view.deadline()), "deadline", view.request_id)
 
     def _admit(self, node_id: str, instance_id: str | None, view: RequestView) -> bool:
         sn = self.nodes[node_id]
         now = self.loop.now
         result = sn.sched.admit(view, instance_id, self.models[view.model], now)
+        return self._admitted(sn, view, instance_id is None, result)
+
+    def _admitted(self, sn: SimNode, view: RequestView, cold: bool, result: AdmitResult) -> bool:
+        """Carry out the node's answer, as the node worker does."""
+        now = self.loop.now
+        self._start_ops(sn, result.start_ops)
         if not result.admission.ok:  # the node's re-check disagreed: wait for the next change
             self.rec.count("node_rejections")
-            if view not in self.queue:
-                self.queue.append(view)
-                self.loop.schedule(max(now, view.arrival + view.grace_s + view.slo.ttft_s),
-                                   "deadline", view.request_id)
+            self._enqueue(view)
             return False
-        if instance_id is None:
+        if cold:
             self.rec.count("cold_starts")
             self._born[result.instance_id] = now
-        inst = sn.sched.node.instance(result.instance_id)
-        admitted = next(r for r in inst.requests if r.request_id == view.request_id)
-        self.reqs[view.request_id].grace_s = admitted.grace_s
-        self._start_ops(sn, result.start_ops)
+        self.reqs[view.request_id].grace_s = result.admission.grace_s
         self._kick(sn)
         return True
 
-    def _preempt(self, plan: PlacementPlan) -> None:
+    def _preempt_and_admit(self, plan: PlacementPlan, view: RequestView) -> bool:
+        """§VIII-A as the service does it: one node step that re-checks first; the displaced
+        requests go to the destinations the plan validated (placed afresh if those refuse)."""
         sn = self.nodes[plan.node_id]
         now = self.loop.now
-        evicted, ops = sn.sched.preempt(list(plan.preempt), now)
-        self.rec.count("preemptions", len(plan.preempt))
-        for iid in plan.preempt:
-            self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
-        self._start_ops(sn, ops)
+        result = sn.sched.preempt_and_admit(list(plan.preempt), view, plan.instance_id,
+                                            self.models[view.model], now)
+        if result.admission.ok:
+            self.rec.count("preemptions", len(plan.preempt))
+            for iid in plan.preempt:
+                self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
+        placed = self._admitted(sn, view, plan.instance_id is None, result)
         dest = {m.request_id: m for m in plan.migrations}
-        for req in evicted:
+        for req in result.evicted:
             moved = replace(req, prefilled=False)  # recomputes its KV cache where it lands
             self.rec.count("migrations")
             m = dest.get(req.request_id)
-            if m is None:
+            if m is None or not self._offer(m.to_node, m.to_instance, moved):
                 self._place(moved)
-            else:  # the core validated this destination; the node re-checks (else: queued)
-                self._admit(m.to_node, m.to_instance, moved)
+        return placed
+
+    def _offer(self, node_id: str, instance_id: str, view: RequestView) -> bool:
+        """A displaced request at the destination the plan validated; False if it refuses now."""
+        sn = self.nodes[node_id]
+        result = sn.sched.admit(view, instance_id, self.models[view.model], self.loop.now)
+        if not result.admission.ok:
+            self.rec.count("migration_refusals")
+            return False
+        return self._admitted(sn, view, False, result)
 
     def _retry_queue(self) -> None:
         """Something was freed: give queued requests another placement, oldest first."""
@@ -189,8 +212,8 @@ class SlinferSystem:
             self._place(replace(ev.request, prefilled=False))
         if plan.iteration is not None:
             sn.busy = True
-            self.loop.schedule(now + plan.predicted_s, "iter_done",
-                               (sn.node_id, plan.iteration, plan.predicted_s))
+            actual = plan.predicted_s * self.noise()
+            self.loop.schedule(now + actual, "iter_done", (sn.node_id, plan.iteration, actual))
         self._schedule_reclaim(sn)
 
     def _on_iter_done(self, data: tuple[str, IterationChoice, float]) -> None:
@@ -227,18 +250,14 @@ class SlinferSystem:
             self.loop.schedule(self.loop.now + seconds, "memop_done", (sn.node_id, op))
 
     def _op_seconds(self, sn: SimNode, op: MemOp) -> float:
-        if op.kind is MemOpKind.UNLOAD:
-            return UNLOAD_S
         inst = sn.sched.node.instance(op.instance_id)
-        if inst is None:
+        if op.kind is MemOpKind.UNLOAD or inst is None:
             return UNLOAD_S
         profile = self.perf.get(inst.model.name, sn.sched.node.hardware)
-        if op.kind is MemOpKind.LOAD:
-            return profile.load_s
-        w = inst.model.weight_bytes
-        seconds = profile.kv_scale_s(op.bytes_before - w, op.bytes_after - w)
-        self.rec.add_scaling(seconds)
-        self.rec.count("kv_scalings")
+        seconds = memop_seconds(op, profile, inst.model.weight_bytes)
+        if op.kind is MemOpKind.SCALE:
+            self.rec.add_scaling(seconds)
+            self.rec.count("kv_scalings")
         return seconds
 
     def _on_memop_done(self, data: tuple[str, MemOp]) -> None:

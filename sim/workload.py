@@ -15,9 +15,13 @@ Arrival model (synthetic), after SLINFER §IX-A and ServerlessLLM §7:
   grows the load with N like sampling more functions from a trace does (SLINFER Fig. 21).
 
 Arrivals from a file: the Azure Functions per-minute format (HashOwner, HashApp, HashFunction,
-Trigger, 1..1440 invocation counts). N functions with traffic in the window are sampled
-uniformly (seeded) and mapped to the N models; each minute's count is spread over the minute
-with the same Gamma(CV 8) gaps; `rps` rescales the counts.
+Trigger, 1..1440 invocation counts), e.g. `sim/data/azure_functions_100x30min.csv`, the sample
+SLINFER's evaluation used (§IX-A). One function is one model: N functions with traffic in the
+window are sampled uniformly (seeded) and mapped to the N models. When N exceeds the functions
+in the file (128 models from 100 functions), the extra models replay randomly chosen functions
+with their minute series rotated by a random offset: the same shape of popularity and
+burstiness, not the same minutes. Within a minute, arrivals are Poisson (the minute's count at
+uniformly random instants; the trace's own within-minute CV is about 1). `rps` rescales the counts.
 
 Lengths: (input, output) pairs drawn jointly, with replacement, from an Azure LLM inference trace
 CSV (TIMESTAMP, ContextTokens, GeneratedTokens).
@@ -119,15 +123,21 @@ def read_function_trace(path: str | Path) -> list[list[int]]:
     return rows
 
 
+DEFAULT_FUNCTIONS_CSV = Path(__file__).parent / "data" / "azure_functions_100x30min.csv"
+
+
 def trace_arrivals(path: str | Path, models: list[str], duration: float, rps: float | None,
-                   seed: int, cv: float = ARRIVAL_CV) -> list[tuple[float, str]]:
+                   seed: int) -> list[tuple[float, str]]:
     rng = random.Random(seed)
     minutes = max(1, math.ceil(duration / 60.0))
     window = [row[:minutes] for row in read_function_trace(path)]
     active = [row for row in window if sum(row) > 0]
-    if len(active) < len(models):
-        raise ValueError(f"{path}: {len(active)} functions with traffic, need {len(models)}")
-    chosen = rng.sample(active, len(models))
+    if not active:
+        raise ValueError(f"{path}: no function has traffic in the first {minutes} minutes")
+    chosen = rng.sample(active, min(len(models), len(active)))
+    while len(chosen) < len(models):  # more models than functions: rotated replays
+        row, shift = rng.choice(active), rng.randrange(1, minutes) if minutes > 1 else 0
+        chosen.append(row[shift:] + row[:shift])
     scale = 1.0
     if rps is not None:
         total = sum(sum(r) for r in chosen)
@@ -136,7 +146,7 @@ def trace_arrivals(path: str | Path, models: list[str], duration: float, rps: fl
     for model, counts in zip(models, chosen):
         for minute, count in enumerate(counts):
             n = _scaled_count(count, scale, rng)
-            out.extend((t, model) for t in _spread(minute * 60.0, 60.0, n, rng, cv) if t < duration)
+            out.extend((t, model) for t in _spread(minute * 60.0, 60.0, n, rng, cv=1.0) if t < duration)
     return out
 
 
@@ -147,7 +157,7 @@ def _scaled_count(count: int, scale: float, rng: random.Random) -> int:
 
 def _spread(start: float, width: float, n: int, rng: random.Random,
             cv: float = ARRIVAL_CV) -> list[float]:
-    """n arrivals inside [start, start+width) with bursty Gamma(CV) gaps."""
+    """n arrivals inside [start, start+width) with Gamma(CV) gaps (CV 1: Poisson)."""
     if n == 0:
         return []
     shape = 1.0 / (cv * cv)
@@ -168,7 +178,8 @@ def build_workload(models: list[str], max_context: dict[str, int], duration: flo
         rate = rps if rps is not None else RPS_PER_MODEL * len(models)
         times = synthetic_arrivals(models, duration, rate, seed, cv)
     else:
-        times = trace_arrivals(arrivals, models, duration, rps, seed, cv)
+        path = DEFAULT_FUNCTIONS_CSV if arrivals == "functions" else arrivals
+        times = trace_arrivals(path, models, duration, rps, seed)
     times.sort()
     rng = random.Random(seed ^ 0x5EED)
     out = []

@@ -11,7 +11,8 @@ from sim.simulate import SimConfig, build_cluster, build_system
 def run_requests(system: str, size: str, cpu: int, gpu: int, n_models: int,
                  reqs: list[tuple[float, int, int, int]], **kw):
     """reqs: (arrival, model index, input tokens, output tokens). Returns (system, requests,
-    metrics, model names)."""
+    metrics, model names). Iterations take exactly their profile time unless `noise` is given."""
+    kw.setdefault("noise", 0.0)
     cfg = SimConfig(system=system, models=n_models, model_size=size, cpu_nodes=cpu, gpu_nodes=gpu,
                     duration=60.0, **kw)
     cluster = build_cluster(cfg)

@@ -57,13 +57,20 @@ def test_sllm_c_prefers_cpu_and_sllm_never_uses_it():
     assert reqs[0].hardware is Hardware.GPU
 
 
-def test_sllm_c_s_puts_two_instances_on_one_node_at_half_speed():
-    # Two 7B models, one GPU: both get half of it, and a prefill takes twice the profile time.
+def test_sllm_c_s_puts_two_instances_on_one_node_at_half_speed_while_both_run():
+    # Two 7B models, one GPU: both get half of it. Both are ready at the same instant: the first
+    # prefill starts on an idle node (full speed), the second while the first runs (twice the
+    # profile time).
     sys_, reqs, m, _ = run_requests("sllm+c+s", "7b", 0, 1, 2, [(0.0, 0, 1024, 2), (0.0, 1, 1024, 2)])
     assert m.counters["cold_starts"] == 2
     assert all(r.hardware is Hardware.GPU and r.finished_at is not None for r in reqs)
     load = GPU7.load_s
-    assert reqs[0].first_token_at == pytest.approx(load + 2 * GPU7.prefill_s(1024), abs=1e-6)
+    first, second = sorted(reqs, key=lambda r: r.first_token_at)
+    assert first.first_token_at == pytest.approx(load + GPU7.prefill_s(1024), abs=1e-6)
+    assert second.first_token_at == pytest.approx(load + 2 * GPU7.prefill_s(1024), abs=1e-6)
+    # Alone on its half (the other half idle), an instance has the whole node.
+    _, (alone,), _, _ = run_requests("sllm+c+s", "7b", 0, 1, 2, [(0.0, 1, 1024, 2)])
+    assert alone.first_token_at == pytest.approx(load + GPU7.prefill_s(1024), abs=1e-6)
     # Half an A100: 40 GiB minus the weights for KV.
     cfg = BaselineConfig.named("sllm+c+s")
     assert cfg.limit(Hardware.GPU, "7b") == 12 and cfg.limit(Hardware.CPU, "7b") == 4
