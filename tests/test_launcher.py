@@ -451,6 +451,45 @@ def stream_exists(nats_url: str, stream: str) -> bool:
     return asyncio.run(check())
 
 
+def processes_using(directory: Path) -> list[str]:
+    """Live processes with a file under `directory` open (every service's log is)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if pid_alive(int(entry.name)) and any(t.startswith(str(directory)) for t in targets):
+            found.append(f"{entry.name}: {_read(entry / 'comm').strip()}")
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_running_stack_stops_what_it_started_when_its_start_fails(tmp_path) -> None:
+    """services.stack (the e2e/ops fixtures' stack): a service that cannot start fails the
+    fixture, and the servers and services already started are stopped, not left behind."""
+    from services.profiler.measure import ProfilePlan
+    from services.profiler.run import profile_model
+    from services.stack import MODEL, running_stack
+    from shared.modelgen import ensure_demo_model
+
+    model_dir = Path(ensure_demo_model(tmp_path / "models"))
+    plan = ProfilePlan(max_len=32, max_batch=2, repeats=1, warmup=0)
+    profile = profile_model(model_dir, MODEL, plan=plan)[0]
+    data = tmp_path / "stack"
+    broken = {"gateway": {"SLINFER_GATEWAY_PORT": "not-a-port"}}
+    with pytest.raises(RuntimeError, match="gateway exited"):
+        with running_stack(data, model_dir, child_env=broken, profile=profile):
+            pytest.fail("the stack came up with a gateway that cannot start")
+    deadline = time.monotonic() + 10
+    while (left := processes_using(data)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running: {left}"
+
+
 # ---------------------------------------------------------------- the real stack
 
 
