@@ -11,108 +11,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
-from dataclasses import replace
-
-import nats
 import pytest
-from redis.asyncio import Redis
 
-from services.node.settings import NodeSettings
-from services.node.worker import NodeWorker
-from services.profiler.measure import ProfilePlan
-from services.profiler.run import profile_model
-from shared import wire
-from shared.cluster import save_profile
-from shared.core.config import CoreConfig
 from shared.core.iteration import IterationKind
-from shared.modelgen import ensure_demo_model
 from shared.registry import model_record_from_dir
-from shared.schemas import CommandKind, InferenceRequest, NodeCommand, NodeReply, TokenMessage
-from shared.subjects import node_command_subject, token_subject
+
+from tests.node.harness import MODELS, Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-MODELS = ("alpha", "beta")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_demo_model(tmp_path_factory.mktemp("share"))
-
-
-@pytest.fixture(scope="module")
-def profile(model_dir):
-    return profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=1024, max_batch=8, repeats=3))[0]
-
-
-class Harness:
-    """A node worker in this process and a stand-in placer talking to it over real NATS."""
-
-    def __init__(self, nc, redis, model_dir, memory_bytes: int, node_id: str) -> None:
-        self.nc, self.redis = nc, redis
-        self.records = {m: model_record_from_dir(m, model_dir) for m in MODELS}
-        settings = NodeSettings(node_id=node_id, hardware="cpu", device="cpu",
-                                memory_bytes=memory_bytes, matrix_accel=True, nats_url="", redis_url="",
-                                core=CoreConfig(keep_alive_s=30.0))
-        self.worker = NodeWorker(settings, nc, redis)
-        self.instances: dict[str, str] = {}
-        self.tokens: dict[str, list[float]] = {}  # request id -> arrival time of each token
-        self.done: dict[str, asyncio.Event] = {}
-        self.finals: dict[str, TokenMessage] = {}
-
-    async def admit(self, model: str, prompt_len: int, max_tokens: int, ttft: float, tpot: float = 0.25) -> tuple[InferenceRequest, NodeReply]:
-        rid = f"{model}-{uuid.uuid4().hex[:8]}"
-        req = InferenceRequest(rid, "t", model, [5 + (i % 1000) for i in range(prompt_len)], max_tokens,
-                               time.time(), ttft, tpot, temperature=0.0)
-        self.tokens[rid], self.done[rid] = [], asyncio.Event()
-
-        async def on_token(msg, rid=rid):
-            m = wire.decode(TokenMessage, msg.data)
-            self.tokens[rid].extend([time.time()] * len(m.token_ids))
-            if m.finished:
-                self.finals[rid] = m
-                self.done[rid].set()
-
-        await self.nc.subscribe(token_subject(rid), cb=on_token)
-        iid = self.instances.get(model)
-        cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=iid,
-                          model=None if iid else self.records[model])
-        reply = wire.decode(NodeReply, (await self.nc.request(
-            node_command_subject(self.worker.s.node_id), wire.encode(cmd), timeout=10)).data)
-        if reply.accepted:
-            self.instances[model] = reply.instance_id
-        return req, reply
-
-    async def wait(self, reqs, timeout: float = 60) -> None:
-        await asyncio.wait_for(asyncio.gather(*[self.done[r.request_id].wait() for r in reqs]), timeout)
-
-    def lateness(self, req: InferenceRequest) -> tuple[int, float | str]:
-        """(index of the worst token, seconds past its deadline) for a failure message."""
-        times = self.tokens[req.request_id]
-        if not times:
-            final = self.finals.get(req.request_id)
-            return -1, final.error if final else "no final message"
-        worst = max(range(len(times)), key=lambda k: times[k] - req.tpot_slo_s * k)
-        return worst, times[worst] - (req.arrival + req.ttft_slo_s + req.tpot_slo_s * worst)
-
-    def deadlines_met(self, req: InferenceRequest) -> bool:
-        """Token k must arrive by ST + TTFT + TPOT*k (eq. 1 never negative)."""
-        times = self.tokens[req.request_id]
-        return bool(times) and all(t <= req.arrival + req.ttft_slo_s + req.tpot_slo_s * k + 1e-3
-                                   for k, t in enumerate(times))
-
-
-@pytest.fixture
-async def connections(nats_url, redis_url, profile):
-    nc = await nats.connect(nats_url)
-    redis = Redis.from_url(redis_url)
-    for m in MODELS:
-        await save_profile(redis, replace(profile, model=m))
-    yield nc, redis
-    await nc.close()
-    await redis.aclose()
 
 
 async def test_iterations_interleave_by_headroom_and_meet_slos(connections, model_dir):

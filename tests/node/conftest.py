@@ -1,0 +1,40 @@
+"""Fixtures of the node tests: the tiny demo model, its measured profile, and NATS + Redis
+connections with the profile stored for both test models."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import nats
+import pytest
+from redis.asyncio import Redis
+
+from services.profiler.measure import ProfilePlan
+from services.profiler.run import profile_model
+from shared.cluster import save_profile
+from shared.modelgen import ensure_demo_model
+
+from tests.node.harness import MODELS
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return ensure_demo_model(tmp_path_factory.mktemp("share"))
+
+
+@pytest.fixture(scope="session")
+def profile(model_dir):
+    return profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=1024, max_batch=8, repeats=3))[0]
+
+
+@pytest.fixture
+async def connections(nats_url, redis_url, profile):
+    nc = await nats.connect(nats_url)
+    redis = Redis.from_url(redis_url)
+    for m in MODELS:
+        await save_profile(redis, replace(profile, model=m))
+    yield nc, redis
+    await nc.close()
+    await redis.aclose()
+
+

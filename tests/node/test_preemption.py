@@ -1,0 +1,150 @@
+"""Proactive preemption (SLINFER §VIII-A) on real services: two node workers with torch engines,
+a real placer, NATS JetStream and valkey.
+
+1. The placer's plan is carried out as planned: a request that needs its instance's KV cache to
+   grow, on a node whose memory a smaller neighbour holds, preempts that neighbour in one node
+   command; the neighbour's request moves to the instance of its model on the other node that the
+   plan validated, and its token stream goes on there with no gap and no duplicate.
+2. A node that refuses the preempt-and-admit command leaves the victims untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.placer.placer import Placer
+from services.placer.settings import PlacerSettings
+from shared import wire
+from shared.bus import ensure_streams
+from shared.cluster import model_spec, request_view
+from shared.core.config import CoreConfig
+from shared.core.memory import kv_demand, watermark_target
+from shared.core.types import InstanceStatus
+from shared.registry import ModelRegistry
+from shared.schemas import CommandKind, MigrationTarget, NodeCommand
+from shared.subjects import REQUEST_SUBJECT
+
+from tests.node.harness import MODELS, Harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CORE = CoreConfig(keep_alive_s=30.0)
+LONG = 1000  # output tokens of the beta requests: they outlive the preemption
+PROMPT = 900  # three such prompts need more KV than the floor (the model's 2048 tokens)
+ALPHA_OUT = 250  # two alpha requests stay within the KV their instance has (no eviction)
+
+
+def _kv_after(harness: Harness, model: str, reqs) -> int:
+    """The KV size an instance has once these requests joined it one by one (§VII-B)."""
+    spec = model_spec(harness.records[model])
+    kv = 0
+    for k in range(1, len(reqs) + 1):
+        need = kv_demand(spec, [request_view(r) for r in reqs[:k]])
+        kv = max(kv, watermark_target(kv, need, CORE.watermark) or kv)
+    return kv
+
+
+async def _until(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir):
+    """Node A: alpha with two long requests, beta with one (the smaller neighbour), memory for
+    exactly that. Node B: plenty of memory and an instance of beta with one long request."""
+    probe = Harness(nc, redis, model_dir, 1, "probe")
+    alpha2 = [probe.request("alpha", PROMPT, ALPHA_OUT, ttft=30.0) for _ in range(2)]
+    beta1 = [probe.request("beta", 64, LONG, ttft=30.0)]
+    weights = sum(probe.records[m].weight_bytes for m in MODELS)
+    memory = weights + _kv_after(probe, "alpha", alpha2) + _kv_after(probe, "beta", beta1)
+    a = Harness(nc, redis, model_dir, memory + 64 * 1024, "pre-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, 2 * memory, "pre-b", heartbeat_s=0.05)
+    await a.worker.start()
+    await b.worker.start()
+    return a, b
+
+
+async def _admit_long(h: Harness, model: str, prompt: int):
+    req, reply = await h.admit(model, prompt, ALPHA_OUT if model == "alpha" else LONG, ttft=30.0)
+    assert reply.accepted, reply.reason
+    return req
+
+
+async def test_preemption_moves_the_victims_request_to_the_validated_instance(connections, model_dir,
+                                                                             nats_url, redis_url):
+    nc, redis = connections
+    registry = ModelRegistry(redis)
+    a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir)
+    for record in a.records.values():
+        await registry.register(record, replace=True)
+    placer = Placer(PlacerSettings(nats_url, redis_url, CORE), nc, redis)
+    stop = asyncio.Event()
+    try:
+        for _ in range(2):
+            await _admit_long(a, "alpha", PROMPT)
+        victim = await _admit_long(a, "beta", 64)
+        await _admit_long(b, "beta", 64)
+        beta_on_a, beta_on_b = a.instances["beta"], b.instances["beta"]
+        await _until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+        newcomer = a.request("alpha", PROMPT, 20, ttft=30.0)
+        await a.watch(newcomer)
+        await ensure_streams(nc.jetstream())
+        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(newcomer),
+                                     headers={"Nats-Msg-Id": newcomer.request_id})
+        await a.wait([newcomer])
+        assert a.finals[newcomer.request_id].node_id == "pre-a"
+        assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
+
+        # The victim's instance on A is gone; its request lives on B's beta instance, where the
+        # plan validated it, and streams on from where it stopped.
+        await _until(lambda: victim.request_id in b.worker.live, what="the victim to reach B")
+        assert b.worker.live[victim.request_id].instance_id == beta_on_b
+        inst = a.worker.sched.node.instance(beta_on_a)
+        assert inst is None or inst.status is InstanceStatus.UNLOADING
+        await a.wait([victim], timeout=120)
+        final = a.finals[victim.request_id]
+        assert final.node_id == "pre-b" and len(final.output_token_ids) == LONG
+        assert a.streamed_once(victim)
+        stop.set()
+        await runner
+    finally:
+        stop.set()
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+async def test_a_node_that_refuses_preempt_and_admit_leaves_the_victims_untouched(connections, model_dir):
+    nc, redis = connections
+    a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir)
+    try:
+        alpha = [await _admit_long(a, "alpha", PROMPT) for _ in range(2)]
+        victim = await _admit_long(a, "beta", 64)
+        await _admit_long(b, "beta", 64)
+        beta_on_a = a.instances["beta"]
+        await _until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+        impossible = a.request("alpha", PROMPT, 20, ttft=0.001)  # no prefill is that fast
+        reply = await a.command(NodeCommand(
+            CommandKind.PREEMPT_ADMIT, request=impossible, instance_id=a.instances["alpha"],
+            preempt_instance_ids=[beta_on_a],
+            migrations=[MigrationTarget(victim.request_id, "pre-b", b.instances["beta"])]))
+        assert not reply.accepted and reply.evicted == []
+        inst = a.worker.sched.node.instance(beta_on_a)
+        assert inst is not None and inst.status is InstanceStatus.READY
+        assert [r.request_id for r in inst.requests] == [victim.request_id]
+        await a.wait([victim, *alpha], timeout=120)
+        final = a.finals[victim.request_id]
+        assert final.node_id == "pre-a" and len(final.output_token_ids) == LONG
+        assert a.streamed_once(victim)
+        assert victim.request_id not in b.worker.live
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
