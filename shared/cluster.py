@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
+import time
 
 from redis.asyncio import Redis
 
 from shared import wire
+from shared.core.calibration import DECODE, PREFILL, calibrated
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.types import SLO, ModelSpec, NodeView, RequestView
 from shared.schemas import InferenceRequest, ModelRecord
-from shared.subjects import NODES_SET, PROFILES_HASH, node_key, profile_field
+from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
+                             node_key, profile_field)
 
 log = logging.getLogger("slinfer.cluster")
 
@@ -78,12 +82,53 @@ async def save_profile(redis: Redis, profile: Profile) -> None:
                      profile_to_json(profile))
 
 
-async def load_perf(redis: Redis) -> PerfModel:
+# A node's calibration older than this is from a node that has stopped reporting: ignored.
+CALIBRATION_TTL_S = 600.0
+
+
+async def save_calibration(redis: Redis, node_id: str, model: str, hardware: str,
+                           factors: dict[str, float]) -> None:
+    await redis.hset(CALIBRATION_HASH, calibration_field(model, hardware, node_id),
+                     json.dumps({**factors, "updated": time.time()}))
+
+
+async def remove_calibration(redis: Redis, node_id: str) -> None:
+    fields = [f for f in await redis.hkeys(CALIBRATION_HASH)
+              if (f.decode() if isinstance(f, bytes) else f).endswith(f"|{node_id}")]
+    if fields:
+        await redis.hdel(CALIBRATION_HASH, *fields)
+
+
+async def load_calibration(redis: Redis) -> dict[tuple[str, str], dict[str, float]]:
+    """(model, hardware) -> the median correction factor of the nodes of that hardware kind that
+    reported one recently (one profile per kind is what the core decides with; the median keeps
+    one odd node from moving every node's decisions)."""
+    by_kind: dict[tuple[str, str], list[dict]] = {}
+    now = time.time()
+    for key, blob in (await redis.hgetall(CALIBRATION_HASH)).items():
+        key = key.decode() if isinstance(key, bytes) else key
+        try:
+            model, hardware, _node = key.rsplit("|", 2)
+            entry = json.loads(blob)
+            if now - float(entry["updated"]) > CALIBRATION_TTL_S:
+                continue
+            by_kind.setdefault((model, hardware), []).append(entry)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping bad calibration %s: %s", key, exc)
+    return {k: {kind: statistics.median(float(e.get(kind, 1.0)) for e in entries)
+                for kind in (PREFILL, DECODE)} for k, entries in by_kind.items()}
+
+
+async def load_perf(redis: Redis, calibrate: bool = True) -> PerfModel:
+    """The measured profiles, each corrected by its online calibration (if any and `calibrate`)."""
+    factors = await load_calibration(redis) if calibrate else {}
     perf = PerfModel()
     for field, blob in (await redis.hgetall(PROFILES_HASH)).items():
         try:
-            perf.add(profile_from_json(blob))
+            profile = profile_from_json(blob)
         except (ValueError, wire.WireError) as exc:
             log.warning("skipping bad profile %s: %s", field, exc)
+            continue
+        f = factors.get((profile.model, profile.hardware.value))
+        perf.add(calibrated(profile, f[PREFILL], f[DECODE]) if f else profile)
     return perf
-

@@ -44,6 +44,9 @@ CANCEL_SUBJECT = "slinfer.cancel"
 NODES_SET = "slinfer:nodes"
 MODELS_HASH = "slinfer:models"  # field = model name, value = msgpack ModelRecord
 PROFILES_HASH = "slinfer:profiles"  # field = "<model>|<hardware kind>", value = JSON profile
+# Online calibration: field = "<model>|<hardware kind>|<node id>", value = JSON
+# {"prefill": factor, "decode": factor, "updated": unix seconds}
+CALIBRATION_HASH = "slinfer:calibration"
 
 
 def node_key(node_id: str) -> str:
@@ -53,3 +56,7 @@ def node_key(node_id: str) -> str:
 
 def profile_field(model: str, hardware: str) -> str:
     return f"{model}|{hardware}"
+
+
+def calibration_field(model: str, hardware: str, node_id: str) -> str:
+    return f"{model}|{hardware}|{node_id}"

@@ -108,7 +108,8 @@ class RequestSpans:
 
     __slots__ = ("request", "instance_id", "node_id", "cold", "command", "admitted_ns", "_span",
                  "_headers", "messages", "queue_end_ns", "prefill_tokens", "prefill_start_ns", "prefill_end_ns",
-                 "prefill_s", "decode_start_ns", "decode_iterations", "max_batch")
+                 "prefill_s", "decode_start_ns", "decode_iterations", "max_batch",
+                 "prefill_predicted_s", "decode_error_sum")
 
     def __init__(self, request: InferenceRequest, instance_id: str, node_id: str, cold: bool,
                  command: CommandSpan | None) -> None:
@@ -128,6 +129,8 @@ class RequestSpans:
         self.decode_start_ns: int | None = None
         self.decode_iterations = 0
         self.max_batch = 0
+        self.prefill_predicted_s: float | None = None  # what the node decided with
+        self.decode_error_sum = 0.0  # relative errors of its decode iterations, summed
 
     @property
     def span(self) -> trace.Span:
@@ -171,16 +174,22 @@ class RequestSpans:
             _tracer.start_span("node.queue", context=context, start_time=self.admitted_ns
                                ).end(end_time=self.queue_end_ns)
         if self.prefill_start_ns is not None:
+            attributes = {"slinfer.prefill.tokens": self.prefill_tokens,
+                          "slinfer.prefill.engine_s": self.prefill_s or 0.0}
+            if self.prefill_predicted_s and self.prefill_s:
+                attributes["slinfer.prefill.predicted_s"] = self.prefill_predicted_s
+                attributes["slinfer.prediction_error"] = self.prefill_s / self.prefill_predicted_s - 1
             prefill = _tracer.start_span("node.prefill", context=context, start_time=self.prefill_start_ns,
-                                         attributes={"slinfer.prefill.tokens": self.prefill_tokens,
-                                                     "slinfer.prefill.engine_s": self.prefill_s or 0.0})
+                                         attributes=attributes)
             if self.prefill_end_ns is None:  # the request ended inside its prefill
                 prefill.set_status(Status(StatusCode.ERROR, error or outcome))
             prefill.end(end_time=self.prefill_end_ns or now)
         if self.decode_start_ns is not None:
             _tracer.start_span("node.decode", context=context, start_time=self.decode_start_ns, attributes={
                 "slinfer.decode.iterations": self.decode_iterations,
-                "slinfer.decode.max_batch": self.max_batch}).end(end_time=now)
+                "slinfer.decode.max_batch": self.max_batch,
+                "slinfer.prediction_error": self.decode_error_sum / max(1, self.decode_iterations),
+            }).end(end_time=now)
         span.set_attributes({
             tm.MODEL: request.model, tm.MAX_TOKENS: request.max_tokens,
             tm.INPUT_TOKENS: len(request.prompt_token_ids), "slinfer.request_id": request.request_id,
@@ -202,6 +211,11 @@ class NodeObserver:
         self.requests: dict[str, RequestSpans] = {}
         self._stats = tm.NodeStats()
         self._samples: deque[tuple[float, int]] = deque()
+        self._prediction_error = telemetry.meter("slinfer.node").create_histogram(
+            tm.NODE_PREDICTION_ERROR, unit="1",
+            description="Iteration time vs the profile's prediction: actual / predicted - 1",
+            explicit_bucket_boundaries_advisory=[-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25,
+                                                 0.5, 1.0, 2.0, 5.0])
         self._server = None
 
     # --- lifecycle and gauges ---------------------------------------------------------------
@@ -314,6 +328,24 @@ class NodeObserver:
         spans = self.requests.get(request_id) if self.tracing else None
         if spans is not None:
             spans.prefill_done(seconds)
+
+    def prediction(self, model: str, kind: str, request_ids: tuple[str, ...], predicted_s: float,
+                   actual_s: float) -> None:
+        """One iteration's time against the prediction the node decided with: a metric, and an
+        attribute of the request's prefill / decode span."""
+        error = actual_s / predicted_s - 1
+        self._prediction_error.record(error, {tm.MODEL: model, "slinfer.iteration.kind": kind,
+                                              "slinfer.node_id": self.node_id})
+        if not self.tracing:
+            return
+        for rid in request_ids:
+            spans = self.requests.get(rid)
+            if spans is None:
+                continue
+            if kind == "prefill":
+                spans.prefill_predicted_s = predicted_s
+            else:
+                spans.decode_error_sum += error
 
     def event(self, request_id: str, name: str, **attributes) -> None:
         spans = self.requests.get(request_id) if self.tracing else None

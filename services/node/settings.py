@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
 from shared.core.config import CoreConfig
-from shared.settings import core_config_from_env, env_float, env_int, env_str
+from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
 
 GiB = 1024**3
 
@@ -21,6 +21,9 @@ class NodeSettings:
     nats_url: str
     redis_url: str
     core: CoreConfig = CoreConfig()
+    # Online calibration: correct the profile this node's iterations drift from, and publish the
+    # correction for the placer (the error is measured and exported either way).
+    calibrate: bool = True
     heartbeat_s: float = 0.25
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     hardware_name: str = ""
@@ -47,6 +50,7 @@ class NodeSettings:
             nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
             redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
             core=core_config_from_env(),
+            calibrate=env_bool("SLINFER_CALIBRATION", True),
             heartbeat_s=env_float("SLINFER_HEARTBEAT_S", 0.25, minimum=0.01),
             metrics_port=env_int("SLINFER_NODE_METRICS_PORT", 0, minimum=0),
             hardware_name=info.name,

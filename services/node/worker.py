@@ -26,8 +26,10 @@ from services.node.settings import NodeSettings
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
-from shared.cluster import load_perf, model_spec, publish_node, remove_node, request_view
-from shared.core.iteration import IterationKind
+from shared.cluster import (load_perf, model_spec, publish_node, remove_calibration, remove_node,
+                            request_view, save_calibration)
+from shared.core.calibration import DECODE, PREFILL, Calibrator
+from shared.core.iteration import IterationKind, predict_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
@@ -86,6 +88,9 @@ class NodeWorker:
         node.hardware_name, node.cores = settings.hardware_name, settings.cores
         node.accel_flags = list(settings.accel_flags)
         self.engines: dict[str, Engine] = {}
+        # The measured profiles as stored; sched.perf is the same with the online calibration.
+        self.base_perf = PerfModel()
+        self.calibrator = Calibrator()
         self.records: dict[str, ModelRecord] = {}
         self.live: dict[str, Live] = {}
         self.ops: dict[int, MemOp] = {}
@@ -102,7 +107,7 @@ class NodeWorker:
         # Import the engine stack now, not inside the first cold start (it takes seconds).
         await asyncio.to_thread(warm_imports)
         await ensure_streams(self.js)
-        self.sched.perf = await load_perf(self.redis)
+        await self._load_profiles()
         await self.nc.subscribe(node_command_subject(self.s.node_id), cb=self._on_command)
         await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
         # The reservation station's input: this node's memory-op completions, from the stream.
@@ -125,16 +130,22 @@ class NodeWorker:
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
         await remove_node(self.redis, self.s.node_id)
+        await remove_calibration(self.redis, self.s.node_id)
 
     async def _heartbeat(self) -> None:
         """Publish the node's view; pick up new profiles every few seconds."""
         last_perf = time.monotonic()
         while True:
             if time.monotonic() - last_perf > PERF_REFRESH_S:
-                self.sched.perf, last_perf = await load_perf(self.redis), time.monotonic()
+                await self._load_profiles()
+                last_perf = time.monotonic()
             await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
             self.obs.sample(self)
             await asyncio.sleep(self.s.heartbeat_s)
+
+    async def _load_profiles(self) -> None:
+        self.base_perf = await load_perf(self.redis, calibrate=False)
+        self.sched.perf = await load_perf(self.redis)
 
     def _view(self):
         view = self.sched.view()
@@ -202,7 +213,7 @@ class NodeWorker:
         if record is None:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
-            self.sched.perf = await load_perf(self.redis)
+            await self._load_profiles()
         return req, record
 
     def _commit(self, req: InferenceRequest, record: ModelRecord, result: AdmitResult,
@@ -349,6 +360,8 @@ class NodeWorker:
     async def _run_iteration(self, plan: StepPlan) -> None:
         choice = plan.iteration
         engine = self.engines[choice.instance_id]
+        model = self.records[choice.instance_id].name
+        base_s = self._base_prediction(plan, model)
         if self.obs.tracing:
             first = self.live.get(choice.request_ids[0])
             self.obs.iteration_started(choice, len(first.all_tokens) if first else 0)
@@ -374,6 +387,7 @@ class NodeWorker:
                     await self._finish(self.live[rid], FinishReason.ERROR, f"engine error: {exc}")
             return
         self.iterations += 1
+        self._calibrate(model, plan, base_s, elapsed)
         now = time.time()
         self.history.append(IterationRecord(now - elapsed, now, choice.instance_id, choice.kind,
                                             choice.request_ids, plan.considered))
@@ -394,6 +408,31 @@ class NodeWorker:
                 finished.add(rid)
                 await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
         self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
+
+    def _base_prediction(self, plan: StepPlan, model: str) -> float:
+        """What the measured profile, uncorrected, says this iteration takes (calibration input)."""
+        profile = self.base_perf.get(model, self.sched.node.hardware)
+        inst = self.sched.node.instance(plan.iteration.instance_id)
+        return predict_seconds(plan.iteration, inst, profile) if profile and inst else 0.0
+
+    def _calibrate(self, model: str, plan: StepPlan, base_s: float, elapsed: float) -> None:
+        """Online calibration: every iteration's actual time against the prediction the node
+        decided with is exported; a drifting model's profile is corrected and published."""
+        kind = PREFILL if plan.iteration.kind is IterationKind.PREFILL else DECODE
+        if plan.predicted_s > 0:
+            self.obs.prediction(model, kind, plan.iteration.request_ids, plan.predicted_s, elapsed)
+        if self.calibrator.observe(model, kind, base_s, elapsed) and self.s.calibrate:
+            asyncio.create_task(self._publish_calibration(model), name=f"calibrate-{model}")
+
+    async def _publish_calibration(self, model: str) -> None:
+        factors = self.calibrator.factors(model)
+        log.info("calibrated %s on %s: prefill x%.3f, decode x%.3f", model, self.s.node_id,
+                 factors[PREFILL], factors[DECODE])
+        try:
+            await save_calibration(self.redis, self.s.node_id, model, self.s.hardware, factors)
+            await self._load_profiles()
+        except Exception:  # a Redis blip: the next correction publishes again
+            log.exception("publishing the calibration of %s failed", model)
 
     def _finish_reason(self, live: Live, token: int) -> FinishReason | None:
         if live.cancelled:

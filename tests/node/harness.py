@@ -21,12 +21,13 @@ class Harness:
     """A node worker in this process and a stand-in placer talking to it over real NATS."""
 
     def __init__(self, nc, redis, model_dir, memory_bytes: int, node_id: str,
-                 heartbeat_s: float = 0.25) -> None:
+                 heartbeat_s: float = 0.25, calibrate: bool = True) -> None:
         self.nc, self.redis = nc, redis
         self.records = {m: model_record_from_dir(m, model_dir) for m in MODELS}
         settings = NodeSettings(node_id=node_id, hardware="cpu", device="cpu",
                                 memory_bytes=memory_bytes, matrix_accel=True, nats_url="", redis_url="",
-                                core=CoreConfig(keep_alive_s=30.0), heartbeat_s=heartbeat_s)
+                                core=CoreConfig(keep_alive_s=30.0), heartbeat_s=heartbeat_s,
+                                calibrate=calibrate)
         self.worker = NodeWorker(settings, nc, redis)
         self.instances: dict[str, str] = {}
         self.tokens: dict[str, list[float]] = {}  # request id -> arrival time of each token

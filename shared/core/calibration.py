@@ -1,0 +1,97 @@
+"""Online calibration of the timing profiles (beyond SLINFER §VI-B).
+
+The profile is measured once, offline; the node then runs for days beside other tenants, other
+engines' threads, thermal limits and new library versions. Every iteration the node executes is a
+free measurement: its actual time against the profile's prediction. The calibrator keeps, per
+model and iteration kind (prefill, decode), an exponentially weighted mean of log(actual /
+predicted) and, once it has enough samples and has drifted past a threshold, folds it into a
+correction factor that multiplies that kind's table. Decisions (the node's re-check, the placer's
+plan, the shadow validation) then use the corrected profile, and the next samples are judged
+against it, so a steady slowdown converges to one factor instead of compounding.
+
+Pure: time and measurements come in as arguments; the caller stores and publishes the factors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    weight: float = 0.1  # EWMA weight of a new sample (about the last 10-20 iterations count)
+    threshold: float = 0.05  # |log drift| past which the factor is corrected (about 5%)
+    min_samples: int = 8  # samples of a kind before its drift may correct the factor
+    max_factor: float = 50.0  # a bound on the correction either way (a broken clock, not drift)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1:
+            raise ValueError("weight must be in (0, 1]")
+        if self.threshold <= 0 or self.min_samples < 1 or self.max_factor <= 1:
+            raise ValueError("threshold > 0, min_samples >= 1, max_factor > 1")
+
+
+@dataclass
+class _Drift:
+    factor: float = 1.0  # correction in force (published)
+    log_drift: float = 0.0  # EWMA of log(actual / predicted with `factor`), started at 0
+    samples: int = 0  # since the last correction
+    last_error: float = 0.0  # the latest sample's relative error, (actual - predicted) / predicted
+
+
+@dataclass
+class Calibrator:
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)
+    _drift: dict[tuple[str, str], _Drift] = field(default_factory=dict)
+
+    def observe(self, model: str, kind: str, base_predicted_s: float, actual_s: float) -> bool:
+        """One executed iteration; `base_predicted_s` is what the measured (uncorrected) profile
+        says, judged here with this calibrator's own factor. True when the factor of this model
+        and kind changed (publish it)."""
+        d = self._drift.setdefault((model, kind), _Drift())
+        predicted_s = base_predicted_s * d.factor
+        if predicted_s <= 0 or actual_s <= 0:
+            return False
+        d.last_error = actual_s / predicted_s - 1.0
+        w = self.config.weight
+        d.log_drift = (1 - w) * d.log_drift + w * math.log(actual_s / predicted_s)
+        d.samples += 1
+        # The mean starts at 0: divide out that start's weight (as Adam does), so the first
+        # correction is the drift seen, not a fraction of it.
+        drift = d.log_drift / (1 - (1 - w) ** d.samples)
+        if d.samples < self.config.min_samples or abs(drift) < self.config.threshold:
+            return False
+        bound = self.config.max_factor
+        d.factor = min(bound, max(1 / bound, d.factor * math.exp(drift)))
+        d.log_drift, d.samples = 0.0, 0
+        return True
+
+    def factor(self, model: str, kind: str) -> float:
+        d = self._drift.get((model, kind))
+        return d.factor if d else 1.0
+
+    def last_error(self, model: str, kind: str) -> float:
+        d = self._drift.get((model, kind))
+        return d.last_error if d else 0.0
+
+    def factors(self, model: str) -> dict[str, float]:
+        return {PREFILL: self.factor(model, PREFILL), DECODE: self.factor(model, DECODE)}
+
+    def models(self) -> set[str]:
+        return {m for m, _ in self._drift}
+
+
+def calibrated(profile: Profile, prefill_factor: float, decode_factor: float) -> Profile:
+    """The profile with its prefill and decode tables scaled by the correction factors."""
+    if prefill_factor == 1.0 and decode_factor == 1.0:
+        return profile
+    prefill = PrefillTable(profile.prefill.lengths, [s * prefill_factor for s in profile.prefill.seconds])
+    decode = DecodeTable(profile.decode.batch_sizes, profile.decode.lengths,
+                         [[s * decode_factor for s in row] for row in profile.decode.seconds])
+    note = f"{profile.source}; calibrated online x{prefill_factor:.3f} prefill, x{decode_factor:.3f} decode"
+    return replace(profile, prefill=prefill, decode=decode, source=note.lstrip("; "))

@@ -1,0 +1,117 @@
+"""Online calibration on a real node worker (torch engine, real NATS and valkey).
+
+The engine is made slower than its profile says (a test engine: the real torch engine plus a
+sleep in every iteration, like a node that a noisy neighbour or thermal throttling slowed down).
+A calibrating node learns the slowdown from the iterations it runs, publishes the corrected
+profile (the placer reads it from Redis), and refuses the part of a burst it can no longer serve
+in time: every request it admits meets its TTFT. A node that does not calibrate admits the whole
+burst on the stale profile and misses the TTFT of part of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import services.node.worker as worker_module
+from services.node.engines import create_engine
+from shared.cluster import load_perf
+from shared.core.calibration import DECODE, PREFILL
+from shared.core.types import Hardware
+
+from tests.node.harness import Harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT = 256
+BURST = 12
+
+
+class SlowEngine:
+    """The real engine, every iteration slowed by a fixed sleep (set by the test from the profile:
+    the sleep dominates the real time, so the slowdown stands out of this box's noise)."""
+
+    prefill_sleep_s = 0.3
+    decode_sleep_s = 0.02
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def prefill(self, request_id):
+        result = self._engine.prefill(request_id)
+        time.sleep(self.prefill_sleep_s)
+        return result
+
+    def decode(self, request_ids):
+        result = self._engine.decode(request_ids)
+        time.sleep(self.decode_sleep_s)
+        return result
+
+
+@pytest.fixture
+def slow_engines(monkeypatch):
+    monkeypatch.setattr(worker_module, "create_engine",
+                        lambda *a, **kw: SlowEngine(create_engine(*a, **kw)))
+
+
+async def _burst(h: Harness, model: str, ttft: float):
+    out = [await h.admit(model, PROMPT, 8, ttft=ttft) for _ in range(BURST)]
+    admitted = [req for req, reply in out if reply.accepted]
+    refused = [reply.reason for _, reply in out if not reply.accepted]
+    await h.wait(admitted, timeout=120)
+    return admitted, refused
+
+
+def _ttft_met(h: Harness, req) -> bool:
+    times = h.tokens[req.request_id]
+    return bool(times) and times[0] <= req.arrival + req.ttft_slo_s
+
+
+async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_can_serve(
+        connections, model_dir, profile, slow_engines):
+    nc, redis = connections
+    stale_prefill = profile.prefill_s(PROMPT)
+    # A slowed prefill takes >= 6x its profile; the TTFT leaves room for about 5 of them, while
+    # the stale profile says 27 would fit: the burst of 12 is what tells the two apart.
+    SlowEngine.prefill_sleep_s = max(0.3, 5 * stale_prefill)
+    SlowEngine.decode_sleep_s = max(0.02, 5 * profile.decode_s(1, PROMPT))
+    ttft = 6 * SlowEngine.prefill_sleep_s
+    assert stale_prefill * BURST * 1.1 < ttft
+
+    learner = Harness(nc, redis, model_dir, 512 * 1024**2, "calib-on", calibrate=True)
+    await learner.worker.start()
+    try:
+        for _ in range(10):  # one request at a time: the node sees prefills and decodes
+            req, reply = await learner.admit("alpha", PROMPT, 8, ttft=30.0)
+            assert reply.accepted, reply.reason
+            await learner.wait([req])
+        factors = learner.worker.calibrator.factors("alpha")
+        assert factors[PREFILL] > 2 and factors[DECODE] > 2, factors
+        published = (await load_perf(redis)).get("alpha", Hardware.CPU)
+        assert published.prefill_s(PROMPT) > 2 * stale_prefill  # what the placer now decides with
+        assert "calibrated online" in published.source
+
+        admitted, refused = await _burst(learner, "alpha", ttft)
+        # Refused on time (its prefill, or a neighbour's token, would come late) or on the decode
+        # round (one factor per kind also scales the bigger batches' decode steps).
+        assert refused and set(refused) <= {"ttft_miss", "headroom", "tpot_budget"}, refused
+        late = [r.request_id for r in admitted if not _ttft_met(learner, r)]
+        assert not late, [(r.request_id, learner.tokens[r.request_id][0] - r.arrival - r.ttft_slo_s)
+                          for r in admitted]
+    finally:
+        await learner.worker.stop()
+
+    # The same burst on a node that does not calibrate (another model name: no correction for
+    # it in Redis): all of it admitted on the stale profile, and part of it misses its TTFT.
+    stale = Harness(nc, redis, model_dir, 512 * 1024**2, "calib-off", calibrate=False)
+    await stale.worker.start()
+    try:
+        admitted, refused = await _burst(stale, "beta", ttft)
+        assert not refused
+        assert any(not _ttft_met(stale, r) for r in admitted)
+    finally:
+        await stale.worker.stop()
