@@ -22,6 +22,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="largest batch size sampled (2^i)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--passes", type=int, default=2,
+                   help="separate sweeps of the decode grid (samples of a point spread in time)")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="replay N random workloads and report the mean relative error")
     p.add_argument("--out", type=Path, help="write the tables (and check errors) as JSON here")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.model} is not a Hugging Face model directory", file=sys.stderr)
         return 2
     plan = ProfilePlan(max_len=args.max_len, max_batch=args.max_batch, repeats=args.repeats,
-                       warmup=args.warmup)
+                       warmup=args.warmup, passes=args.passes)
     name = args.name or args.model.name
     try:
         profile, result = profile_model(args.model, name, args.engine, args.device, plan,

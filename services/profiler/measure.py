@@ -1,8 +1,16 @@
 """Measure a model's iteration times on a real engine (SLINFER §VI-B).
 
-Prefill at input lengths 2^k; decode at batch sizes 2^i x average lengths 2^j; each point the
-median of `repeats` timed runs after `warmup` untimed ones (this machine is noisy). `check` then
-replays random workloads and reports the mean relative error of the interpolated predictions.
+Prefill at input lengths 2^k and the midpoints 3 * 2^(k-1) (attention makes prefill convex in
+the length, so a chord over a whole octave over-predicts its middle); decode at batch sizes 2^i x
+average lengths 2^j.
+
+Built for a noisy, shared machine: a burst of a neighbour's work must not land on all the
+samples of one point. Prefill samples are taken in rounds over all lengths (round-robin), and the
+decode grid is measured in `passes` separate sweeps, each point set up afresh in each; a point is
+the median of all its samples. Every timed iteration is preceded by untimed ones of the same
+shape (as in service, where an instance's iterations follow each other). `check` then replays
+random workloads, measured the same way, and reports the mean relative error of the
+interpolated predictions.
 """
 
 from __future__ import annotations
@@ -32,20 +40,26 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
 class ProfilePlan:
     max_len: int = 1024
     max_batch: int = 32
-    repeats: int = 3
-    warmup: int = 1
+    repeats: int = 3  # timed samples of a point per pass (prefill: rounds)
+    warmup: int = 1  # untimed iterations before them
     min_len: int = 16
+    passes: int = 2  # separate sweeps of the decode grid (prefill: repeats * passes rounds)
 
     @property
     def lengths(self) -> list[int]:
         return powers_of_two(self.min_len, self.max_len)
 
     @property
+    def prefill_lengths(self) -> list[int]:
+        mids = [3 * n // 2 for n in self.lengths[:-1]]
+        return sorted({*self.lengths, *mids})
+
+    @property
     def batches(self) -> list[int]:
         return powers_of_two(1, self.max_batch)
 
     def points(self) -> int:
-        return len(self.lengths) * (1 + len(self.batches))
+        return len(self.prefill_lengths) + self.passes * len(self.lengths) * len(self.batches)
 
 
 class _Ids:
@@ -114,33 +128,54 @@ def warm_up(engine: Engine, ids: _Ids, plan: ProfilePlan) -> None:
     time_decode(engine, ids, min(4, plan.max_batch), plan.min_len, 3)
 
 
+def prefill_samples(engine: Engine, ids: _Ids, lengths: list[int], rounds: int, warmup: int,
+                    tick: Callable[[], None] = lambda: None) -> list[float]:
+    """The median prefill time at each length, sampled in round-robin rounds over the lengths;
+    each sample right after `warmup` untimed prefills of the same length."""
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(rounds):
+        for n in lengths:
+            for _ in range(warmup):
+                time_prefill(engine, ids, n)
+            samples[n].append(time_prefill(engine, ids, n))
+    for _ in lengths:
+        tick()
+    return [statistics.median(samples[n]) for n in lengths]
+
+
+def decode_samples(engine: Engine, ids: _Ids, points: list[tuple[int, int]], passes: int,
+                   repeats: int, warmup: int, tick: Callable[[], None] = lambda: None) -> list[float]:
+    """The median decode step at each (batch, length), over `passes` sweeps of all the points,
+    each point set up afresh in each sweep."""
+    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for _ in range(passes):
+        for batch, length in points:
+            samples[batch, length] += time_decode(engine, ids, batch, length, warmup + repeats)[warmup:]
+            tick()
+    return [statistics.median(samples[p]) for p in points]
+
+
 def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, vocab: int,
             load_s: float, seed: int = 0, tick: Callable[[], None] = lambda: None) -> Profile:
     ids = _Ids(vocab, seed)
     block_slack = 64  # paged blocks round each request up
     ensure_kv(engine, plan.max_batch * (plan.max_len + plan.repeats + plan.warmup + block_slack))
     warm_up(engine, ids, plan)
-    prefill = []
-    for length in plan.lengths:
-        runs = [time_prefill(engine, ids, length) for _ in range(plan.warmup + plan.repeats)]
-        prefill.append(statistics.median(runs[plan.warmup:]))
-        tick()
-    grid = []
-    for batch in plan.batches:
-        row = []
-        for length in plan.lengths:
-            runs = time_decode(engine, ids, batch, length, plan.warmup + plan.repeats)
-            row.append(statistics.median(runs[plan.warmup:]))
-            tick()
-        grid.append(monotone(row))
-    columns = [monotone([row[j] for row in grid]) for j in range(len(plan.lengths))]
-    grid = [[columns[j][i] for j in range(len(plan.lengths))] for i in range(len(plan.batches))]
+    prefill = prefill_samples(engine, ids, plan.prefill_lengths, plan.repeats * plan.passes,
+                              plan.warmup, tick)
+    points = [(b, n) for b in plan.batches for n in plan.lengths]
+    flat = decode_samples(engine, ids, points, plan.passes, plan.repeats, plan.warmup, tick)
+    width = len(plan.lengths)
+    grid = [monotone(flat[i * width:(i + 1) * width]) for i in range(len(plan.batches))]
+    columns = [monotone([row[j] for row in grid]) for j in range(width)]
+    grid = [[columns[j][i] for j in range(width)] for i in range(len(plan.batches))]
     scale_fixed, scale_rate = measure_kv_scaling(engine, _Ids(vocab, seed + 7),
                                                  max_len=plan.max_len)
-    return Profile(model, hardware, PrefillTable(plan.lengths, monotone(prefill)),
+    return Profile(model, hardware, PrefillTable(plan.prefill_lengths, monotone(prefill)),
                    DecodeTable(plan.batches, plan.lengths, grid), load_s=load_s,
                    kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate,
-                   source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats})")
+                   source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats}, "
+                          f"passes={plan.passes})")
 
 
 def measure_kv_scaling(engine: Engine, ids: _Ids, rounds: int = 3,
@@ -184,19 +219,16 @@ class CheckResult:
 
 def check(engine: Engine, profile: Profile, plan: ProfilePlan, vocab: int, n: int,
           seed: int = 1, tick: Callable[[], None] = lambda: None) -> CheckResult:
-    """Random lengths and batches inside the profiled range: measured vs interpolated."""
+    """Random lengths and batches inside the profiled range, measured the way the profile was
+    (interleaved, medians), against the interpolated predictions."""
     rng = random.Random(seed)
     ids = _Ids(vocab, seed + 1)
-    ttft_err, tpot_err = [], []
-    for _ in range(n):
-        length = rng.randint(plan.min_len, plan.max_len)
-        measured = statistics.median(time_prefill(engine, ids, length) for _ in range(plan.repeats))
-        ttft_err.append(abs(measured - profile.prefill_s(length)) / measured)
-        batch = rng.randint(1, plan.max_batch)
-        dlen = rng.randint(plan.min_len, plan.max_len)
-        runs = time_decode(engine, ids, batch, dlen, plan.warmup + plan.repeats)[plan.warmup:]
-        measured = statistics.median(runs)
-        tpot_err.append(abs(measured - profile.decode_s(batch, dlen)) / measured)
-        tick()
+    lengths = [rng.randint(plan.min_len, plan.max_len) for _ in range(n)]
+    points = [(rng.randint(1, plan.max_batch), rng.randint(plan.min_len, plan.max_len))
+              for _ in range(n)]
+    prefill = prefill_samples(engine, ids, lengths, plan.repeats * plan.passes, plan.warmup)
+    decode = decode_samples(engine, ids, points, plan.passes, plan.repeats, plan.warmup, tick)
+    ttft_err = [abs(m - profile.prefill_s(n)) / m for m, n in zip(prefill, lengths)]
+    tpot_err = [abs(m - profile.decode_s(b, n)) / m for m, (b, n) in zip(decode, points)]
     return CheckResult(statistics.fmean(ttft_err), statistics.fmean(tpot_err), n)
 

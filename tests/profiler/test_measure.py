@@ -1,8 +1,11 @@
-"""The profiler on the real torch engine, and its clean-up of noisy points."""
+"""The profiler on the real torch engine, and its defences against a noisy machine."""
+
+import itertools
 
 import pytest
 
-from services.profiler.measure import ProfilePlan, monotone
+import services.profiler.measure as measure
+from services.profiler.measure import ProfilePlan, monotone, prefill_samples
 from services.profiler.run import profile_model
 from shared.core.types import Hardware
 
@@ -17,12 +20,46 @@ def test_profile_tiny_model_tables_are_sane(tmp_path):
     from shared.modelgen import ensure_demo_model
 
     model_dir = ensure_demo_model(tmp_path)
-    plan = ProfilePlan(max_len=128, max_batch=4, repeats=2, warmup=1)
+    plan = ProfilePlan(max_len=128, max_batch=4, repeats=3, warmup=1)
     profile, check = profile_model(model_dir, "tiny", plan=plan, check_n=3)
     assert profile.hardware is Hardware.CPU
-    assert profile.prefill.lengths == [16, 32, 64, 128]
-    assert profile.decode.batch_sizes == [1, 2, 4]
-    assert all(t > 0 for t in profile.prefill.seconds)
-    assert profile.prefill.seconds == sorted(profile.prefill.seconds)
+    assert profile.prefill.lengths == [16, 24, 32, 48, 64, 96, 128]  # octaves and midpoints
+    assert profile.decode.batch_sizes == [1, 2, 4] and profile.decode.lengths == [16, 32, 64, 128]
     assert profile.load_s > 0 and profile.kv_scale_bytes_per_s > 0
-    assert check is not None and check.samples == 3 and check.ttft_mean_rel_error >= 0
+    # Fresh measurements at random points agree with the interpolation (loosely: this box is
+    # shared; the benchmark, not this test, holds the accuracy figure).
+    assert check is not None and check.samples == 3
+    assert check.ttft_mean_rel_error < 3.0 and check.tpot_mean_rel_error < 3.0
+
+
+class _FakeClockEngine:
+    """Prefill takes 1 ms per 100 tokens of a fake clock; calls 3 to 8 (a neighbour's burst)
+    take 10x as long."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.calls = clock, itertools.count()
+
+    def add_request(self, *args) -> None:
+        pass
+
+    def release(self, request_id) -> None:
+        pass
+
+    def prefill(self, request_id) -> None:
+        n = next(self.calls)
+        self.clock[0] += self.tokens / 1e5 * (10 if 3 <= n < 9 else 1)
+
+
+def test_a_burst_of_noise_is_spread_over_points_not_concentrated_on_one(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    engine = _FakeClockEngine(clock)
+
+    class Ids(measure._Ids):
+        def prompt(self, length):
+            engine.tokens = length
+            return [1] * length
+
+    medians = prefill_samples(engine, Ids(100, 0), [100, 200, 400], rounds=5, warmup=0)
+    # Round-robin: the burst hits at most two of each length's five samples; the medians hold.
+    assert medians == pytest.approx([1e-3, 2e-3, 4e-3])
