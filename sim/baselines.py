@@ -299,12 +299,12 @@ class BaselineSystem:
             self.rec.iteration(now, hw, True, 1, seconds)
             if req.first_token_at is None:
                 req.first_token_at, req.hardware = now, hw
-            req.generated += 1  # a (re)prefill also yields the next token
+            req.token(now)  # a (re)prefill also yields the next token
             finished |= self._maybe_finish(inst, req, running=False)
         else:
             self.rec.iteration(now, hw, False, len(inst.running), seconds)
             for r in list(inst.running):
-                r.generated += 1
+                r.token(now)
                 finished |= self._maybe_finish(inst, r, running=True)
         if finished:
             self._retry_queue(inst.dep.name)

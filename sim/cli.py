@@ -41,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu", action="store_true", help="ablation: GPU nodes only")
     p.add_argument("--no-sharing", action="store_true", help="ablation: one instance per node")
     p.add_argument("--no-consolidation", action="store_true", help="ablation: no preemption")
+    p.add_argument("--no-packing", action="store_true",
+                   help="ablation: new instances on the soonest-starting node instead of bin-packing")
     p.add_argument("--watermark", type=float, default=0.25, help="KV scaling watermark (0.25 = 25%%)")
     p.add_argument("--keep-alive", type=float, default=1.0, help="idle seconds before reclaim")
     p.add_argument("--profiles", metavar="JSON", help="measured profiles replacing the built-in ones")
@@ -61,6 +63,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes, duration=args.duration,
         seed=args.seed, lengths=args.lengths, arrivals=args.arrivals, rps=args.rps, cv=args.cv,
         no_cpu=args.no_cpu, no_sharing=args.no_sharing, no_consolidation=args.no_consolidation,
+        no_packing=args.no_packing,
         watermark=args.watermark, keep_alive=args.keep_alive, profiles=args.profiles,
         noise=args.noise, engine_startup=args.engine_startup)
 

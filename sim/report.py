@@ -58,6 +58,8 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
         "finished": len(served),
         "slo_met": slo_met,
         "slo_attainment": _ratio(slo_met, len(reqs)),
+        # The same with the mean TPOT after the first token instead of Eq. 1's per-token deadlines.
+        "slo_attainment_mean_tpot": _ratio(sum(1 for r in reqs if r.slo_met_mean_tpot), len(reqs)),
         "dropped": sum(1 for r in reqs if r.dropped),
         "sim_seconds": span,
         "events": result.events,

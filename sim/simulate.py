@@ -46,6 +46,7 @@ class SimConfig:
     no_cpu: bool = False
     no_sharing: bool = False
     no_consolidation: bool = False
+    no_packing: bool = False  # ablation: new instances on the soonest-starting node, not packed
     watermark: float = 0.25
     keep_alive: float = 1.0
     profiles: str | None = None  # JSON of measured profiles that replace the built-in ones
@@ -79,7 +80,8 @@ class SimConfig:
     def core_config(self) -> CoreConfig:
         return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
                           enable_cpu=not self.no_cpu, enable_sharing=not self.no_sharing,
-                          enable_consolidation=not self.no_consolidation)
+                          enable_consolidation=not self.no_consolidation,
+                          pack_new_instances=not self.no_packing)
 
 
 def model_sizes(cfg: SimConfig) -> list[str]:

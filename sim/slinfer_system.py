@@ -232,7 +232,7 @@ class SlinferSystem:
                 continue
             if req.first_token_at is None:
                 req.first_token_at, req.hardware = now, hw
-            req.generated += 1
+            req.token(now)
             if req.generated >= req.output_len:
                 req.finished_at = now
                 self.rec.request_done(req)

@@ -1,17 +1,29 @@
-"""Reproduce SLINFER §IX with the cluster simulator: end-to-end (§IX-B), ablation (§IX-C) and the
-watermark sweep (§IX-I5). One process, runs one after another (the box has 2 cores).
+"""Reproduce SLINFER §IX with the cluster simulator, on the paper's own workload shape.
 
-    .venv/bin/python -m bench.sim.reproduce --out bench/results/sim [--duration 1800] [--cv 8 2]
+    .venv/bin/python -m bench.sim.reproduce --out bench/results/sim --seeds 0 1 2 3 4 --jobs 2
+    .venv/bin/python -m bench.sim.table --write bench/BENCHMARKS.md
 
-Writes one JSON report per run under OUT/<cv>/..., a summary.json with every run's headline
-numbers and wall time, and plots (SLO-met, nodes used, decode speed, TTFT CDFs).
+Groups of runs (each a `SimConfig`; every report is written to OUT/<group>/...json):
+- headline (§IX-B): the Azure Functions sample (one function per model, Poisson within a minute)
+  for 3B/7B/13B at 32/64/128 models, the four systems, every seed;
+- startup: the 128-model headline again with a 2 s engine start-up on every cold start;
+- cv2 / cv8: the synthetic workload (log-normal popularity, Gamma bursts), 0.02 req/s per model,
+  as sensitivity runs (first seed only);
+- ablation (§IX-C, plus packing): 64 x 7B and 32 x 7B on the trace with parts of SLINFER off;
+- watermark (§IX-I5): 64 x 7B at 0/25/50/100%;
+- noise: 128 x 7B SLINFER with the iteration noise off, default, doubled.
+summary.json holds every run's headline numbers; the table module turns it into BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from sim.plots import ttft_cdf
@@ -21,130 +33,103 @@ from sim.simulate import SimConfig, simulate
 SYSTEMS = ("sllm", "sllm+c", "sllm+c+s", "slinfer")
 SIZES = ("3b", "7b", "13b")
 COUNTS = (32, 64, 128)
-RPS_PER_MODEL = 0.02
+RPS_PER_MODEL = 0.02  # the synthetic workload's load (sensitivity runs)
+HEADLINE_KEYS = ("requests", "slo_met", "slo_attainment", "dropped", "avg_cpu_nodes_used",
+                 "avg_gpu_nodes_used", "ttft_p50", "ttft_p99", "tpot_p50", "avg_batch_size",
+                 "kv_utilization", "scaling_time_fraction", "preemptions", "migrations",
+                 "evictions", "cold_starts", "decode_tokens_per_s_per_node", "node_rejections",
+                 "migration_refusals", "admission_answers")
 
 
-def headline(rep: dict) -> dict:
-    keys = ("requests", "slo_met", "slo_attainment", "dropped", "avg_cpu_nodes_used",
-            "avg_gpu_nodes_used", "ttft_p50", "ttft_p99", "tpot_p50", "avg_batch_size",
-            "kv_utilization", "scaling_time_fraction", "preemptions", "evictions", "cold_starts",
-            "decode_tokens_per_s_per_node")
-    return {k: rep[k] for k in keys}
+def plan(seeds: list[int], groups: set[str]) -> dict[str, SimConfig]:
+    """Every run, by key: group/size/models/system[/variant]/s<seed>."""
+    runs: dict[str, SimConfig] = {}
+    base = dict(cpu_nodes=4, gpu_nodes=4, duration=1800.0)
+    for seed in seeds:
+        for size in SIZES:
+            for n in COUNTS:
+                for system in SYSTEMS:
+                    if "headline" in groups:
+                        runs[f"headline/{size}/{n}/{system}/s{seed}"] = SimConfig(
+                            system=system, models=n, model_size=size, seed=seed, **base)
+                    if "startup" in groups and n == 128 and seed in seeds[:3]:
+                        runs[f"startup/{size}/{n}/{system}/s{seed}"] = SimConfig(
+                            system=system, models=n, model_size=size, seed=seed,
+                            engine_startup=2.0, **base)
+                    for cv in (2.0, 8.0):
+                        if f"cv{cv:g}" in groups and seed == seeds[0]:
+                            runs[f"cv{cv:g}/{size}/{n}/{system}/s{seed}"] = SimConfig(
+                                system=system, models=n, model_size=size, seed=seed,
+                                arrivals="synthetic", cv=cv, rps=RPS_PER_MODEL * n, **base)
+        if "ablation" in groups:
+            for n in (32, 64):
+                for name, flags in {"full": {}, "no-cpu": {"no_cpu": True},
+                                    "no-sharing": {"no_sharing": True},
+                                    "no-consolidation": {"no_consolidation": True},
+                                    "no-packing": {"no_packing": True}}.items():
+                    runs[f"ablation/7b/{n}/{name}/s{seed}"] = SimConfig(
+                        system="slinfer", models=n, model_size="7b", seed=seed, **flags, **base)
+        if "watermark" in groups:
+            for w in (0.0, 0.25, 0.5, 1.0):
+                runs[f"watermark/7b/64/{int(w * 100)}/s{seed}"] = SimConfig(
+                    system="slinfer", models=64, model_size="7b", seed=seed, watermark=w, **base)
+        if "noise" in groups:
+            for sigma in (0.0, 0.07, 0.14):
+                runs[f"noise/7b/128/{sigma:g}/s{seed}"] = SimConfig(
+                    system="slinfer", models=128, model_size="7b", seed=seed, noise=sigma, **base)
+    return runs
 
 
-def run_one(cfg: SimConfig, path: Path, cdfs: dict, key: str) -> dict:
+def run_one(args: tuple[str, SimConfig, str]) -> tuple[str, dict, tuple | None]:
+    key, cfg, out = args
     t0 = time.perf_counter()
     outcome = simulate(cfg)
     wall = time.perf_counter() - t0
+    path = Path(out) / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(outcome.report))
-    xs, ys = ttft_cdf(outcome)
-    step = max(1, len(xs) // 200)
-    cdfs[key] = (xs[::step], ys[::step])
-    row = headline(outcome.report)
+    row = {k: outcome.report[k] for k in HEADLINE_KEYS}
     row["wall_s"] = round(wall, 2)
-    row["sim_s_per_wall_s"] = round(outcome.report["sim_seconds"] / max(wall, 1e-9), 1)
-    print(f"{key:40s} slo_met={row['slo_met']:6d}/{row['requests']:6d} "
-          f"cpu={row['avg_cpu_nodes_used']:.2f} gpu={row['avg_gpu_nodes_used']:.2f} "
-          f"wall={wall:.1f}s", flush=True)
-    return row
-
-
-def end_to_end(out: Path, base: dict, cdfs: dict) -> dict:
-    rows = {}
-    for size in SIZES:
-        for n in COUNTS:
-            for system in SYSTEMS:
-                cfg = SimConfig(system=system, models=n, model_size=size, rps=RPS_PER_MODEL * n, **base)
-                key = f"e2e/{size}/{n}/{system}"
-                rows[key] = run_one(cfg, out / f"{key}.json", cdfs, key)
-    return rows
-
-
-def ablation(out: Path, base: dict, cdfs: dict) -> dict:
-    rows = {}
-    variants = {"full": {}, "no-cpu": {"no_cpu": True}, "no-sharing": {"no_sharing": True},
-                "no-consolidation": {"no_consolidation": True}}
-    for name, flags in variants.items():
-        cfg = SimConfig(system="slinfer", models=64, model_size="7b", rps=RPS_PER_MODEL * 64,
-                        **base, **flags)
-        key = f"ablation/{name}"
-        rows[key] = run_one(cfg, out / f"{key}.json", cdfs, key)
-    for w in (0.0, 0.25, 0.5, 1.0):
-        cfg = SimConfig(system="slinfer", models=64, model_size="7b", rps=RPS_PER_MODEL * 64,
-                        watermark=w, **base)
-        key = f"watermark/{int(w * 100)}"
-        rows[key] = run_one(cfg, out / f"{key}.json", cdfs, key)
-    return rows
-
-
-def plot(out: Path, rows: dict, cdfs: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = [("slo_met", "SLO-met requests"), ("avg_gpu_nodes_used", "GPUs used"),
-               ("avg_cpu_nodes_used", "CPUs used")]
-    fig, axes = plt.subplots(len(metrics) + 1, len(SIZES), figsize=(13, 12))
-    for j, size in enumerate(SIZES):
-        for i, (metric, label) in enumerate(metrics):
-            ax = axes[i][j]
-            for k, system in enumerate(SYSTEMS):
-                vals = [rows[f"e2e/{size}/{n}/{system}"][metric] for n in COUNTS]
-                ax.bar([x + k * 0.2 for x in range(len(COUNTS))], vals, width=0.2, label=system)
-            ax.set_xticks([x + 0.3 for x in range(len(COUNTS))], [str(n) for n in COUNTS])
-            ax.set_title(f"{size}: {label}")
-        ax = axes[-1][j]
-        for system in SYSTEMS:
-            xs, ys = cdfs[f"e2e/{size}/128/{system}"]
-            ax.plot(xs, ys, label=system)
-        ax.set_xscale("log")
-        ax.set_title(f"{size}, 128 models: TTFT CDF")
-        ax.set_xlabel("TTFT (s)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "e2e.png", dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    names = [k for k in rows if k.startswith("ablation/")]
-    axes[0].bar([n.split("/")[1] for n in names], [rows[n]["avg_gpu_nodes_used"] for n in names])
-    axes[0].set_ylabel("GPUs used")
-    ax2 = axes[0].twinx()
-    ax2.plot([n.split("/")[1] for n in names], [rows[n]["slo_attainment"] for n in names], "ko-")
-    ax2.set_ylabel("SLO attainment")
-    axes[0].set_title("Ablation, 64 x 7B")
-    wm = [k for k in rows if k.startswith("watermark/")]
-    axes[1].plot([int(k.split("/")[1]) for k in wm], [rows[k]["kv_utilization"] for k in wm], "o-",
-                 label="KV utilization")
-    axes[1].plot([int(k.split("/")[1]) for k in wm], [rows[k]["scaling_time_fraction"] for k in wm],
-                 "s-", label="scaling time fraction")
-    axes[1].set_xlabel("watermark (%)")
-    axes[1].legend()
-    axes[1].set_title("Watermark sweep, 64 x 7B")
-    fig.tight_layout()
-    fig.savefig(out / "ablation_watermark.png", dpi=110)
-    plt.close(fig)
+    cdf = None
+    if key.startswith("headline/") and "/128/" in key and key.endswith("/s0"):
+        xs, ys = ttft_cdf(outcome)
+        step = max(1, len(xs) // 200)
+        cdf = (xs[::step], ys[::step])
+    return key, row, cdf
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/sim")
-    p.add_argument("--duration", type=float, default=1800.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cv", type=float, nargs="+", default=[8.0, 2.0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
+    p.add_argument("--groups", nargs="+", default=["headline", "startup", "cv2", "cv8", "ablation",
+                                                    "watermark", "noise"])
     args = p.parse_args(argv)
-    summary = {}
-    for cv in args.cv:
-        out = Path(args.out) / f"cv{cv:g}"
-        out.mkdir(parents=True, exist_ok=True)
-        base = dict(duration=args.duration, seed=args.seed, cv=cv, cpu_nodes=4, gpu_nodes=4)
-        cdfs: dict = {}
-        rows = {**end_to_end(out, base, cdfs), **ablation(out, base, cdfs)}
-        plot(out, rows, cdfs)
-        summary[f"cv{cv:g}"] = rows
-        (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    out = Path(args.out)
+    runs = plan(args.seeds, set(args.groups))
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.setdefault("runs", {})
+    summary.setdefault("cdfs", {})
+    started = time.perf_counter()
+    # Slowest first (SLINFER at 128 models), so the pool's last minutes are not one long run.
+    order = sorted(runs, key=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k))
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for i, (key, row, cdf) in enumerate(pool.map(run_one, [(k, runs[k], str(out)) for k in order])):
+            summary["runs"][key] = row
+            if cdf is not None:
+                summary["cdfs"][key] = cdf
+            print(f"[{i + 1}/{len(runs)}] {key:45s} slo={row['slo_attainment']:.3f} "
+                  f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s", flush=True)
+    summary["meta"] = {
+        "command": "python -m bench.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv),
+        "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                                         f"Python {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - started, 1),
+        "jobs": args.jobs}
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
     return 0
 
 

@@ -15,6 +15,9 @@ class CoreConfig:
     enable_consolidation: bool = True  # ablation "--no-consolidation": no preemption
     require_matrix_accel: bool = True  # CPUs without AMX-like units are never used (§V)
     shadow_max_steps: int = 1024  # bound on simulated iterations per shadow validation
+    # New instances by bin-packing (§V) after the startup check; False: the node that can start
+    # it soonest (what slinfer did before; kept as an ablation to show what packing saves).
+    pack_new_instances: bool = True
 
     def __post_init__(self) -> None:
         if self.watermark < 0:

@@ -78,6 +78,10 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         deadline = request.deadline() - request.grace_s + max(request.grace_s, profile.load_s)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
                                      node.memory_bytes - node.budget_bytes))
+    if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)
+        return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU,
+                                            s.startup_s + max(0.0, s.node.busy_until - now),
+                                            s.node.node_id))
     return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU, not s.meets_ttft,
                                         s.free_bytes, s.node.node_id))
 

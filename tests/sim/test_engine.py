@@ -87,3 +87,20 @@ def test_requests_unfinished_at_the_horizon_count_as_dropped():
     m = Metrics()
     run(EchoSystem(), reqs, m, horizon=10.0)
     assert reqs[0].dropped and not reqs[0].slo_met and m.done == 1
+
+
+def test_slo_is_every_token_by_its_eq1_deadline():
+    from shared.core.types import SLO
+    from sim.engine import SimRequest
+
+    # TTFT 1 s, TPOT 0.25 s: token k is due at 1 + 0.25 k.
+    early = SimRequest("a", "m", 100, 3, 0.0, SLO(1.0, 0.25))
+    for t in (0.2, 1.2, 1.5):  # an early first token buys slack: 0.65 s per token after it
+        early.token(t)
+    early.first_token_at, early.finished_at = 0.2, 1.5
+    assert early.slo_met and not early.slo_met_mean_tpot
+    late = SimRequest("b", "m", 100, 3, 0.0, SLO(1.0, 0.25))
+    for t in (0.9, 1.3, 1.45):  # token 1 due at 1.25: late, though the mean TPOT is 0.275 s
+        late.token(t)
+    late.first_token_at, late.finished_at = 0.9, 1.45
+    assert late.late_tokens == 1 and not late.slo_met
