@@ -75,13 +75,28 @@ def new_instance_view(node: NodeView, model: ModelSpec, now: float) -> InstanceV
                         kv_bytes=0, ready_at=now, last_active=now)
 
 
-def cold_start_ready_at(node: NodeView, load_bytes: int, profile: Profile, now: float) -> float:
-    """When a new instance could run its first iteration: its load starts now, or, if pessimistic
-    tracking would park it in the reservation station, once the memory ops under way have ended."""
-    start = now
+def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
+    """How long the load of `model` itself takes on `node` (the n/b of ServerlessLLM's startup
+    time q + n/b, §6): its weights over the bandwidth of the fastest tier holding its checkpoint
+    there (the registry if none does), plus the engine's own start-up. A node that reports no
+    tiers: the load time its profile measured. This is a cold start's TTFT grace (§IX-A)."""
+    storage = node.storage
+    if storage is None:
+        return profile.load_s
+    bandwidth = storage.bytes_per_s.get(storage.holds.get(model.name, "registry"), 0.0)
+    if bandwidth <= 0:
+        return profile.load_s
+    return model.weight_bytes / bandwidth + profile.engine_init_s
+
+
+def cold_start_ready_at(node: NodeView, load_bytes: int, load_s: float, now: float) -> float:
+    """When a new instance could run its first iteration: its load starts after the loads ahead
+    of it on the node's I/O (q), and, if pessimistic tracking would park it in the reservation
+    station, not before the memory ops under way have ended; then it takes `load_s`."""
+    start = now + (node.storage.pending_s if node.storage is not None else 0.0)
     if node.pessimistic_bytes + load_bytes > node.memory_bytes:
-        start = max(now, node.memops_until)
-    return start + profile.load_s
+        start = max(start, node.memops_until)
+    return start + load_s
 
 
 def join_grace(request: RequestView, target: InstanceView, now: float) -> float:
@@ -103,8 +118,8 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         profile = perf.get(model.name, node.hardware)
         if profile is None:
             return Admission(AdmitReason.NO_PROFILE)
-        reason = node_check(node, config) or slo_check(profile, request, config,
-                                                       max(request.grace_s, profile.load_s))
+        reason = node_check(node, config) or slo_check(
+            profile, request, config, max(request.grace_s, load_seconds(node, model, profile)))
         if reason is not None:
             return Admission(reason)
         target = new_instance_view(node, model, now)
@@ -126,8 +141,11 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         return Admission(AdmitReason.NO_PROFILE)
     if instance_id is None:  # the load (and its wait) is known now that the KV size is
         kv = memory.kv_target_bytes or 0
-        target.ready_at = cold_start_ready_at(node, model.weight_bytes + kv, profiles[NEW_INSTANCE_ID], now)
-    request = replace(request, grace_s=join_grace(request, target, now))
+        load = load_seconds(node, model, profiles[NEW_INSTANCE_ID])
+        target.ready_at = cold_start_ready_at(node, model.weight_bytes + kv, load, now)
+        request = replace(request, grace_s=max(request.grace_s, load))  # the load, not the wait
+    else:
+        request = replace(request, grace_s=join_grace(request, target, now))
     verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
                               node.busy_until, config, node.running)
     if verdict is not AdmitReason.ADMITTED:

@@ -77,14 +77,15 @@ class MemOp:
         return self.bytes_after > self.bytes_before
 
 
-def memop_seconds(op: MemOp, profile: Profile, weight_bytes: int) -> float:
-    """How long an op takes, from the profile: a load (weights and the first KV pool), a KV
-    resize (Fig. 17's cost model) or an unload. The node's timeline and the simulator's engines
-    both use this estimate."""
+def memop_seconds(op: MemOp, profile: Profile, weight_bytes: int,
+                  load_s: float | None = None) -> float:
+    """How long an op takes: a load (weights and the first KV pool: `load_s`, the node's own
+    startup estimate, else the profile's), a KV resize (Fig. 17's cost model) or an unload. The
+    node's timeline and the simulator's engines both use this estimate."""
     if op.kind is MemOpKind.UNLOAD:
         return UNLOAD_S
     if op.kind is MemOpKind.LOAD:
-        return profile.load_s
+        return profile.load_s if load_s is None else load_s
     return profile.kv_scale_s(op.bytes_before - weight_bytes, op.bytes_after - weight_bytes)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
-from shared.core.evaluate import evaluate, without_instances
+from shared.core.evaluate import evaluate, load_seconds, without_instances
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
@@ -62,6 +62,7 @@ class NodeScheduler:
     def __post_init__(self) -> None:
         self.ledger = MemoryLedger(self.node.memory_bytes)
         self._next_instance = 1
+        self._op_estimates: dict[int, float] = {}  # op id -> its estimated duration
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
@@ -207,6 +208,7 @@ class NodeScheduler:
     def memop_done(self, op: MemOp, now: float) -> list[MemOp]:
         """A memory op completed (reservation-station stream): release what is now safe."""
         started = self.ledger.complete(op.instance_id, op.op_id, now)
+        self._op_estimates.pop(op.op_id, None)
         inst = self._find(op.instance_id)
         if inst is not None and op.kind is MemOpKind.LOAD and inst.status is InstanceStatus.LOADING:
             inst.status = InstanceStatus.READY
@@ -322,11 +324,18 @@ class NodeScheduler:
         self.node.memops_until = max([now, *ends.values()])
 
     def _op_s(self, op: MemOp) -> float:
-        inst = self._find(op.instance_id)
-        profile = self.perf.get(inst.model.name, self.node.hardware) if inst is not None else None
-        if inst is None or profile is None:
-            return UNLOAD_S
-        return memop_seconds(op, profile, inst.model.weight_bytes)
+        """The op's duration, estimated once when first seen: for a load, its n/b plus the
+        loads ahead of it on the node's I/O then (later it would count in its own queue)."""
+        if op.op_id not in self._op_estimates:
+            inst = self._find(op.instance_id)
+            profile = self.perf.get(inst.model.name, self.node.hardware) if inst is not None else None
+            if inst is None or profile is None:
+                return UNLOAD_S
+            load = load_seconds(self.node, inst.model, profile)
+            if self.node.storage is not None:
+                load += self.node.storage.pending_s
+            self._op_estimates[op.op_id] = memop_seconds(op, profile, inst.model.weight_bytes, load)
+        return self._op_estimates[op.op_id]
 
 
 def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:

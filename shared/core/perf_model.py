@@ -92,6 +92,9 @@ class Profile:
     kv_scale_fixed_s: float = 0.0
     kv_scale_bytes_per_s: float = 1e11
     source: str = ""  # where the numbers come from (profiler run, paper table, first principles)
+    # The part of a cold start that is not reading weights (engine and runtime start-up): a
+    # node that knows its tiers' bandwidths estimates a load as q + n/b plus this.
+    engine_init_s: float = 0.0
 
     def prefill_s(self, input_len: int) -> float:
         return self.prefill.predict(input_len)
@@ -106,6 +109,18 @@ class Profile:
         if batch_size <= 0:
             return lambda avg_len: 0.0
         return self.decode.at_batch(batch_size)
+
+    def migration_s(self, tokens: int) -> float:
+        """ServerlessLLM §6's migration time a * (t_in + t_out) + b: the destination recomputes
+        the KV cache of every token so far. a and b are the least-squares line through the
+        prefill table (the recompute is a prefill of that many tokens)."""
+        xs, ys = self.prefill.lengths, self.prefill.seconds
+        if len(xs) < 2:
+            return ys[0] if ys else 0.0
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        return max(0.0, a * tokens + (my - a * mx))
 
     def kv_scale_s(self, bytes_before: int, bytes_after: int) -> float:
         """Allocating the new pool dominates (Fig. 17: 32->16 GB 0.3 s, 32->64 GB 1.9 s)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import cold_start_ready_at, evaluate, node_check, slo_check
+from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
@@ -73,9 +73,10 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         profile = perf.get(model.name, node.hardware)
         if profile is None:
             continue
-        startup = cold_start_ready_at(node, need, profile, now) - now
+        load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
+        startup = cold_start_ready_at(node, need, load, now) - now
         first_token = now + startup + profile.prefill_s(request.context_len()) * (1 + config.overestimate)
-        deadline = request.deadline() - request.grace_s + max(request.grace_s, profile.load_s)
+        deadline = request.deadline() - request.grace_s + max(request.grace_s, load)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
                                      node.memory_bytes - node.budget_bytes))
     if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)
@@ -135,21 +136,22 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
 
 def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: ModelSpec,
                          perf: PerfModel, now: float, config: CoreConfig) -> bool:
-    """True when no eligible hardware kind could give the request its next token in time even if
-    it started now, each kind judged with its own numbers and the shadow's 10% margin: on an
-    instance of the model already there (the request's own grace), or by a cold start (the load
-    as grace, §IX-A)."""
+    """True when no eligible node could give the request its next token in time even if it
+    started now, each judged with its own hardware's numbers and the shadow's 10% margin: on an
+    instance of the model already on a node of that kind (the request's own grace), or by a cold
+    start there (its load as grace, §IX-A)."""
     warm = {n.hardware for n in eligible
             if any(i.model.name == model.name and i.status is not InstanceStatus.UNLOADING
                    for i in n.instances)}
     no_grace = request.deadline() - request.grace_s
-    for hw in {n.hardware for n in eligible}:
-        p = perf.get(model.name, hw)
+    for node in eligible:
+        p = perf.get(model.name, node.hardware)
         if p is None:
             continue
         prefill = p.prefill_s(request.context_len()) * (1 + config.overestimate)
-        if hw in warm and now + prefill <= request.deadline():
+        if node.hardware in warm and now + prefill <= request.deadline():
             return False
-        if now + p.load_s + prefill <= no_grace + max(request.grace_s, p.load_s):
+        load = load_seconds(node, model, p)
+        if now + load + prefill <= no_grace + max(request.grace_s, load):
             return False
     return True

@@ -128,6 +128,20 @@ class RunningIteration:
     prefill: bool  # a prefill (one request, which is then prefilled) or a decode step
 
 
+# Checkpoint tiers of a node, fastest first (ServerlessLLM §4.2).
+TIERS = ("dram", "disk", "registry")
+
+
+@dataclass(frozen=True)
+class StorageView:
+    """A node's checkpoint tiers as its loader reports them (ServerlessLLM §4, §6): which model
+    each tier holds, the bandwidth each tier measured, and the loads ahead of a new one."""
+
+    bytes_per_s: dict[str, float]  # tier -> read bandwidth measured on real loads
+    holds: dict[str, str] = field(default_factory=dict)  # model -> the fastest tier holding it
+    pending_s: float = 0.0  # q of §6: seconds of loads queued or running on the node's I/O
+
+
 @dataclass
 class NodeView:
     node_id: str
@@ -143,6 +157,7 @@ class NodeView:
     # When every memory op running or parked now should have ended (estimated): a load that the
     # reservation station would park cannot start before this.
     memops_until: float = 0.0
+    storage: StorageView | None = None  # None: cold starts take the profile's measured load_s
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot
