@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from shared.core.perf_model import Profile
 from shared.core.types import Hardware
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
+from sim.storage import NodeStorage
 
 HALF_NODE_SLOWDOWN = 2.0
 
@@ -91,6 +92,7 @@ class BNode:
     memory_bytes: int
     free_slots: int = 2  # half-node slots; an exclusive instance takes both
     instances: list[BInstance] = field(default_factory=list)
+    storage: NodeStorage | None = None  # checkpoint tiers (None: the profile's load time)
 
 
 @dataclass
@@ -207,10 +209,15 @@ class BaselineSystem:
         mem = node.memory_bytes * slots // 2
         kv_tokens = max(0, (mem - dep.weight_bytes) // dep.kv_bytes_per_token)
         profile = dep.profiles[node.hardware]
+        load_s = profile.load_s
+        if node.storage is not None:
+            tier, seconds = node.storage.load(dep.name, dep.weight_bytes, now)
+            load_s = seconds + profile.engine_init_s
+            self.rec.count(f"loads:{tier}")
         inst = BInstance(
             iid=f"{self.name}-i{self._next_iid}", dep=dep, node=node, slots=slots,
             limit=self.config.limit(node.hardware, dep.size),
-            kv_capacity_tokens=int(kv_tokens), ready_at=now + profile.load_s, created_at=now)
+            kv_capacity_tokens=int(kv_tokens), ready_at=now + load_s, created_at=now)
         self._next_iid += 1
         node.free_slots -= slots
         node.instances.append(inst)

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", metavar="JSON", help="measured profiles replacing the built-in ones")
     p.add_argument("--noise", type=float, default=0.07,
                    help="sigma of the log-normal noise on every iteration time (0: exact profiles)")
+    p.add_argument("--storage", choices=["dram", "tiered", "registry"], default="dram",
+                   help="checkpoints on a cold start: all in every node's DRAM (the paper), "
+                        "DRAM + disk caches + registry, or the registry only")
     p.add_argument("--engine-startup", type=float, default=0.0,
                    help="seconds of engine start-up added to every cold start, for every system")
     p.add_argument("--out", help="write the JSON report here (default: stdout)")
@@ -65,7 +68,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         no_cpu=args.no_cpu, no_sharing=args.no_sharing, no_consolidation=args.no_consolidation,
         no_packing=args.no_packing,
         watermark=args.watermark, keep_alive=args.keep_alive, profiles=args.profiles,
-        noise=args.noise, engine_startup=args.engine_startup)
+        noise=args.noise, engine_startup=args.engine_startup, storage=args.storage)
 
 
 def _progress(total: float, enabled: bool):

@@ -48,6 +48,7 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
     reqs = result.requests
     served = [r for r in reqs if r.finished_at is not None and not r.dropped]
     ttfts = [r.ttft for r in served if r.ttft is not None]
+    cold = [r.ttft for r in served if r.ttft is not None and r.grace_s > 0]  # waited for a load
     tpots = [r.tpot for r in served if r.tpot is not None and r.output_len > 1]
     span = result.end_time
     slo_met = sum(1 for r in reqs if r.slo_met)
@@ -67,6 +68,10 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
         "avg_gpu_nodes_used": _ratio(gpu_s, span),
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p99": percentile(ttfts, 99),
+        "ttft_cold_start_p50": percentile(cold, 50),
+        "ttft_cold_start_p99": percentile(cold, 99),
+        "loads_by_tier": {k.removeprefix("loads:"): v for k, v in sorted(m.counters.items())
+                          if k.startswith("loads:")},
         "tpot_p50": percentile(tpots, 50),
         "tpot_p99": percentile(tpots, 99),
         "decode_tokens_per_s_per_node": {

@@ -19,12 +19,14 @@ from sim.engine import IterationNoise, RunResult, SimRequest, run
 from sim.metrics import Metrics
 from sim.report import build_report
 from sim.slinfer_system import SlinferSystem
+from sim.storage import NodeStorage, TierSpec
 from sim.workload import DEFAULT_LENGTHS_CSV, LengthSampler, build_workload
 
 SYSTEMS = ("slinfer", "sllm", "sllm+c", "sllm+c+s")
 SIZES = ("3b", "7b", "13b")
 DRAIN_S = 600.0  # after the last arrival, let in-flight requests finish for up to this long
 NOISE_SEED = 0x0015E  # mixed into the run's seed for the iteration-noise stream
+STORAGE_MODES = ("dram", "tiered", "registry")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class SimConfig:
     keep_alive: float = 1.0
     profiles: str | None = None  # JSON of measured profiles that replace the built-in ones
     noise: float = 0.07  # sigma of the log-normal factor on every real iteration time
+    # Where checkpoints come from on a cold start (sim/storage.py): "dram" (the paper: all cached
+    # in every node's memory), "tiered" (DRAM and disk caches, registry), "registry" (no cache).
+    storage: str = "dram"
     engine_startup: float = 0.0  # seconds an engine takes to start, added to every cold start
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -76,6 +81,8 @@ class SimConfig:
             raise ValueError("noise must be >= 0")
         if self.engine_startup < 0:
             raise ValueError("engine_startup must be >= 0")
+        if self.storage not in STORAGE_MODES:
+            raise ValueError(f"storage must be one of {STORAGE_MODES}, got {self.storage!r}")
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
@@ -126,16 +133,27 @@ def node_views(cfg: SimConfig):
 
 def build_system(cfg: SimConfig, cluster: Cluster):
     perf = cluster.book.perf_model({m: prof.SHAPES[s].name for m, s in cluster.sizes.items()})
-    if cfg.engine_startup:  # every system's cold start pays it, and SLINFER's core knows it
+    # Every system's cold start pays the engine start-up, and SLINFER's core knows it: in the
+    # profile's load time, or, with tiers, beside the tier's n/b.
+    if cfg.storage == "dram" and cfg.engine_startup:
         perf = PerfModel({k: replace(p, load_s=p.load_s + cfg.engine_startup)
                           for k, p in perf.profiles.items()})
+    elif cfg.storage != "dram":
+        perf = PerfModel({k: replace(p, engine_init_s=cfg.engine_startup)
+                          for k, p in perf.profiles.items()})
     noise = IterationNoise(cfg.noise, cfg.seed ^ NOISE_SEED)
+    views = node_views(cfg)
+    storage = None
+    if cfg.storage != "dram":
+        spec = TierSpec(caching=cfg.storage == "tiered")
+        storage = {v.node_id: NodeStorage(spec) for v in views}
     if cfg.system == "slinfer":
-        return SlinferSystem(node_views(cfg), perf, cluster.specs, cfg.core_config(), noise)
+        return SlinferSystem(views, perf, cluster.specs, cfg.core_config(), noise, storage)
     deps = {m: Deployment(m, cluster.sizes[m], spec.weight_bytes, spec.kv_bytes_per_token,
                           {hw: perf.get(m, hw) for hw in Hardware if perf.get(m, hw) is not None})
             for m, spec in cluster.specs.items()}
-    nodes = [BNode(v.node_id, v.hardware, v.memory_bytes) for v in node_views(cfg)]
+    nodes = [BNode(v.node_id, v.hardware, v.memory_bytes,
+                   storage=storage[v.node_id] if storage else None) for v in views]
     return BaselineSystem(BaselineConfig.named(cfg.system, cfg.keep_alive), nodes, deps, noise)
 
 

@@ -30,6 +30,7 @@ from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 from sim.report import ADMIT_PREFIX
+from sim.storage import NodeStorage
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SimNode:
     reclaim_at: float | None = None  # a keep-alive check is scheduled for this time
     checked_at: float = -1.0  # time of the last keep-alive check (to avoid re-checking at once)
     ops_running: dict[int, MemOp] = field(default_factory=dict)
+    storage: NodeStorage | None = None  # checkpoint tiers (None: the profile's load time)
 
     @property
     def node_id(self) -> str:
@@ -49,12 +51,14 @@ class SlinferSystem:
     name = "slinfer"
 
     def __init__(self, nodes: list[NodeView], perf: PerfModel, models: dict[str, ModelSpec],
-                 config: CoreConfig, noise: IterationNoise | None = None):
+                 config: CoreConfig, noise: IterationNoise | None = None,
+                 storage: dict[str, NodeStorage] | None = None):
         self.config = config
         self.noise = noise or IterationNoise(0.0, 0)
         self.perf = perf
         self.models = models
-        self.nodes = {n.node_id: SimNode(NodeScheduler(n, perf, config)) for n in nodes}
+        self.nodes = {n.node_id: SimNode(NodeScheduler(n, perf, config),
+                                         storage=(storage or {}).get(n.node_id)) for n in nodes}
         self.reqs: dict[str, SimRequest] = {}  # every request the system has seen, by id
         self.queue: list[RequestView] = []  # placed nowhere yet (QUEUE), FIFO
         self._born: dict[str, float] = {}  # instance id -> creation time (lifetime accounting)
@@ -96,7 +100,14 @@ class SlinferSystem:
 
     # --- placement ----------------------------------------------------------------------------
     def _views(self) -> list[NodeView]:
+        for sn in self.nodes.values():
+            self._sync_storage(sn)
         return [sn.sched.view() for sn in self.nodes.values()]
+
+    def _sync_storage(self, sn: SimNode) -> None:
+        """The node reports its tiers as they are now (its loader's report, in the service)."""
+        if sn.storage is not None:
+            sn.sched.node.storage = sn.storage.view(self.loop.now)
 
     def _place(self, view: RequestView, from_queue: bool = False) -> bool:
         """Ask the core where the request goes and carry the plan out. True if it went somewhere
@@ -128,6 +139,7 @@ class SlinferSystem:
     def _admit(self, node_id: str, instance_id: str | None, view: RequestView) -> bool:
         sn = self.nodes[node_id]
         now = self.loop.now
+        self._sync_storage(sn)
         result = sn.sched.admit(view, instance_id, self.models[view.model], now)
         return self._admitted(sn, view, instance_id is None, result)
 
@@ -170,6 +182,7 @@ class SlinferSystem:
     def _offer(self, node_id: str, instance_id: str, view: RequestView) -> bool:
         """A displaced request at the destination the plan validated; False if it refuses now."""
         sn = self.nodes[node_id]
+        self._sync_storage(sn)
         result = sn.sched.admit(view, instance_id, self.models[view.model], self.loop.now)
         if not result.admission.ok:
             self.rec.count("migration_refusals")
@@ -254,7 +267,12 @@ class SlinferSystem:
         if op.kind is MemOpKind.UNLOAD or inst is None:
             return UNLOAD_S
         profile = self.perf.get(inst.model.name, sn.sched.node.hardware)
-        seconds = memop_seconds(op, profile, inst.model.weight_bytes)
+        load_s = None
+        if op.kind is MemOpKind.LOAD and sn.storage is not None:
+            tier, seconds = sn.storage.load(inst.model.name, inst.model.weight_bytes, self.loop.now)
+            load_s = seconds + profile.engine_init_s
+            self.rec.count(f"loads:{tier}")
+        seconds = memop_seconds(op, profile, inst.model.weight_bytes, load_s)
         if op.kind is MemOpKind.SCALE:
             self.rec.add_scaling(seconds)
             self.rec.count("kv_scalings")

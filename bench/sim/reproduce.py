@@ -11,7 +11,9 @@ Groups of runs (each a `SimConfig`; every report is written to OUT/<group>/...js
   as sensitivity runs (first seed only);
 - ablation (§IX-C, plus packing): 64 x 7B and 32 x 7B on the trace with parts of SLINFER off;
 - watermark (§IX-I5): 64 x 7B at 0/25/50/100%;
-- noise: 128 x 7B SLINFER with the iteration noise off, default, doubled.
+- noise: 128 x 7B SLINFER with the iteration noise off, default, doubled;
+- storage: 128 x 7B with checkpoint tiers (DRAM and disk caches, cold at the start) and with
+  every load from the registry, against the headline's all-in-DRAM (first three seeds).
 summary.json holds every run's headline numbers; the table module turns it into BENCHMARKS.md.
 """
 
@@ -34,7 +36,8 @@ SYSTEMS = ("sllm", "sllm+c", "sllm+c+s", "slinfer")
 SIZES = ("3b", "7b", "13b")
 COUNTS = (32, 64, 128)
 RPS_PER_MODEL = 0.02  # the synthetic workload's load (sensitivity runs)
-HEADLINE_KEYS = ("requests", "slo_met", "slo_attainment", "dropped", "avg_cpu_nodes_used",
+HEADLINE_KEYS = ("requests", "slo_met", "slo_attainment", "slo_attainment_mean_tpot", "dropped",
+                 "ttft_cold_start_p50", "ttft_cold_start_p99", "loads_by_tier", "avg_cpu_nodes_used",
                  "avg_gpu_nodes_used", "ttft_p50", "ttft_p99", "tpot_p50", "avg_batch_size",
                  "kv_utilization", "scaling_time_fraction", "preemptions", "migrations",
                  "evictions", "cold_starts", "decode_tokens_per_s_per_node", "node_rejections",
@@ -56,6 +59,11 @@ def plan(seeds: list[int], groups: set[str]) -> dict[str, SimConfig]:
                         runs[f"startup/{size}/{n}/{system}/s{seed}"] = SimConfig(
                             system=system, models=n, model_size=size, seed=seed,
                             engine_startup=2.0, **base)
+                    if "storage" in groups and n == 128 and size == "7b" and seed in seeds[:3]:
+                        for mode in ("tiered", "registry"):
+                            runs[f"storage/{size}/{n}/{system}/{mode}/s{seed}"] = SimConfig(
+                                system=system, models=n, model_size=size, seed=seed,
+                                storage=mode, **base)
                     for cv in (2.0, 8.0):
                         if f"cv{cv:g}" in groups and seed == seeds[0]:
                             runs[f"cv{cv:g}/{size}/{n}/{system}/s{seed}"] = SimConfig(
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     p.add_argument("--groups", nargs="+", default=["headline", "startup", "cv2", "cv8", "ablation",
-                                                    "watermark", "noise"])
+                                                    "watermark", "noise", "storage"])
     args = p.parse_args(argv)
     out = Path(args.out)
     runs = plan(args.seeds, set(args.groups))

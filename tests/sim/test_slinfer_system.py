@@ -93,3 +93,26 @@ def test_a_request_evicted_after_its_deadline_is_dropped_not_scheduled_in_the_pa
     sys_.handle(ev)
     assert sys_.reqs["old"].dropped
 
+
+
+def test_tiers_make_a_cold_start_from_the_registry_slow_and_a_cached_one_fast():
+    from sim.storage import NodeStorage, TierSpec
+
+    store = NodeStorage(TierSpec(dram_bytes=20 * 10**9, disk_bytes=40 * 10**9))
+    seven = 13_476_000_000
+    assert store.load("a", seven, 0.0) == ("registry", pytest.approx(seven / 1.25e9))
+    assert store.view(1.0).pending_s == pytest.approx(seven / 1.25e9 - 1.0)  # q for the next
+    assert store.load("a", seven, 20.0) == ("dram", pytest.approx(1.0, rel=0.01))
+    store.load("b", seven, 30.0)  # DRAM holds one 7B: b pushes a out of DRAM, not off the disk
+    assert store.tier_of("a") == "disk" and store.tier_of("b") == "dram"
+    # Every system sees the same tiers: the second request for the model, after the first
+    # instance was reclaimed, cold-starts from DRAM instead of the registry.
+    for system in ("slinfer", "sllm"):
+        _, reqs, m, _ = run_requests(system, "7b", 0, 1, 1, [(0.0, 0, 512, 2), (20.0, 0, 512, 2)],
+                                     storage="tiered")
+        assert m.counters["loads:registry"] == 1 and m.counters["loads:dram"] == 1
+        assert reqs[0].grace_s == pytest.approx(seven / 1.25e9, rel=0.01)
+        assert reqs[1].grace_s == pytest.approx(1.0, rel=0.01)
+        _, reqs, m, _ = run_requests(system, "7b", 0, 1, 1, [(0.0, 0, 512, 2), (20.0, 0, 512, 2)],
+                                     storage="registry")
+        assert m.counters["loads:registry"] == 2

@@ -1,0 +1,89 @@
+"""Checkpoint tiers of a simulated node (ServerlessLLM §4.2, §6), the same for every system.
+
+A node holds checkpoints in a DRAM cache and on its local disk (each LRU within a byte budget),
+and reads the rest from the registry over the network. A load from disk or the registry waits for
+the node's earlier disk/registry loads (one I/O queue per node); a DRAM hit does not. After a load
+the checkpoint is in both caches. Bandwidths are ASSUMPTIONS of a typical node, not measurements:
+DRAM to device 13.48 GB/s (a 7B checkpoint in 1 s: the paper's "1 second to load a 7B model"),
+local NVMe 5 GB/s, registry over a 10 Gb/s link 1.25 GB/s.
+
+Storage modes of a run (`SimConfig.storage`):
+- "dram": the paper's setting (§IX-A: every checkpoint cached in every node's CPU memory): a cold
+  start takes the profile's load time; nodes report no tiers.
+- "tiered": the caches above, cold at the start of the run.
+- "registry": no caches: every cold start reads the registry (a system without a checkpoint tier).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.core.types import TIERS, StorageView
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    dram_bytes: int = int(64 * GB)  # checkpoint cache in host memory, per node
+    disk_bytes: int = int(1000 * GB)  # checkpoint cache on local NVMe, per node
+    bytes_per_s: dict[str, float] = field(default_factory=lambda: {
+        "dram": 13.48 * GB, "disk": 5 * GB, "registry": 1.25 * GB})
+    caching: bool = True  # False: the "registry" mode, nothing is kept
+
+
+class _LRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self.items: OrderedDict[str, int] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.items
+
+    def touch(self, key: str, size: int) -> None:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return
+        if size > self.capacity:
+            return
+        while self.used + size > self.capacity:
+            _, freed = self.items.popitem(last=False)
+            self.used -= freed
+        self.items[key] = size
+        self.used += size
+
+
+class NodeStorage:
+    """One node's tiers: where each checkpoint is, and how long a load takes from there."""
+
+    def __init__(self, spec: TierSpec) -> None:
+        self.spec = spec
+        self.dram = _LRU(spec.dram_bytes if spec.caching else 0)
+        self.disk = _LRU(spec.disk_bytes if spec.caching else 0)
+        self.io_free_at = 0.0  # when the node's disk/registry queue is free
+
+    def tier_of(self, model: str) -> str:
+        return "dram" if model in self.dram else "disk" if model in self.disk else "registry"
+
+    def view(self, now: float) -> StorageView:
+        holds = {m: "dram" for m in self.dram.items}
+        holds.update({m: "disk" for m in self.disk.items if m not in holds})
+        return StorageView(dict(self.spec.bytes_per_s), holds, max(0.0, self.io_free_at - now))
+
+    def load(self, model: str, nbytes: int, now: float) -> tuple[str, float]:
+        """Start a load now: (the tier that serves it, seconds until the weights are in)."""
+        tier = self.tier_of(model)
+        transfer = nbytes / self.spec.bytes_per_s[tier]
+        if tier == "dram":
+            seconds = transfer
+        else:
+            start = max(now, self.io_free_at)
+            self.io_free_at = start + transfer
+            seconds = self.io_free_at - now
+        self.dram.touch(model, nbytes)
+        self.disk.touch(model, nbytes)
+        return tier, seconds
+
+
+assert TIERS == ("dram", "disk", "registry")  # the order `tier_of` prefers
