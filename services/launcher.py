@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -352,11 +353,25 @@ def wait_for_health(url: str, sup: Supervisor, timeout_s: float = HEALTH_TIMEOUT
     raise TimeoutError(f"gateway not healthy at {url}/health after {timeout_s:.0f}s")
 
 
+def ensure_operator_key() -> str | None:
+    """With auth on, public models are the operator's to register: use the first key of
+    SLINFER_OPERATOR_KEYS, or make one for this stack (its children inherit it) if none is set."""
+    if not api_keys_configured():
+        return None
+    keys = [k.strip() for k in os.environ.get("SLINFER_OPERATOR_KEYS", "").split(",") if k.strip()]
+    if not keys:
+        keys = [secrets.token_urlsafe(24)]
+        os.environ["SLINFER_OPERATOR_KEYS"] = keys[0]
+        print("SLINFER_OPERATOR_KEYS is unset: made an operator key for this stack's own "
+              "registration (set one to manage models yourself)", flush=True)
+    return keys[0]
+
+
 def _admin_headers() -> dict[str, str]:
-    """With auth on, register as the first configured key's tenant (the model is public anyway)."""
+    """With auth on, register as the operator (the demo model is public)."""
     headers = {"Content-Type": "application/json"}
-    if api_keys_configured():
-        key = os.environ["SLINFER_API_KEYS"].split(",")[0].split(":")[0].strip()
+    key = ensure_operator_key()
+    if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     return headers
 
@@ -569,6 +584,7 @@ def add_children(opts: Options, sup: Supervisor) -> None:
 def start_everything(opts: Options, sup: Supervisor) -> tuple[str, str]:
     """Servers, then children; returns the gateway URL and the registered model name."""
     model_name, model_path = resolve_model(opts)
+    ensure_operator_key()  # before the children start: the gateway must know it
     add_servers(opts, sup)
     if PROFILER_MODULE:  # None only in tests with stand-in services
         ensure_profile(opts, model_name, model_path, sup)

@@ -536,3 +536,21 @@ def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
         assert_nothing_left(data_dir, proc)
     finally:
         stop_forcefully(proc)
+
+
+def test_with_auth_on_the_stack_registers_its_model_as_the_operator(monkeypatch, tmp_path):
+    """Public models are operator-only: with tenant keys and no operator key, `slinfer up` makes
+    one that its gateway inherits and registers with it (not with a tenant's key, a 403)."""
+    from services import launcher as L
+
+    monkeypatch.setenv("SLINFER_API_KEYS", "tenant-key:acme")
+    monkeypatch.delenv("SLINFER_OPERATOR_KEYS", raising=False)
+    headers = L._admin_headers()
+    made = os.environ["SLINFER_OPERATOR_KEYS"]
+    assert made and made != "tenant-key" and headers["Authorization"] == f"Bearer {made}"
+    opts = L.parse_args(["--data-dir", str(tmp_path)])
+    assert L.child_env(opts, "nats://x:1", "redis://x:2")["SLINFER_OPERATOR_KEYS"] == made
+    monkeypatch.setenv("SLINFER_OPERATOR_KEYS", "op-1,op-2")
+    assert L._admin_headers()["Authorization"] == "Bearer op-1"
+    monkeypatch.delenv("SLINFER_API_KEYS")
+    assert "Authorization" not in L._admin_headers()  # no auth: the local caller is the operator
