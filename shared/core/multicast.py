@@ -1,0 +1,144 @@
+"""Model multicast plans (λScale §4.2-4.3), as data: who sends which block to whom at each step,
+in what order the blocks travel, and which nodes can form execution pipelines meanwhile.
+
+- `binomial_schedule`: one source, n nodes, b blocks. Nodes are the corners of a hypercube of
+  d = ceil(log2 n) dimensions; at step s every node is paired with its neighbour along dimension
+  s mod d and each pair exchanges one block each way. Every node that already has a block
+  forwards it, so all n nodes hold all b blocks after b + d - 1 steps (n a power of two; a few
+  more otherwise) instead of the n - 1 full transfers of sending the model to each node in turn.
+- `kway_orders` (Algorithm 1): with k sources, the nodes split into k sub-groups, one source
+  each; the blocks are cut into k chunks and sub-group i sends them starting from chunk i, so
+  different sub-groups hold different parts early and can serve together.
+- `execution_pipelines` (Algorithm 2): pipelines take one node from every sub-group that still
+  has unassigned nodes (a full model across them), the last sub-group's leftovers one pipeline.
+- `multicast_seconds`: steps x (block bytes / link bandwidth + per-step latency).
+
+Pure: plain data in, plain data out; the node workers carry a plan out over TCP and the
+simulator times it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Transfer:
+    step: int  # 0-based step of the schedule (all transfers of one step run in parallel)
+    src: int  # node index within the group (0 = the source)
+    dst: int
+    block: int  # block index in the model's block order
+
+
+def dimensions(n: int) -> int:
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def binomial_steps(n: int, blocks: int) -> int:
+    """λScale's bound for 1 -> n with b blocks: b + ceil(log2 n) - 1 steps (0 for one node)."""
+    return 0 if n <= 1 else blocks + dimensions(n) - 1
+
+
+def binomial_schedule(n: int, order: list[int]) -> list[Transfer]:
+    """The transfers that bring every block of `order` from node 0 to nodes 1..n-1.
+
+    At step s each node is paired with its hypercube neighbour along dimension s mod d; the
+    source sends its next block in `order` while it has new ones (one new block per step enters
+    the group), and every pair then exchanges the latest block (in `order`) the partner lacks.
+    For n a power of two this completes in exactly b + d - 1 steps (tests check it for n <= 64).
+    For other n some nodes have no neighbour along some dimensions: a sender left idle in a step
+    serves a node that receives nothing in it (fewest blocks first), which stays within a few
+    steps of the bound (measured in tests/core/test_multicast.py).
+    """
+    if n <= 1 or not order:
+        return []
+    rank = {block: i for i, block in enumerate(order)}
+    newest = lambda blocks: max(blocks, key=rank.__getitem__)  # noqa: E731
+    have = [set(order)] + [set() for _ in range(n - 1)]
+    d = dimensions(n)
+    out: list[Transfer] = []
+    step = 0
+    while any(len(h) < len(order) for h in have):
+        bit = 1 << (step % d)
+        sends: list[Transfer] = []
+        for a in range(n):
+            b = a ^ bit
+            missing = have[a] - have[b] if b < n else set()
+            if missing:
+                injecting = a == 0 and step < len(order) and order[step] in missing
+                sends.append(Transfer(step, a, b, order[step] if injecting else newest(missing)))
+        sends += _fill_idle(have, sends, step, newest)
+        for t in sends:  # a step's transfers happen at once: receive after everyone sent
+            have[t.dst].add(t.block)
+        out.extend(sends)
+        step += 1
+        if step > 4 * (len(order) + d) + 16:  # a plan that does not converge is a bug
+            raise RuntimeError(f"binomial schedule for n={n}, b={len(order)} does not finish")
+    return out
+
+
+def _fill_idle(have: list[set[int]], sends: list[Transfer], step: int, newest) -> list[Transfer]:
+    """Senders with no neighbour (or nothing to give) this step serve nodes that would receive
+    nothing, the node with the fewest blocks first."""
+    sending = {t.src for t in sends}
+    receiving = {t.dst for t in sends}
+    total = len(have[0])
+    extra: list[Transfer] = []
+    for r in sorted((r for r in range(len(have)) if r not in receiving and len(have[r]) < total),
+                    key=lambda r: (len(have[r]), r)):
+        donors = [s for s in range(len(have)) if s != r and s not in sending and have[s] - have[r]]
+        if donors:
+            s = min(donors, key=lambda s: (len(have[s]), s))
+            extra.append(Transfer(step, s, r, newest(have[s] - have[r])))
+            sending.add(s)
+    return extra
+
+
+def steps_of(schedule: list[Transfer]) -> int:
+    return max((t.step for t in schedule), default=-1) + 1
+
+
+def kway_orders(blocks: int, k: int) -> list[list[int]]:
+    """Algorithm 1: the block order of each of k sub-groups (chunks circularly shifted)."""
+    if k < 1 or blocks < 1:
+        raise ValueError("need k >= 1 and blocks >= 1")
+    size = math.ceil(blocks / k)
+    chunks = [list(range(size * i, min(size * (i + 1), blocks))) for i in range(k)]
+    return [[b for j in range(k) for b in chunks[(i + j) % k]] for i in range(k)]
+
+
+def subgroups(n: int, k: int) -> list[list[int]]:
+    """n nodes (0..k-1 are the sources) split evenly into k sub-groups, each led by a source."""
+    if not 1 <= k <= n:
+        raise ValueError("need 1 <= k <= n")
+    dests = list(range(k, n))
+    groups = [[i] for i in range(k)]
+    for j, node in enumerate(dests):
+        groups[j % k].append(node)
+    return groups
+
+
+def execution_pipelines(groups: list[list[int]]) -> list[list[int]]:
+    """Algorithm 2 over the destination nodes of each sub-group (sources excluded: they hold the
+    whole model): one node from each sub-group with nodes left, while two or more have some;
+    then the nodes of the last sub-group form one pipeline."""
+    remaining = [list(g[1:]) for g in groups]
+    pipelines: list[list[int]] = []
+    while True:
+        live = [g for g in remaining if g]
+        if not live:
+            return pipelines
+        if len(live) == 1:
+            pipelines.append(list(live[0]))
+            live[0].clear()
+            continue
+        for _ in range(min(len(g) for g in live)):
+            pipelines.append([g.pop(0) for g in live])
+
+
+def multicast_seconds(model_bytes: int, blocks: int, n: int, link_bytes_per_s: float,
+                      step_latency_s: float = 0.0) -> float:
+    """1 -> n over the binomial pipeline: each step moves one block per link, in parallel."""
+    steps = binomial_steps(n, blocks)
+    return steps * (model_bytes / blocks / link_bytes_per_s + step_latency_s)
