@@ -25,6 +25,8 @@ COMMANDS: dict[str, Command] = {
     "node": Command("services.node.__main__", "node worker: runs engine instances on one CPU/GPU node"),
     "make-model": Command("shared.modelgen", "build a random-weight model and tokenizer offline"),
     "profile": Command("services.profiler.__main__", "measure prefill/decode tables for a model"),
+    "profiler": Command("services.profiler.service",
+                        "profiling service: makes registered models servable (convert, profile)"),
     "simulate": Command("sim.cli", "discrete-event cluster simulation with the real policy core"),
     "convert-openvino": Command("services.node.engines.openvino_engine",
                                 "convert a HF model directory to OpenVINO IR (cached)"),

@@ -38,7 +38,10 @@ def token_subject(request_id: str) -> str:
 
 
 # Broadcast: a cancelled request (client gone) is dropped wherever it is, placer queue or node.
+# The stream below keeps every cancel too, so a placer that was down when it was sent replays it
+# at start and never places a request its client gave up on.
 CANCEL_SUBJECT = "slinfer.cancel"
+CANCEL_STREAM = "SLINFER_CANCELS"
 
 # --- Redis ----------------------------------------------------------------------------------------
 NODES_SET = "slinfer:nodes"
@@ -47,6 +50,11 @@ PROFILES_HASH = "slinfer:profiles"  # field = "<model>|<hardware kind>", value =
 # Online calibration: field = "<model>|<hardware kind>|<node id>", value = JSON
 # {"prefill": factor, "decode": factor, "updated": unix seconds}
 CALIBRATION_HASH = "slinfer:calibration"
+# A random value written once into a Redis that holds slinfer's durable state (first start, or
+# after a restore). Nothing deletes it: if it is missing or changed, Redis lost its data (restarted
+# without its append-only file), and a placer that remembers the registry and the profiles
+# writes them back (services/placer/keeper.py).
+STATE_EPOCH_KEY = "slinfer:epoch"
 
 
 def node_key(node_id: str) -> str:
@@ -60,3 +68,14 @@ def profile_field(model: str, hardware: str) -> str:
 
 def calibration_field(model: str, hardware: str, node_id: str) -> str:
     return f"{model}|{hardware}|{node_id}"
+
+
+# --- model lifecycle: profiling jobs and states ---------------------------------------------------
+# Registration publishes one job per hardware kind; profiler services of that kind take them
+# (work queue). Each model's lifecycle state is a JSON in MODEL_STATE_HASH (shared.model_state).
+JOB_STREAM = "SLINFER_JOBS"
+MODEL_STATE_HASH = "slinfer:model_state"
+
+
+def job_subject(hardware: str) -> str:
+    return f"slinfer.jobs.profile.{hardware}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,18 +17,28 @@ from shared.core.types import Hardware
 
 
 def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device: str = "cpu",
-                  plan: ProfilePlan = ProfilePlan(), check_n: int = 0,
-                  progress: bool = False) -> tuple[Profile, CheckResult | None]:
+                  plan: ProfilePlan = ProfilePlan(), check_n: int = 0, progress: bool = False,
+                  on_progress: Callable[[float], None] | None = None
+                  ) -> tuple[Profile, CheckResult | None]:
+    """Load the model on `engine_name`, measure its tables (and check them on `check_n` random
+    workloads); `on_progress` gets the fraction done after each measured point."""
     hardware = Hardware.GPU if device.startswith("cuda") else Hardware.CPU
     engine = create_engine(engine_name, model_dir, device=device)
     start = time.perf_counter()
     engine.load()
     load_s = time.perf_counter() - start
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    bar = _bar(plan.points() + check_n, progress, f"profiling {name}")
+    total = plan.points() + check_n
+    bar = _bar(total, progress, f"profiling {name}")
+
+    def tick() -> None:
+        bar.update()
+        if on_progress is not None:
+            on_progress(min(1.0, bar.n / total))
+
     try:
-        profile = measure(engine, name, hardware, plan, vocab, load_s, tick=bar.update)
-        result = check(engine, profile, plan, vocab, check_n, tick=bar.update) if check_n else None
+        profile = measure(engine, name, hardware, plan, vocab, load_s, tick=tick)
+        result = check(engine, profile, plan, vocab, check_n, tick=tick) if check_n else None
     finally:
         bar.close()
         engine.unload()
