@@ -49,7 +49,8 @@ HEALTHY_AFTER_S = 60.0
 GIVE_UP_AFTER = 5
 
 # Role -> module run with `python -m`; the tests point these at stand-ins.
-CHILD_MODULES = {"placer": "services.placer", "node": "services.node", "gateway": "services.gateway"}
+CHILD_MODULES = {"placer": "services.placer", "node": "services.node", "gateway": "services.gateway",
+                 "profiler": "services.profiler.service"}
 PROFILER_MODULE: str | None = "services.profiler"
 
 
@@ -264,9 +265,13 @@ def spawn(name: str, module: str, env: dict[str, str], log_dir: Path,
 
 
 def child_specs(opts: Options, nats_url: str, redis_url: str) -> list[tuple[str, str, dict[str, str]]]:
-    """(name, module, environment) of placer, node-0..N-1, gateway, in start order."""
+    """(name, module, environment) of placer, node-0..N-1, gateway (and the profiling service
+    that makes models registered later servable), in start order."""
     env = child_env(opts, nats_url, redis_url)
     specs = [("placer", CHILD_MODULES["placer"], env)]
+    if CHILD_MODULES.get("profiler"):
+        specs.append(("profiler", CHILD_MODULES["profiler"], child_env(
+            opts, nats_url, redis_url, SLINFER_NODE_HARDWARE="cpu")))
     for i in range(opts.nodes):
         specs.append((f"node-{i}", CHILD_MODULES["node"], child_env(
             opts, nats_url, redis_url, SLINFER_NODE_ID=f"node-{i}", SLINFER_NODE_HARDWARE="cpu")))

@@ -60,7 +60,7 @@ def slinfer_services(*profiles: str) -> dict[str, dict]:
 
 
 def test_config_passes() -> None:
-    assert set(services()) == INFRA | {"gateway", "placer", "node-cpu"}
+    assert set(services()) == INFRA | {"gateway", "placer", "node-cpu", "profiler-cpu"}
 
 
 def test_config_with_gpu_profile_adds_a_gpu_node_with_a_reservation() -> None:

@@ -142,3 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     del argv
     return run_service("profiler", ProfilerSettings.from_env, lambda s: s.name, serve)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
