@@ -1,0 +1,112 @@
+"""LoRA functions over shared backbones (ServerlessLoRA §4), the decisions as data.
+
+- Memory: an adapter's instance on a node that already holds its backbone costs the adapter and
+  its KV; elsewhere it costs the backbone too (`adapter_load_bytes`).
+- Artifact pre-loading (§4.1): which backbones and adapters to keep resident on which node, a
+  knapsack over node memory whose items are worth (load time saved x invocation rate); the
+  paper's greedy by value density, with the precedence that an adapter goes only where its
+  backbone is (`preload_plan`). Re-planned as rates change.
+- Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
+  first, never an adapter with requests in flight nor a backbone an active adapter uses
+  (`offload_order`).
+
+Pure: rates and sizes come in, plans go out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Artifact:
+    name: str  # a backbone's or an adapter's model name
+    bytes: int
+    load_s: float  # what a cold load of it takes (the time pre-loading saves)
+    rate: float  # invocations per second (for a backbone: of all its adapters)
+    backbone: str | None = None  # an adapter's backbone; None: this is a backbone
+
+    @property
+    def value(self) -> float:
+        """Seconds of cold start saved per second (Eq. 1's v = loading delay x arrival rate)."""
+        return self.load_s * self.rate
+
+    @property
+    def density(self) -> float:
+        return self.value / max(1, self.bytes)
+
+
+def adapter_load_bytes(adapter: Artifact, backbone: Artifact, resident: set[str]) -> int:
+    """What placing an instance of `adapter` on a node that holds `resident` artifacts loads."""
+    return adapter.bytes + (0 if backbone.name in resident else backbone.bytes)
+
+
+def preload_plan(artifacts: Iterable[Artifact], free_bytes: dict[str, int],
+                 resident: dict[str, set[str]] | None = None) -> dict[str, list[str]]:
+    """Greedy knapsack by value density: node -> artifacts to pre-load there, in load order.
+
+    An adapter is placed only on a node that holds (or is being given) its backbone; a backbone
+    is worth its own value plus the adapters it enables, so it is considered with its best
+    adapter's density when that is higher (a backbone nobody calls is worth nothing alone)."""
+    resident = {n: set(r) for n, r in (resident or {}).items()}
+    items = list(artifacts)
+    by_name = {a.name: a for a in items}
+    adapters_of: dict[str, list[Artifact]] = {}
+    for a in items:
+        if a.backbone is not None:
+            adapters_of.setdefault(a.backbone, []).append(a)
+
+    def density(a: Artifact) -> float:
+        if a.backbone is not None:
+            return a.density
+        best = max((x.density for x in adapters_of.get(a.name, [])), default=0.0)
+        return max(a.density, best)
+
+    plan: dict[str, list[str]] = {n: [] for n in free_bytes}
+    room = dict(free_bytes)
+    for art in sorted(items, key=lambda a: (-density(a), a.backbone is not None, a.name)):
+        if art.value <= 0 and art.backbone is not None:
+            continue
+        for node in sorted(room, key=lambda n: (-room[n], n)):
+            held = resident.setdefault(node, set())
+            if art.name in held:
+                break  # already there
+            if art.backbone is not None and art.backbone not in held:
+                continue  # precedence: the backbone first
+            if art.bytes <= room[node]:
+                room[node] -= art.bytes
+                held.add(art.name)
+                plan[node].append(art.name)
+                break
+    # A backbone pre-loaded for adapters that then did not fit anywhere is dead weight: drop it.
+    for node, names in plan.items():
+        kept = [n for n in names if by_name[n].backbone is not None or by_name[n].value > 0
+                or any(by_name[x].backbone == n for x in resident[node] if x in by_name)]
+        plan[node] = kept
+    return plan
+
+
+def offload_order(resident: Iterable[Artifact], in_flight: set[str]) -> list[str]:
+    """Resident artifacts to offload under memory pressure, the least valuable (per byte) first.
+    Never an adapter with requests in flight, nor a backbone such an adapter runs on."""
+    resident = list(resident)
+    busy_backbones = {a.backbone for a in resident if a.name in in_flight and a.backbone}
+    candidates = [a for a in resident if a.name not in in_flight and a.name not in busy_backbones]
+    # Adapters before their backbone: a backbone goes only after every adapter on it.
+    order = sorted(candidates, key=lambda a: (a.density, a.backbone is None, a.name))
+    out: list[str] = []
+    gone: set[str] = set()
+    pending = list(order)
+    while pending:
+        for a in pending:
+            users = [x for x in resident if x.backbone == a.name and x.name not in gone]
+            if a.backbone is None and users:
+                continue
+            out.append(a.name)
+            gone.add(a.name)
+            pending.remove(a)
+            break
+        else:
+            break  # the rest are backbones with adapters that must stay
+    return out

@@ -1,0 +1,61 @@
+"""ServerlessLoRA's decisions (pure): pre-loading as a greedy knapsack with the backbone-first
+precedence, offloading the least valuable artifacts but never what requests use."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.core.lora import Artifact, adapter_load_bytes, offload_order, preload_plan
+
+GB = 10**9
+BB = Artifact("llama-8b", 16 * GB, 2.0, rate=0.0)
+
+
+def adapter(name: str, rate: float, backbone: str = "llama-8b") -> Artifact:
+    return Artifact(name, 50 * 10**6, 0.3, rate, backbone=backbone)
+
+
+def test_an_adapter_on_a_node_with_its_backbone_costs_only_itself():
+    a = adapter("a", 1.0)
+    assert adapter_load_bytes(a, BB, {"llama-8b"}) == a.bytes
+    assert adapter_load_bytes(a, BB, set()) == a.bytes + BB.bytes
+
+
+def test_preloading_puts_the_backbone_before_its_adapters_and_the_hot_ones_first():
+    arts = [BB, adapter("hot", 5.0), adapter("warm", 0.5), adapter("cold", 0.0)]
+    plan = preload_plan(arts, {"n0": 16 * GB + 60 * 10**6})
+    assert plan["n0"] == ["llama-8b", "hot"]  # room for the backbone and one adapter
+
+
+def test_an_adapter_never_lands_where_its_backbone_is_not():
+    arts = [BB, adapter("a", 2.0), Artifact("qwen-7b", 14 * GB, 2.0, 0.0), adapter("b", 1.0, "qwen-7b")]
+    plan = preload_plan(arts, {"n0": 17 * GB, "n1": 15 * GB})
+    for node, names in plan.items():
+        for name in names:
+            art = next(a for a in arts if a.name == name)
+            if art.backbone:
+                assert art.backbone in names
+    assert plan == {"n0": ["llama-8b", "a"], "n1": ["qwen-7b", "b"]}
+
+
+@given(rates=st.lists(st.floats(0, 10), min_size=1, max_size=12),
+       room=st.lists(st.integers(0, 40), min_size=1, max_size=3))
+@settings(max_examples=200, deadline=None)
+def test_a_plan_respects_memory_and_precedence(rates, room):
+    arts = [BB] + [adapter(f"a{i}", r) for i, r in enumerate(rates)]
+    free = {f"n{i}": g * GB for i, g in enumerate(room)}
+    plan = preload_plan(arts, free)
+    sizes = {a.name: a.bytes for a in arts}
+    for node, names in plan.items():
+        assert sum(sizes[n] for n in names) <= free[node]
+        assert all(n == "llama-8b" or "llama-8b" in names for n in names)
+
+
+def test_offloading_spares_what_requests_use_and_takes_backbones_last():
+    resident = [BB, adapter("busy", 3.0), adapter("idle-hot", 2.0), adapter("idle-cold", 0.1),
+                Artifact("qwen-7b", 14 * GB, 2.0, 0.05), adapter("q", 0.05, "qwen-7b")]
+    order = offload_order(resident, in_flight={"busy"})
+    assert "busy" not in order and "llama-8b" not in order  # in use, and what it runs on
+    assert order.index("idle-cold") < order.index("idle-hot")
+    assert order.index("q") < order.index("qwen-7b")  # the adapter before its backbone
