@@ -100,9 +100,13 @@ class SlinferSystem:
 
     # --- placement ----------------------------------------------------------------------------
     def _views(self) -> list[NodeView]:
+        """The nodes' state for `place()`. The service publishes copies; here the schedulers'
+        own views are passed as they are, because `place()` only reads its inputs
+        (tests/core/test_placement.py checks it) and copying every request of every node on
+        every placement was most of a run's time."""
         for sn in self.nodes.values():
             self._sync_storage(sn)
-        return [sn.sched.view() for sn in self.nodes.values()]
+        return [sn.sched.node for sn in self.nodes.values()]
 
     def _sync_storage(self, sn: SimNode) -> None:
         """The node reports its tiers as they are now (its loader's report, in the service)."""

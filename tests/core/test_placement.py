@@ -92,3 +92,27 @@ def test_no_sharing_means_one_instance_per_node():
                  CoreConfig(enable_sharing=False, enable_consolidation=False))
     assert plan.action is PlaceAction.QUEUE
     assert any(a.reason is AdmitReason.NOT_SHARED for a in plan.attempts)
+
+
+def test_place_only_reads_the_views_it_is_given():
+    """The simulator hands place() the node schedulers' own views (no copies): a placement that
+    routes, preempts or cold-starts must leave them exactly as they were."""
+    from shared.core.node_scheduler import copy_instances
+
+    perf = _perf("big", "small")
+    big = model("big", weight_gb=30, kv_per_token=10 * 1024**2, max_context=1024, avg_out=64)
+    small = model("small", weight_gb=35, max_context=1024)
+    gpu, other = node("g0", Hardware.GPU, 80, perf), node("g1", Hardware.GPU, 80, perf)
+    iid = loaded(gpu, None, request("a", "big", input_len=500, ttft=5), big)
+    loaded(gpu, iid, request("b", "big", input_len=500, ttft=5), big)
+    loaded(gpu, None, request("s", "small", ttft=5), small)
+    loaded(other, None, request("t", "small", ttft=5), small)
+    gpu.step(0.0)
+    views = [gpu.node, other.node]
+    before = [(v.busy_until, v.running, v.budget_bytes, copy_instances(v.instances)) for v in views]
+    for r in (request("c", "big", input_len=500, ttft=5), request("d", "small", ttft=5),
+              request("e", "other", ttft=5)):
+        place(r, big if r.model == "big" else small, views, perf, 0.0, CFG,
+              models={"big": big, "small": small})
+    after = [(v.busy_until, v.running, v.budget_bytes, copy_instances(v.instances)) for v in views]
+    assert after == before
