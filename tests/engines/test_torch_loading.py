@@ -143,3 +143,14 @@ def test_decode_in_several_gather_groups_matches_each_alone(make_engine):
     # The widest request (60 tokens: 4-5 blocks of 16) fits the budget alone; the workspace
     # never grew past the budget.
     assert engine._workspace.nbytes <= 6 * 2 * engine.cache.layer_block_bytes
+
+
+def test_auto_engine_is_the_device_default(tiny_model_dir):
+    from services.node.engines import DEFAULT_ENGINES, default_engine, resolve_engine
+
+    assert resolve_engine("auto", "cpu") == DEFAULT_ENGINES["cpu"] == default_engine("cpu")
+    assert resolve_engine("auto", "cuda:1") == DEFAULT_ENGINES["cuda"]
+    assert resolve_engine("openvino", "cpu") == "openvino"
+    assert create_engine("auto", tiny_model_dir).name == DEFAULT_ENGINES["cpu"]
+    with pytest.raises(ValueError):
+        default_engine("tpu")

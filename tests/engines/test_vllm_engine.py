@@ -100,16 +100,19 @@ def test_child_errors_and_exit_are_reported(make):
 
 
 def test_weights_through_the_checkpoint_loader(tiny_model_dir, tmp_path, expected):
-    """With a converted checkpoint, vLLM's weights come through our loader (registered as a vLLM
-    load format in the child) and the outputs are the same."""
+    """With a converted checkpoint and the option on, vLLM's weights come through our loader
+    (registered as a vLLM load format in the child) and the outputs are the same."""
     import shutil
 
+    from services.node.engines.vllm_engine import _load_format
     from services.node.loader import convert_checkpoint
 
     model = tmp_path / "tiny-llama"
     shutil.copytree(tiny_model_dir, model)
+    assert _load_format(model, enabled=True) == "auto"  # nothing converted yet
     convert_checkpoint(model)
-    engine = VllmEngine(model, dtype="float32")
+    assert _load_format(model, enabled=False) == "auto"  # vLLM's own loader by default
+    engine = VllmEngine(model, dtype="float32", checkpoint_loader=True)
     engine.load()
     try:
         assert engine.info["load_format"] == "slinfer"

@@ -190,3 +190,34 @@ def test_pending_counts_queued_loads_and_their_bytes(two_models, tmp_path):
         thread.join(10)
     assert loader.pending == 0 and loader.tiers_report().pending_bytes == 0
     loader.close()
+
+
+def test_buffers_are_reused_only_once_nothing_views_them(two_models, tmp_path):
+    model, _ = two_models
+    loader = _loader(tmp_path)
+    held = loader.load(model)  # an engine holding the weights
+    assert loader.drop(model) and not loader.drop(model)
+    name = "model.norm.weight"
+    reread = loader.load(model)
+    assert reread.tier == "registry" and loader._buffers.reused == 0  # still viewed: not reused
+    assert reread.state_dict[name].data_ptr() != held.state_dict[name].data_ptr()
+    expected = held.state_dict[name].clone()
+    loader.drop(model)
+    del held  # the first load's memory is free now: the next read goes into it
+    again = loader.load(model)
+    assert loader._buffers.reused >= 1
+    assert torch.equal(again.state_dict[name], expected)
+    for tensor_name, tensor in reread.state_dict.items():  # the other copy is untouched
+        assert torch.equal(tensor, again.state_dict[tensor_name]), tensor_name
+    loader.close()
+
+
+def test_free_buffers_are_trimmed_to_the_dram_budget(two_models, tmp_path):
+    model, _ = two_models
+    loader = _loader(tmp_path, dram=_bytes(model) * 3)
+    result = loader.load(model)
+    loader.drop(model)
+    del result
+    loader.load(model)  # reuses; the cached checkpoint and free buffers fit the budget
+    assert loader._buffers.free_bytes() == 0
+    loader.close()

@@ -11,9 +11,31 @@ from pathlib import Path
 from .base import Engine, KVCacheFull, MemoryReport, SamplingParams, StepResult
 
 ENGINES = ("torch", "openvino", "vllm")
+AUTO = "auto"  # the default engine of the node's device kind (see DEFAULT_ENGINES)
+# The engine a model registered with engine "auto" runs on, by device kind. CPU: the fastest
+# engine that passes the correctness tests on the llama-3.2-1b shape in bf16 on this project's
+# CPU (bench/results/engines_cpu_llama-3.2-1b*.json, bench/BENCHMARKS.md "Engines on CPU"):
+# torch (prefill and decode at batch 1-32 ahead of OpenVINO and vLLM there). GPU: torch, the
+# only engine here that runs on CUDA.
+DEFAULT_ENGINES = {"cpu": "torch", "cuda": "torch"}
 
-__all__ = ["ENGINES", "Engine", "KVCacheFull", "MemoryReport", "SamplingParams", "StepResult",
-           "create_engine", "tune_cpu_allocator"]
+__all__ = ["AUTO", "DEFAULT_ENGINES", "ENGINES", "Engine", "KVCacheFull", "MemoryReport",
+           "SamplingParams", "StepResult", "create_engine", "default_engine", "resolve_engine",
+           "tune_cpu_allocator"]
+
+
+def default_engine(device: str) -> str:
+    """The default engine for a torch device string ("cpu", "cuda:0", ...)."""
+    kind = str(device).split(":", 1)[0]
+    try:
+        return DEFAULT_ENGINES[kind]
+    except KeyError:
+        raise ValueError(f"no default engine for device {device!r}") from None
+
+
+def resolve_engine(name: str, device: str) -> str:
+    """`name`, or the device's default engine when it is "auto"."""
+    return default_engine(device) if name == AUTO else name
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -58,6 +80,7 @@ def create_engine(name: str, model_dir: str | Path, device: str = "cpu",
     converted checkpoints through it (its tiers and bandwidth figures are the node's)."""
     if str(device).startswith("cpu"):
         tune_cpu_allocator()
+    name = resolve_engine(name, device)
     if name == "torch":
         from .torch_engine import TorchEngine
 
@@ -73,4 +96,5 @@ def create_engine(name: str, model_dir: str | Path, device: str = "cpu",
 
         return VllmEngine(model_dir, device=device, kv_capacity_bytes=kv_capacity_bytes,
                           dtype=dtype)
-    raise ValueError(f"unknown engine {name!r}; available engines: {', '.join(ENGINES)}")
+    raise ValueError(f"unknown engine {name!r}; available engines: {', '.join(ENGINES)} "
+                     f"or {AUTO!r}")

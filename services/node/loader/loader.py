@@ -6,8 +6,8 @@ A load is served by the fastest tier that holds the model's converted checkpoint
 
 * **dram**: the node's host-memory pool of checkpoints (LRU, byte budget). A hit builds tensors
   that *view* the pooled memory: on a CPU node the engine computes straight from it, so a hit
-  costs no copy at all (`copy=True` gives private tensors at memory-copy speed); on a CUDA node
-  the pool is pinned and each tensor is one DMA to the device.
+  costs no copy at all (`copy=True` gives private tensors: one bulk copy per partition into
+  pool buffers); on a CUDA node the pool is pinned and each tensor is one DMA to the device.
 * **disk**: a copy of the checkpoint on the node's own disk (LRU, byte budget), made in the
   background after a load from the registry.
 * **registry**: the converted checkpoint in the registry's storage (the model's directory,
@@ -40,8 +40,8 @@ import torch
 from .checkpoint_format import (INDEX_FILE, CheckpointIndex, default_checkpoint_dir, read_index,
                                 source_fingerprint)
 from .convert import convert_checkpoint
-from .direct_io import (ParallelReader, ReadJob, aligned_buffer, memcpy_bytes_per_s,
-                        write_direct)
+from .direct_io import ParallelReader, ReadJob, memcpy_bytes_per_s, write_direct
+from .host_pool import HostBufferPool
 from .lru import LRUBytes
 from .settings import LoaderSettings
 
@@ -113,17 +113,24 @@ class HostCheckpoint:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
 
-    def tensors(self, device: torch.device, copy: bool) -> dict[str, torch.Tensor]:
-        """Tensors viewing the buffers (CPU, copy=False), private CPU copies (copy=True), or
-        copies on `device` (a CUDA device: one DMA each from pinned memory)."""
+    def copied(self, pool: HostBufferPool) -> HostCheckpoint:
+        """The same checkpoint in other buffers of the pool (one bulk copy per partition, into
+        memory the pool has faulted in before when it can)."""
+        buffers = {}
+        for name, buffer in self.buffers.items():
+            buffers[name] = pool.take(buffer.numel())
+            buffers[name].copy_(buffer)
+        return HostCheckpoint(self.index, buffers, self.model_path)
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Tensors viewing the buffers (CPU), or copies on `device` (a CUDA device: one DMA
+        each from pinned memory)."""
         out = {}
         for entry in self.index.tensors:
             raw = self.buffers[entry.file][entry.offset:entry.offset + entry.size]
             tensor = raw.view(getattr(torch, entry.dtype)).view(entry.shape)
             if device.type != "cpu":
                 tensor = tensor.to(device, non_blocking=True)
-            elif copy:
-                tensor = tensor.clone()
             out[entry.name] = tensor
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -166,6 +173,8 @@ class CheckpointLoader:
         self._lock = threading.Lock()  # tiers, meters, pending
         self._io_lock = threading.Lock()  # one disk/registry load at a time
         self._dram: LRUBytes[HostCheckpoint] = LRUBytes(settings.dram_cache_bytes)
+        # Buffers are reused within the DRAM budget: cached checkpoints + free buffers <= it.
+        self._buffers = HostBufferPool(enabled=settings.dram_cache_bytes > 0)
         self._disk = _DiskTier(settings.disk_cache_dir, settings.disk_cache_bytes) \
             if settings.disk_cache_dir is not None else None
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="slinfer-ckpt-copy")
@@ -190,6 +199,19 @@ class CheckpointLoader:
         finally:
             with self._lock:
                 self._pending.pop(id(ticket), None)
+
+    def drop(self, model_path: str | Path) -> bool:
+        """Take the model out of the DRAM tier (its memory is reused or freed once no engine
+        views it); False when it was not there."""
+        key = self._locate(Path(model_path)).key
+        with self._lock:
+            dropped = self._dram.remove(key) is not None
+            self._trim_buffers()
+        return dropped
+
+    def _trim_buffers(self) -> None:
+        """Free buffers beyond what the DRAM budget leaves after the cached checkpoints."""
+        self._buffers.trim(max(0, self._dram.capacity_bytes - self._dram.used_bytes))
 
     @property
     def pending(self) -> int:
@@ -259,7 +281,9 @@ class CheckpointLoader:
                 host = self._dram_hit(located.key)  # loaded meanwhile by the load we waited on
                 if host is None:
                     host, tier, direct = self._read_from_storage(located, device, ticket)
-        state = host.tensors(device, copy)
+        if copy and device.type == "cpu":
+            host = host.copied(self._buffers)
+        state = host.tensors(device)
         seconds = time.perf_counter() - started
         with self._lock:
             self._meters[tier].record(host.index.file_bytes, seconds)
@@ -279,13 +303,14 @@ class CheckpointLoader:
         with self._lock:
             self._pending[ticket] = _Pending(tier, index.file_bytes)
         pinned = device.type == "cuda"
-        buffers = {p.file: aligned_buffer(p.size, pinned=pinned) for p in index.partitions}
+        buffers = {p.file: self._buffers.take(p.size, pinned=pinned) for p in index.partitions}
         stats = self._reader.read([ReadJob(directory / p.file, p.size, buffers[p.file])
                                    for p in index.partitions])
         host = HostCheckpoint(index, buffers, located.model_path)
         with self._lock:
             if host.nbytes <= self._dram.capacity_bytes:
                 self._dram.admit(located.key, host, host.nbytes)
+            self._trim_buffers()
             if tier == "registry":
                 self._registry_models[located.key] = TierModel(
                     located.key, located.model_path, index.file_bytes)
