@@ -8,8 +8,10 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from shared.subjects import (MEMOP_STREAM, MEMOP_SUBJECT_PREFIX, REQUEST_DEDUP_WINDOW_S,
-                             REQUEST_STREAM, REQUEST_SUBJECT)
+from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, MEMOP_STREAM, MEMOP_SUBJECT_PREFIX,
+                             REQUEST_DEDUP_WINDOW_S, REQUEST_STREAM, REQUEST_SUBJECT)
+
+STREAM_MAX_AGE_S = 3600.0
 
 
 async def connect(url: str, name: str) -> NATS:
@@ -28,12 +30,16 @@ async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def ensure_streams(js: JetStreamContext) -> None:
-    """The request stream (work queue for placers, dedup by Nats-Msg-Id) and the
-    reservation-station stream of memory-op completions."""
+    """The request stream (work queue for placers, dedup by Nats-Msg-Id), the
+    reservation-station stream of memory-op completions, and the cancel stream (what placers
+    replay at start, so a cancel sent while no placer ran still counts)."""
     # Limits retention with a max age: the placers' durable consumer tracks what is done, and a
     # day-old request is worthless anyway.
     await _ensure(js, StreamConfig(
         name=REQUEST_STREAM, subjects=[REQUEST_SUBJECT], duplicate_window=REQUEST_DEDUP_WINDOW_S,
-        max_age=3600.0))
+        max_age=STREAM_MAX_AGE_S))
     await _ensure(js, StreamConfig(
-        name=MEMOP_STREAM, subjects=[f"{MEMOP_SUBJECT_PREFIX}.>"], max_age=3600.0))
+        name=MEMOP_STREAM, subjects=[f"{MEMOP_SUBJECT_PREFIX}.>"], max_age=STREAM_MAX_AGE_S))
+    # As long as the requests it may cancel: an older cancel can match nothing left to place.
+    await _ensure(js, StreamConfig(name=CANCEL_STREAM, subjects=[CANCEL_SUBJECT],
+                                   max_age=STREAM_MAX_AGE_S))

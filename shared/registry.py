@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from redis.asyncio import Redis
 from shared import wire
 from shared.core.types import SLO_CLASSES
 from shared.schemas import ModelRecord
-from shared.subjects import MODELS_HASH
+from shared.subjects import MODELS_HASH, STATE_EPOCH_KEY
 
 ENGINES = ("torch", "openvino", "vllm")
 
@@ -124,6 +125,16 @@ class ModelRegistry:
 
     async def delete(self, name: str) -> bool:
         return bool(await self._redis.hdel(MODELS_HASH, name))
+
+    async def mark_intact(self) -> None:
+        """Mark this Redis as holding the durable state, unless it is marked already (a service
+        starting on a fresh Redis). See `STATE_EPOCH_KEY`."""
+        await self._redis.set(STATE_EPOCH_KEY, uuid.uuid4().hex, nx=True)
+
+    async def intact(self) -> bool:
+        """False while Redis has lost its data and no placer has restored the registry yet: a
+        model missing now may only be missing for a moment (503, not 404)."""
+        return bool(await self._redis.exists(STATE_EPOCH_KEY))
 
 
 # --- reading a model directory -------------------------------------------------------------------

@@ -61,6 +61,13 @@ class InferenceRequest:
     # placer offers it there first, and places it afresh only if that node refuses.
     target_node: str | None = None
     target_instance: str | None = None
+    # `attempt` counts the gateway's resumes of this request after a
+    # node it ran on was lost: every token message carries the attempt it belongs to, and the
+    # gateway reads only its current one (a stale attempt that still runs cannot interleave).
+    attempt: int = 0
+    # Unix seconds after which nobody waits for the output any more (the gateway's timeout);
+    # 0 = none. Placers do not place, and nodes stop, a request past its deadline.
+    deadline: float = 0.0
 
 
 class FinishReason(str, enum.Enum):
@@ -91,6 +98,7 @@ class TokenMessage:
     # On the message carrying a request's first token from a node: how long the engine's
     # prefill iteration took there (for overhead accounting and traces).
     prefill_s: float | None = None
+    attempt: int = 0  # the request's attempt this message belongs to (InferenceRequest.attempt)
 
 
 class CommandKind(str, enum.Enum):
@@ -98,6 +106,18 @@ class CommandKind(str, enum.Enum):
     # Re-check the admission without the victims; only if it holds, unload them, admit the
     # request, and hand the victims' requests to the request stream, each with its destination.
     PREEMPT_ADMIT = "preempt_admit"
+    # What the node knows of `request_id`: the reply's `reason` is a RequestState value; a
+    # finished request's final message is in `final` (the gateway may have missed it).
+    STATUS = "status"
+
+
+class RequestState(str, enum.Enum):
+    """A node's answer to STATUS."""
+
+    RUNNING = "running"  # admitted here and not finished (it may be waiting for its instance)
+    FINISHED = "finished"  # ended here recently: `NodeReply.final` is its final message
+    MOVED = "moved"  # handed back to the request stream (preempted or evicted) from here
+    UNKNOWN = "unknown"  # never here, or so long ago the node forgot it
 
 
 @dataclass(frozen=True)
@@ -119,6 +139,8 @@ class NodeCommand:
     model: ModelRecord | None = None  # ADMIT into a new instance: what to load
     preempt_instance_ids: list[str] = field(default_factory=list)  # PREEMPT_ADMIT: the victims
     migrations: list[MigrationTarget] = field(default_factory=list)  # PREEMPT_ADMIT
+    request_id: str | None = None  # STATUS
+    attempt: int = 0  # STATUS: the attempt the asker reads
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,8 @@ class NodeReply:
     # already published to the request stream.
     evicted: list[InferenceRequest] = field(default_factory=list)
     node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
+    final: TokenMessage | None = None  # STATUS of a finished request: its final message
+    generated: int = 0  # STATUS of a running request: output tokens so far (resumed included)
 
 
 @dataclass(frozen=True)
@@ -153,3 +177,6 @@ class MemOpCompletion:
 class CancelNotice:
     request_id: str
     reason: str = "client disconnected"
+    # None: every attempt of the request. N: only attempts below N (the gateway resumed the
+    # request as attempt N; an older attempt that still runs somewhere is an orphan).
+    below_attempt: int | None = None
