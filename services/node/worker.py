@@ -4,6 +4,13 @@ granularity under the policy core's `NodeScheduler`.
 Handlers only decode, call the core, and encode; the token loop executes the core's `StepPlan`;
 memory operations run in threads and report completion through the JetStream reservation-station
 stream, whose consumer feeds them back to the core (which releases parked scale-ups).
+
+Faults: a Redis or NATS error never stops the token loop or the heartbeat (each catches, logs once
+per outage, and goes on; the next heartbeat re-publishes the node's view, also into an emptied
+Redis). The memory-op consumer is an ordered consumer that re-creates itself after a NATS restart,
+and a completion that cannot be published is applied here directly. The node remembers the
+requests it recently finished or handed back (`recent`), so a gateway that missed a final message
+can ask for it (STATUS) and a redelivered admission of a finished request is not run twice.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 from nats.aio.client import Client as NATS
@@ -35,13 +42,17 @@ from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, Ste
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
-                            MemOpCompletion, ModelRecord, NodeCommand, NodeReply, TokenMessage)
+                            MemOpCompletion, ModelRecord, NodeCommand, NodeReply, RequestState,
+                            TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
                              node_command_subject, token_subject)
 
 log = logging.getLogger("slinfer.node")
 PERF_REFRESH_S = 5.0
 HISTORY_LEN = 4096
+RECENT_LEN = 4096  # finished or handed-back requests remembered for STATUS and redeliveries
+REDIS_TIMEOUT_S = 5.0  # one heartbeat's Redis work; a hung Redis must not hang the heartbeat
+MEMOP_HEARTBEAT_S = 1.0  # the memory-op consumer's idle heartbeat: re-created ~2 s after a restart
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,16 @@ class Live:
     @property
     def all_tokens(self) -> list[int]:
         return [*self.request.prompt_token_ids, *self.output]
+
+
+@dataclass(frozen=True)
+class Past:
+    """A request that was live here and is not any more."""
+
+    attempt: int
+    state: RequestState  # FINISHED or MOVED
+    tokens: int  # its output length when it left (resumed tokens included)
+    final: TokenMessage | None = None  # FINISHED: the final message sent
 
 
 def warm_imports() -> None:
@@ -99,6 +120,9 @@ class NodeWorker:
         self.history: deque[IterationRecord] = deque(maxlen=HISTORY_LEN)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._born = time.time()  # memory-op completions from an earlier life of this node id are ignored
+        self.recent: OrderedDict[str, Past] = OrderedDict()  # request id -> what became of it
+        self._outage: dict[str, bool] = {}  # what is failing now (logged once per outage)
         # Spans of requests, commands and memory ops; gauges for /metrics and OTLP.
         self.obs = NodeObserver(telemetry or tm.local("node"), settings.node_id, settings.hardware)
 
@@ -111,12 +135,17 @@ class NodeWorker:
         await self.nc.subscribe(node_command_subject(self.s.node_id), cb=self._on_command)
         await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
         # The reservation station's input: this node's memory-op completions, from the stream.
+        # An ordered consumer: it lives in the server's memory, and the client re-creates it from
+        # the last sequence it saw when its heartbeats stop (a nats-server restart).
         await self.js.subscribe(memop_subject(self.s.node_id), cb=self._on_memop_done,
-                                deliver_policy=DeliverPolicy.NEW)
+                                deliver_policy=DeliverPolicy.NEW, ordered_consumer=True,
+                                idle_heartbeat=MEMOP_HEARTBEAT_S)
         await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
         await self.obs.start(self, self.s.metrics_port)
         self._tasks = [asyncio.create_task(self._token_loop(), name="token-loop"),
                        asyncio.create_task(self._heartbeat(), name="heartbeat")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
         log.info("node %s (%s, %s) ready: %.1f GiB, matrix accel %s", self.s.node_id,
                  self.s.hardware, self.s.hardware_name, self.s.memory_bytes / 2**30, self.s.matrix_accel)
 
@@ -129,23 +158,50 @@ class NodeWorker:
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
-        await remove_node(self.redis, self.s.node_id)
-        await remove_calibration(self.redis, self.s.node_id)
+        try:
+            await remove_node(self.redis, self.s.node_id)
+            await remove_calibration(self.redis, self.s.node_id)
+        except Exception as exc:  # Redis down: the snapshot expires on its own
+            log.warning("could not remove node %s from Redis: %r", self.s.node_id, exc)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self._stopping:
+            log.critical("node task %s died", task.get_name(), exc_info=task.exception())
+
+    def _trouble(self, what: str, exc: BaseException | None) -> None:
+        """Log a failing dependency once when it starts failing and once when it works again."""
+        if exc is not None and not self._outage.get(what):
+            log.warning("%s failing: %r; retrying", what, exc)
+        elif exc is None and self._outage.get(what):
+            log.info("%s works again", what)
+        self._outage[what] = exc is not None
 
     async def _heartbeat(self) -> None:
-        """Publish the node's view; pick up new profiles every few seconds."""
+        """Publish the node's view; pick up new profiles every few seconds. A Redis error costs a
+        beat, never the loop: once Redis answers again (restarted, even empty) the next beat puts
+        the node back in the cluster view."""
         last_perf = time.monotonic()
         while True:
-            if time.monotonic() - last_perf > PERF_REFRESH_S:
-                await self._load_profiles()
-                last_perf = time.monotonic()
-            await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+            try:
+                if time.monotonic() - last_perf > PERF_REFRESH_S:
+                    await asyncio.wait_for(self._load_profiles(), REDIS_TIMEOUT_S)
+                    last_perf = time.monotonic()
+                await asyncio.wait_for(publish_node(self.redis, self._view(),
+                                                    ttl_s=self.s.heartbeat_s * 12), REDIS_TIMEOUT_S)
+                self._trouble("heartbeat (Redis)", None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._trouble("heartbeat (Redis)", exc)
             self.obs.sample(self)
             await asyncio.sleep(self.s.heartbeat_s)
 
     async def _load_profiles(self) -> None:
-        self.base_perf = await load_perf(self.redis, calibrate=False)
-        self.sched.perf = await load_perf(self.redis)
+        base, perf = await load_perf(self.redis, calibrate=False), await load_perf(self.redis)
+        if not perf.profiles and self.sched.perf.profiles:
+            # Redis came back empty: decide with the profiles we had until they are restored.
+            return
+        self.base_perf, self.sched.perf = base, perf
 
     def _view(self):
         view = self.sched.view()
@@ -154,10 +210,18 @@ class NodeWorker:
 
     # --- commands (placer -> node) -----------------------------------------------------------
     async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd: NodeCommand | None = wire.decode(NodeCommand, msg.data)
+        except wire.WireError as exc:
+            cmd, bad = None, exc
+        if cmd is not None and cmd.kind is CommandKind.STATUS:  # gateways poll it: no span
+            await self._respond(msg, self.status(cmd.request_id or "", cmd.attempt))
+            return
         with self.obs.command(msg.headers) as command:  # child of the placer's decision
             kind = "unknown"
             try:
-                cmd = wire.decode(NodeCommand, msg.data)
+                if cmd is None:
+                    raise bad
                 kind = cmd.kind.value
                 if cmd.kind is CommandKind.ADMIT:
                     reply = await self._admit(cmd)
@@ -169,8 +233,42 @@ class NodeWorker:
                 with self.obs.use_command(command):  # the log line carries the trace
                     log.exception("command failed")
                 reply = NodeReply(False, f"error: {exc}")
-            await msg.respond(wire.encode(replace(reply, node=self._view())))
+            await self._respond(msg, replace(reply, node=self._view()))
             self.obs.command_result(command, kind, reply.accepted, reply.reason, reply.instance_id)
+            if reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request:
+                await self._announce(cmd.request)
+
+    async def _respond(self, msg: Msg, reply: NodeReply) -> None:
+        try:
+            await msg.respond(wire.encode(reply))
+        except Exception as exc:  # NATS gone: the asker times out and asks again
+            log.warning("could not answer a command: %r", exc)
+
+    def status(self, request_id: str, attempt: int = 0) -> NodeReply:
+        """STATUS: what this node knows of the request (its attempt `attempt` or a later one)."""
+        live = self.live.get(request_id)
+        if live is not None and live.request.attempt >= attempt:
+            return NodeReply(True, RequestState.RUNNING.value, live.instance_id,
+                             generated=len(live.output))
+        past = self.recent.get(request_id)
+        if past is not None and past.attempt >= attempt:
+            return NodeReply(True, past.state.value, final=past.final, generated=past.tokens)
+        return NodeReply(True, RequestState.UNKNOWN.value)
+
+    def _remember(self, live: Live, state: RequestState, final: TokenMessage | None = None) -> None:
+        request = live.request
+        self.recent[request.request_id] = Past(request.attempt, state, len(live.output), final)
+        self.recent.move_to_end(request.request_id)
+        while len(self.recent) > RECENT_LEN:
+            self.recent.popitem(last=False)
+
+    async def _announce(self, req: InferenceRequest) -> None:
+        """An empty token message that tells the gateway which node holds the request now (its
+        watchdog asks that node if the stream goes quiet). No trace headers: those ride the
+        request's token messages as `observe` counts them."""
+        await self._publish(TokenMessage(req.request_id, len(req.resumed_token_ids), [],
+                                         node_id=self.s.node_id, attempt=req.attempt),
+                            headers=False)
 
     async def _admit(self, cmd: NodeCommand) -> NodeReply:
         checked = await self._admission_inputs(cmd)
@@ -207,8 +305,22 @@ class NodeWorker:
         req = cmd.request
         if req is None:
             return NodeReply(False, "bad_command: admit without a request")
-        if req.request_id in self.live:  # a redelivered admission: already ours
-            return NodeReply(True, "admitted", self.live[req.request_id].instance_id)
+        live = self.live.get(req.request_id)
+        if live is not None and live.request.attempt < req.attempt:
+            self._drop_stale(live)  # the gateway resumed it elsewhere meanwhile: an orphan
+        elif live is not None:  # a redelivered admission: already ours
+            return NodeReply(True, "admitted", live.instance_id)
+        past = self.recent.get(req.request_id)
+        if past is not None and past.attempt >= req.attempt:
+            # Finished or handed back from here, and the placer's ack was lost so the stream
+            # redelivered the admission: do not run it twice. (A handed-back request that comes
+            # back with at least the tokens it left with is its requeued copy: that one runs.)
+            if past.state is RequestState.FINISHED:
+                if past.final is not None:  # in case the gateway missed it too
+                    await self._publish(past.final, headers=False)
+                return NodeReply(True, "already_finished")
+            if len(req.resumed_token_ids) < past.tokens:
+                return NodeReply(True, "already_moved")
         record = cmd.model if cmd.instance_id is None else self.records.get(cmd.instance_id)
         if record is None:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
@@ -226,6 +338,7 @@ class NodeWorker:
         self.records[iid] = record
         req = replace(req, grace_s=result.admission.grace_s, target_node=None, target_instance=None)
         self.live[req.request_id] = Live(req, iid, output=list(req.resumed_token_ids))
+        self.recent.pop(req.request_id, None)
         self.obs.admitted(req, iid, cold=cold)
         if self._loaded(iid):
             self._engine_add(self.live[req.request_id])
@@ -244,8 +357,20 @@ class NodeWorker:
         # Its trace goes with it (in the body: it travels on the request stream again).
         trace_context = self.obs.headers(request_id) or live.request.trace_context
         self.obs.ended(request_id, "handed_back", len(live.output) - len(live.request.resumed_token_ids))
+        self._remember(live, RequestState.MOVED)
         return replace(live.request, resumed_token_ids=list(live.output), trace_context=trace_context,
                        grace_s=grace_s)
+
+    def _drop_stale(self, live: Live) -> None:
+        """Forget an attempt the gateway no longer reads (no final message: nobody listens)."""
+        rid = live.request.request_id
+        self.live.pop(rid, None)
+        engine = self.engines.get(live.instance_id)
+        if engine is not None:
+            engine.release(rid)
+        self._start_ops(self.sched.cancel(rid, time.time()))
+        self.obs.ended(rid, "cancelled", len(live.output) - len(live.request.resumed_token_ids),
+                       "superseded by a later attempt")
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -255,6 +380,8 @@ class NodeWorker:
         live = self.live.get(notice.request_id)
         if live is None:
             return
+        if notice.below_attempt is not None and live.request.attempt >= notice.below_attempt:
+            return  # only older attempts are cancelled: this one is current
         live.cancelled = True  # the token loop drops it at its next turn
         self.wake.set()
 
@@ -276,7 +403,13 @@ class NodeWorker:
                                op.bytes_after, started, time.time(), parked_s=started - op.issued_at,
                                ok=error is None, error=error)
         self.obs.memop_done(op, done)
-        await self.js.publish(memop_subject(self.s.node_id), wire.encode(done))
+        try:
+            await self.js.publish(memop_subject(self.s.node_id), wire.encode(done))
+        except Exception as exc:
+            # NATS is down: the reservation station must not wait forever for this completion
+            # (the instance would stay LOADING). Apply it here; the stream misses this one record.
+            log.warning("memory-op completion %s not published (%r): applied locally", op.op_id, exc)
+            await self._memop_done(done)
 
     def _run_op(self, op: MemOp) -> None:
         record = self.records[op.instance_id]
@@ -298,9 +431,15 @@ class NodeWorker:
             done = wire.decode(MemOpCompletion, msg.data)
         except wire.WireError:
             return
-        op = self.ops.pop(done.op_id, None)
-        if op is None:
-            return  # a completion from an earlier life of this node id
+        await self._memop_done(done)
+
+    async def _memop_done(self, done: MemOpCompletion) -> None:
+        if done.started < self._born:
+            return  # a completion from an earlier life of this node id (op ids start again)
+        op = self.ops.get(done.op_id)
+        if op is None or op.instance_id != done.instance_id:
+            return  # already applied (published and applied locally), or not ours
+        del self.ops[done.op_id]
         released = self.sched.memop_done(op, time.time())
         if op.kind is MemOpKind.LOAD:
             await self._after_load(op.instance_id, done)
@@ -341,21 +480,34 @@ class NodeWorker:
     # --- the token loop ----------------------------------------------------------------------
     async def _token_loop(self) -> None:
         while not self._stopping:
-            await self._drop_cancelled()
-            now = time.time()
-            self._start_ops(self.sched.reclaim_idle(now))
-            plan = self.sched.step(now)
-            self._start_ops(plan.start_ops)
-            for ev in plan.evictions:
-                await self._reschedule(ev)
-            if plan.iteration is None:
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.core.keep_alive_s / 4))
-                except TimeoutError:
-                    pass
-                continue
-            await self._run_iteration(plan)
+            try:
+                await self._turn()
+                self._trouble("token loop", None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never silently stop generating for everyone
+                log.exception("token loop turn failed")
+                self._trouble("token loop", exc)
+                await asyncio.sleep(0.1)
+
+    async def _turn(self) -> None:
+        """One turn of the token loop: drop cancelled requests, start memory ops, run at most
+        one iteration (or wait for something to do)."""
+        await self._drop_cancelled()
+        now = time.time()
+        self._start_ops(self.sched.reclaim_idle(now))
+        plan = self.sched.step(now)
+        self._start_ops(plan.start_ops)
+        for ev in plan.evictions:
+            await self._reschedule(ev)
+        if plan.iteration is None:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.core.keep_alive_s / 4))
+            except TimeoutError:
+                pass
+            return
+        await self._run_iteration(plan)
 
     async def _run_iteration(self, plan: StepPlan) -> None:
         choice = plan.iteration
@@ -403,7 +555,8 @@ class NodeWorker:
             reason = self._finish_reason(live, token)
             if reason is None:
                 await self._publish(TokenMessage(rid, len(live.output) - 1, [token],
-                                                 node_id=self.s.node_id, prefill_s=prefill_s))
+                                                 node_id=self.s.node_id, prefill_s=prefill_s,
+                                                 attempt=live.request.attempt))
             else:
                 finished.add(rid)
                 await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
@@ -454,17 +607,24 @@ class NodeWorker:
         if count_in_core:
             self._start_ops(self.sched.cancel(live.request.request_id, time.time()))
         last = live.output[-1:] if reason is not FinishReason.CANCELLED else []
-        await self._publish(TokenMessage(
+        final = TokenMessage(
             live.request.request_id, max(0, len(live.output) - len(last)), last, finished=True,
             finish_reason=reason, output_token_ids=list(live.output),
             prompt_tokens=len(live.request.prompt_token_ids), error=error, node_id=self.s.node_id,
-            prefill_s=prefill_s))
+            prefill_s=prefill_s, attempt=live.request.attempt)
+        self._remember(live, RequestState.FINISHED, final)
+        await self._publish(final)
         self.obs.ended(live.request.request_id, reason.value,
                        len(live.output) - len(live.request.resumed_token_ids), error)
 
     async def _drop_cancelled(self) -> None:
         for live in [lv for lv in self.live.values() if lv.cancelled]:
             await self._finish(live, FinishReason.CANCELLED)
+        now = time.time()
+        for live in [lv for lv in self.live.values() if 0 < lv.request.deadline < now]:
+            # The gateway stopped waiting (it timed out, or it died with the client's connection):
+            # an orphan must not run on to max_tokens.
+            await self._finish(live, FinishReason.CANCELLED, "deadline passed: nobody waits for it")
 
     async def _reschedule(self, eviction: Eviction) -> None:
         """An evicted request goes back to the placers with its tokens (token-based migration)."""
@@ -476,12 +636,40 @@ class NodeWorker:
             await self._requeue(resumed)
 
     async def _requeue(self, resumed: InferenceRequest) -> None:
-        """Back to the placers through the durable request stream, with its tokens so far."""
-        msg_id = f"{resumed.request_id}:resume:{len(resumed.resumed_token_ids)}"
-        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
-                              headers={**resumed.trace_context, "Nats-Msg-Id": msg_id})
+        """Back to the placers through the durable request stream, with its tokens so far. If
+        the stream cannot take it now (NATS down), retried in the background until the request's
+        deadline: the request left this node and must not be lost."""
+        try:
+            await self._publish_request(resumed)
+        except Exception as exc:
+            log.warning("requeue of %s failed (%r); retrying", resumed.request_id, exc)
+            asyncio.create_task(self._requeue_later(resumed), name=f"requeue-{resumed.request_id}")
 
-    async def _publish(self, message: TokenMessage) -> None:
-        await self.nc.publish(token_subject(message.request_id), wire.encode(message),
-                              headers=self.obs.message_headers(message.request_id, message.finished))
+    async def _publish_request(self, resumed: InferenceRequest) -> None:
+        msg_id = f"{resumed.request_id}:resume:{resumed.attempt}:{len(resumed.resumed_token_ids)}"
+        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
+                              headers={**resumed.trace_context, "Nats-Msg-Id": msg_id}, timeout=5)
+
+    async def _requeue_later(self, resumed: InferenceRequest) -> None:
+        delay = 0.25
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            if resumed.deadline and time.time() > resumed.deadline:
+                log.warning("gave up requeueing %s: its deadline passed", resumed.request_id)
+                return
+            try:
+                await self._publish_request(resumed)
+                return
+            except Exception:
+                delay = min(2.0, delay * 2)
+
+    async def _publish(self, message: TokenMessage, headers: bool = True) -> None:
+        """Best effort (core NATS): a message lost while NATS is down is recovered by the
+        gateway from the final message, or by asking this node (STATUS)."""
+        try:
+            await self.nc.publish(token_subject(message.request_id), wire.encode(message),
+                                  headers=self.obs.message_headers(message.request_id, message.finished)
+                                  if headers else None)
+        except Exception as exc:
+            log.warning("token message for %s not sent: %r", message.request_id, exc)
 
