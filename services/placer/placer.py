@@ -2,7 +2,20 @@
 and carries the plan out with the nodes (which re-check and may refuse on fresher state).
 
 Several placers may share the durable consumer; a request is acked only once a node accepted it
-(or it was dropped), so a placer that dies mid-decision loses nothing: JetStream redelivers.
+(or it was dropped), so a placer that dies mid-decision loses nothing: JetStream redelivers it
+`ack_wait_s` after the last sign of life (a request waiting in a live placer's queue is kept
+claimed with `in_progress`).
+
+Faults: a Redis or NATS error in the run loop is logged and retried with a back-off; the queue is
+kept. Cancels are durable (the cancel stream, replayed at start), and a request past its
+deadline (`InferenceRequest.deadline`: nobody waits for it any more) is never placed. A request
+the gateway resumed (a higher `attempt`) replaces its older attempt in the queue. After Redis
+lost its data, the registry and the profiles are written back (`keeper.StateKeeper`).
+
+A request that waited in the stream while no live placer held it (it arrived before this
+placer started, or it is a redelivery: the placer that held it died) was delayed by a fault, not
+by load: that wait is its TTFT grace, the way a cold start's load is (§IX-A). Without it every
+request that arrived during a placer restart would be dropped as late the moment it is seen.
 
 Each decision is a span (`place <model>`, child of the gateway's request span through the
 request message's headers) that says what was decided and why: every candidate tried with the
@@ -16,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -23,16 +37,17 @@ from dataclasses import dataclass, field, replace
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 from redis.asyncio import Redis
 
+from services.placer.keeper import StateKeeper
 from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
 from shared import wire
-from shared.bus import ensure_streams
+from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
@@ -40,14 +55,16 @@ from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
                             MigrationTarget, ModelRecord, NodeCommand, NodeReply, TokenMessage)
-from shared.subjects import (CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT, node_command_subject,
-                             token_subject)
+from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT,
+                             node_command_subject, token_subject)
 
 log = logging.getLogger("slinfer.placer")
 _tracer = trace.get_tracer("slinfer.placer")
-ACK_WAIT_S = 30.0
 PERF_REFRESH_S = 2.0
+KEEPER_CHECK_S = 1.0  # how often the registry/profile copy is refreshed (and Redis checked for loss)
 MAX_REFUSALS = 8  # a request refused this often is failed with the nodes' reason, not retried forever
+MAX_BACKOFF_S = 2.0  # the run loop's back-off while Redis or NATS fails
+CANCEL_REPLAY_S = 5.0  # at start, wait at most this long for the cancel stream's replay
 
 
 @dataclass
@@ -62,6 +79,11 @@ class Pending:
     trace_parent: Context = field(default_factory=Context)  # from the message's headers
     queue_decisions: int = 0  # QUEUE plans so far
 
+    def rank(self) -> tuple[int, int]:
+        """Of two messages for one request, the later one: a higher attempt (the gateway resumed
+        it), else more tokens (a node handed it back after generating more)."""
+        return self.request.attempt, len(self.request.resumed_token_ids)
+
 
 class Placer:
     def __init__(self, settings: PlacerSettings, nc: NATS, redis: Redis,
@@ -73,6 +95,14 @@ class Placer:
         self.perf = PerfModel()
         self._perf_at = 0.0
         self.decisions: dict[str, int] = {}  # action -> count (for tests and metrics)
+        # request id -> cancel every attempt below this (math.inf: all), and when it was seen
+        self.cancelled: dict[str, tuple[float, float]] = {}
+        self._cancel_seq = 0  # last cancel-stream sequence seen
+        self.keeper = StateKeeper(redis)
+        self._kept_at = 0.0
+        self.errors = 0  # run-loop turns that failed (Redis or NATS trouble)
+        self._failing = False
+        self.started_at = time.time()
         tel = telemetry or tm.local("placer")
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
             tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
@@ -81,15 +111,57 @@ class Placer:
         await ensure_streams(self.js)
         self.sub = await self.js.pull_subscribe(
             REQUEST_SUBJECT, durable=PLACER_DURABLE,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.s.ack_wait_s,
                                   max_ack_pending=10_000))
-        await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
+        # Every cancel of the last hour, then the new ones (an ordered consumer: it re-creates
+        # itself after a NATS restart). Placing starts once the replay caught up, so a request
+        # cancelled while no placer ran is not placed now.
+        last = (await self.js.stream_info(CANCEL_STREAM)).state.last_seq
+        await self.js.subscribe(CANCEL_SUBJECT, cb=self._on_cancel, ordered_consumer=True,
+                                deliver_policy=DeliverPolicy.ALL, idle_heartbeat=1.0)
+        deadline = time.monotonic() + CANCEL_REPLAY_S
+        while self._cancel_seq < last and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        try:
+            await self.keeper.check()
+        except Exception as exc:
+            log.warning("could not read the registry copy at start: %r", exc)
+        self.started_at = time.time()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`: fetch, place. A turn that fails (Redis or NATS down) is retried with a
+        back-off; the queue and its claims on the stream are kept."""
+        backoff = 0.0
         while not stop.is_set():
-            await self._fetch(timeout=0.05 if self.queue else 0.5)
-            if self.queue:
-                await self.place_queued()
+            try:
+                await self.turn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.errors += 1
+                backoff = min(MAX_BACKOFF_S, max(0.05, backoff * 2))
+                if not self._failing:
+                    log.warning("placer turn failed (%r); retrying with back-off, %d queued",
+                                exc, len(self.queue))
+                self._failing = True
+                try:
+                    await asyncio.wait_for(stop.wait(), backoff)
+                except TimeoutError:
+                    pass
+                continue
+            if self._failing:
+                log.info("placer turns work again; %d queued", len(self.queue))
+            self._failing, backoff = False, 0.0
+
+    async def turn(self) -> None:
+        """One turn of the run loop (raises what Redis or NATS raise)."""
+        await self._fetch(timeout=0.05 if self.queue else 0.5)
+        await self._keep_claims()
+        if time.monotonic() - self._kept_at > KEEPER_CHECK_S:
+            await self.keeper.check()
+            self._kept_at = time.monotonic()
+        if self.queue:
+            await self.place_queued()
 
     async def _fetch(self, timeout: float) -> None:
         try:
@@ -103,19 +175,63 @@ class Placer:
                 log.warning("dropping undecodable request message: %s", exc)
                 await msg.term()
                 continue
-            if req.request_id not in self.queue:
-                self.queue[req.request_id] = Pending(msg, req, time.time(),
-                                                     trace_parent=tm.extract_context(
-                                                         msg.headers, req.trace_context))
+            await self._enqueue(msg, req)
+
+    async def _enqueue(self, msg: Msg, req: InferenceRequest) -> None:
+        unclaimed = _unclaimed_since(msg, req, self.started_at)
+        if unclaimed > 0:  # it waited for a live placer (module docstring)
+            req = replace(req, grace_s=max(req.grace_s, unclaimed))
+        new = Pending(msg, req, time.time(), trace_parent=tm.extract_context(msg.headers,
+                                                                          req.trace_context))
+        old = self.queue.get(req.request_id)
+        if old is None:
+            self.queue[req.request_id] = new
+        elif _stream_seq(old.msg) == _stream_seq(msg):
+            old.msg = msg  # redelivered while we still hold it: answer the latest delivery
+        elif new.rank() > old.rank():
+            self.queue[req.request_id] = new  # a resumed or handed-back copy supersedes it
+            await old.msg.ack()
+        else:
+            await msg.ack()  # an older copy of one we hold
 
     async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            self._cancel_seq = max(self._cancel_seq, msg.metadata.sequence.stream)
+        except Exception:
+            pass
         try:
             notice = wire.decode(CancelNotice, msg.data)
         except wire.WireError:
             return
-        pending = self.queue.pop(notice.request_id, None)
-        if pending is not None:
+        below = math.inf if notice.below_attempt is None else notice.below_attempt
+        now = time.time()
+        earlier = self.cancelled.get(notice.request_id, (0.0, now))[0]
+        self.cancelled[notice.request_id] = (max(below, earlier), now)
+        pending = self.queue.get(notice.request_id)
+        if pending is not None and pending.request.attempt < below:
+            del self.queue[notice.request_id]
             await pending.msg.ack()
+        if len(self.cancelled) > 1024 and now - next(iter(self.cancelled.values()))[1] > STREAM_MAX_AGE_S:
+            self.cancelled = {k: v for k, v in self.cancelled.items()
+                              if now - v[1] <= STREAM_MAX_AGE_S}
+
+    def _given_up(self, req: InferenceRequest, now: float) -> str | None:
+        """Why nobody waits for this request any more, if so."""
+        below = self.cancelled.get(req.request_id, (0.0, 0.0))[0]
+        if req.attempt < below:
+            return "cancelled"
+        if req.deadline and now > req.deadline:
+            return "deadline passed"
+        return None
+
+    async def _keep_claims(self) -> None:
+        """Tell JetStream that every request in the queue is still ours (else it redelivers it
+        after ack_wait), whatever is happening to it (queued, backing off after a refusal)."""
+        now = time.time()
+        for p in list(self.queue.values()):
+            if now - p.last_progress > self.s.ack_wait_s / 3:
+                await p.msg.in_progress()
+                p.last_progress = now
 
     # --- decisions ---------------------------------------------------------------------------
     async def place_queued(self) -> None:
@@ -125,12 +241,27 @@ class Placer:
         now = time.time()
         for rid in list(self.queue):
             pending = self.queue.get(rid)
-            if pending is not None and pending.next_try <= now:
-                nodes = await self._place_one(pending, nodes, records)
+            if pending is None or pending.next_try > now:
+                continue
+            why = self._given_up(pending.request, now)
+            if why is not None:
+                await self._forget(pending, why)
+                continue
+            nodes = await self._place_one(pending, nodes, records)
+
+    async def _forget(self, p: Pending, why: str) -> None:
+        """Ack without placing: nobody waits for it (no message: nobody would read it)."""
+        self.queue.pop(p.request.request_id, None)
+        self.decisions["given_up"] = self.decisions.get("given_up", 0) + 1
+        await p.msg.ack()
+        log.info("not placing %s: %s", p.request.request_id, why)
 
     async def _refresh_perf(self) -> None:
         if time.monotonic() - self._perf_at > PERF_REFRESH_S:
-            self.perf, self._perf_at = await load_perf(self.redis), time.monotonic()
+            perf = await load_perf(self.redis)
+            if perf.profiles or not self.perf.profiles:  # an emptied Redis: keep deciding as before
+                self.perf = perf
+            self._perf_at = time.monotonic()
 
     async def _place_one(self, p: Pending, nodes: list[NodeView],
                          records: dict[str, ModelRecord]) -> list[NodeView]:
@@ -151,8 +282,7 @@ class Placer:
             if p.queue_decisions == 1:  # later ones only counted: re-planned every few tens of ms
                 with self._span(p, plan):
                     pass
-            await self._keep_waiting(p)
-            return nodes
+            return nodes  # still ours: `_keep_claims` renews the claim every turn
         with self._span(p, plan) as outcome:
             if plan.action is PlaceAction.DROP:
                 await self._fail(p, FinishReason.DROPPED, _drop_message(plan))
@@ -254,12 +384,6 @@ class Placer:
             log.warning("node %s unreachable: %s", node_id, exc)
             return None
 
-    async def _keep_waiting(self, p: Pending) -> None:
-        now = time.time()
-        if now - p.last_progress > ACK_WAIT_S / 3:
-            await p.msg.in_progress()  # still deciding: don't redeliver to another placer
-            p.last_progress = now
-
     async def _fail(self, p: Pending, reason: FinishReason, error: str) -> None:
         self.queue.pop(p.request.request_id, None)
         span = trace.get_current_span()
@@ -268,7 +392,8 @@ class Placer:
         await self.nc.publish(token_subject(p.request.request_id), wire.encode(TokenMessage(
             p.request.request_id, len(p.request.resumed_token_ids), [], finished=True,
             finish_reason=reason, output_token_ids=list(p.request.resumed_token_ids),
-            prompt_tokens=len(p.request.prompt_token_ids), error=error)))
+            prompt_tokens=len(p.request.prompt_token_ids), error=error,
+            attempt=p.request.attempt)))
         await p.msg.ack()
         log.info("%s %s: %s", reason.value, p.request.request_id, error)
 
@@ -302,6 +427,23 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
         attrs["slinfer.placement.migrations"] = [
             f"{m.request_id}: {m.from_instance} -> {m.to_node}/{m.to_instance}" for m in plan.migrations]
     return attrs
+
+
+def _unclaimed_since(msg: Msg, req: InferenceRequest, started_at: float) -> float:
+    """Seconds the request waited in the stream with no live placer holding it."""
+    try:
+        redelivered = msg.metadata.num_delivered > 1
+    except Exception:  # not a JetStream message (tests)
+        redelivered = False
+    held_from = time.time() if redelivered else started_at
+    return max(0.0, held_from - req.arrival)
+
+
+def _stream_seq(msg: Msg) -> int | None:
+    try:
+        return msg.metadata.sequence.stream
+    except Exception:  # not a JetStream message (tests)
+        return None
 
 
 def _drop_message(plan: PlacementPlan) -> str:
