@@ -32,6 +32,7 @@ from services.gateway.observe import ServerSpanMiddleware
 from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
+from services.gateway.watchdog import WatchdogConfig
 from services.gateway.validation import ChatBody, CompletionBody
 from shared import telemetry as tm
 from shared.bus import ensure_streams
@@ -68,8 +69,11 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             js = nc.jetstream()
             await ensure_streams(js)
             registry = ModelRegistry(redis)
-            service = GatewayService(settings, registry, InferenceBackend(nc, js), TokenizerCache(),
-                                     metrics)
+            await registry.mark_intact()  # a fresh Redis: its (empty) registry is the truth
+            watchdog = WatchdogConfig(quiet_s=settings.stream_quiet_s,
+                                      max_resumes=settings.max_resumes)
+            service = GatewayService(settings, registry, InferenceBackend(nc, js, redis, watchdog),
+                                     TokenizerCache(), metrics)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
             if settings.metrics_port is not None:

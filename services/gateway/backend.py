@@ -4,23 +4,32 @@ stream back in order, publish cancellations.
 Ordering contract with the node (`shared.schemas.TokenMessage`): `seq` is the output index of
 `token_ids[0]`; messages may arrive out of order or not at all; the final message
 (`finished=True`) carries the complete output in `output_token_ids`, which fills any gap.
+
+A stream that goes quiet is looked after by its watchdog (`watchdog.py`): it asks the node that
+serves the request, and resumes the request elsewhere, from the tokens already streamed, when
+that node is gone. Each resume is a new `attempt`; only the current attempt's messages are read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from redis.asyncio import Redis
 
+from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
-from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
-from shared.subjects import CANCEL_SUBJECT, REQUEST_SUBJECT, token_subject
+from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
+                            NodeReply, RequestState, TokenMessage)
+from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, node_command_subject, node_key,
+                             token_subject)
 from shared.telemetry import inject_headers
 
 log = logging.getLogger("slinfer.gateway")
@@ -54,11 +63,15 @@ TokenEvent = Tokens | Finished
 
 
 class InferenceBackend:
-    """Collaborators: a connected NATS client and its JetStream context."""
+    """Collaborators: a connected NATS client and its JetStream context; Redis (the cluster view,
+    for the watchdog; None: a node that does not answer is never judged dead)."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, redis: Redis | None = None,
+                 watchdog: WatchdogConfig = WatchdogConfig()) -> None:
         self._nc = nc
         self._js = js
+        self._redis = redis
+        self.watchdog = watchdog
 
     @property
     def connected(self) -> bool:
@@ -75,8 +88,38 @@ class InferenceBackend:
                                    headers=self.request_headers(request, trace_headers))
         except Exception as exc:  # nats raises timeouts, no-responders, API errors
             await _unsubscribe(sub)
+            # The stream may have stored it with only the acknowledgement lost (NATS going down):
+            # the client is told 503, so the request must not run (a cancel is durable, kept by
+            # the client while NATS is away and replayed by placers).
+            await self.cancel(request.request_id, "not accepted")
             raise BackendUnavailable(f"request stream did not accept the request: {exc!r}") from exc
-        return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s)
+        return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s,
+                           request=request, backend=self, trace_headers=trace_headers)
+
+    async def resubmit(self, request: InferenceRequest, trace_headers: dict[str, str] | None) -> None:
+        """Publish a resumed attempt (its own message id: the stream must not drop it as a
+        duplicate of the first). Raises what the publish raises."""
+        headers = {**self.request_headers(request, trace_headers),
+                   "Nats-Msg-Id": f"{request.request_id}:attempt:{request.attempt}"}
+        await self._js.publish(REQUEST_SUBJECT, wire.encode(request), timeout=5.0, headers=headers)
+
+    async def probe(self, node_id: str, request_id: str, attempt: int) -> Probe:
+        """Ask the node what became of the request; without an answer, look for the node in the
+        cluster view."""
+        try:
+            msg = await self._nc.request(node_command_subject(node_id), wire.encode(NodeCommand(
+                CommandKind.STATUS, request_id=request_id, attempt=attempt)),
+                timeout=self.watchdog.probe_timeout_s)
+            reply = wire.decode(NodeReply, msg.data)
+            return Probe(RequestState(reply.reason), final=reply.final)
+        except Exception as exc:  # no responders, timeout, NATS down, an odd answer
+            log.info("node %s did not answer about %s: %r", node_id, request_id, exc)
+        if self._redis is None:
+            return Probe(None, None)
+        try:
+            return Probe(None, in_view=bool(await self._redis.exists(node_key(node_id))))
+        except Exception:  # Redis down too: nothing says the node is gone
+            return Probe(None, None)
 
     def request_headers(self, request: InferenceRequest,
                         trace_headers: dict[str, str] | None = None) -> dict[str, str]:
@@ -87,9 +130,11 @@ class InferenceBackend:
             return {**trace_headers, "Nats-Msg-Id": request.request_id}
         return inject_headers({"Nats-Msg-Id": request.request_id})
 
-    async def cancel(self, request_id: str, reason: str) -> None:
+    async def cancel(self, request_id: str, reason: str, below_attempt: int | None = None) -> None:
+        """Cancel the request wherever it is (`below_attempt`: only its attempts before that)."""
         try:
-            await self._nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(request_id, reason)))
+            await self._nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(request_id, reason,
+                                                                            below_attempt)))
             await self._nc.flush(timeout=2)
         except Exception:  # a cancel that cannot be sent must not fail the caller's cleanup
             log.warning("could not publish cancel for %s", request_id, exc_info=True)
@@ -97,39 +142,128 @@ class InferenceBackend:
 
 class TokenStream:
     """The token messages of one request, reordered: yields `Tokens` in output order, then one
-    `Finished`. Raises `StreamTimeout` at the deadline. Always `close()` it."""
+    `Finished`. Raises `StreamTimeout` at the deadline. Always `close()` it.
 
-    def __init__(self, request_id: str, sub: Subscription, deadline: float) -> None:
+    With `request` and `backend` given, a watchdog looks after the stream (module docstring)."""
+
+    def __init__(self, request_id: str, sub: Subscription, deadline: float,
+                 request: InferenceRequest | None = None, backend: InferenceBackend | None = None,
+                 trace_headers: dict[str, str] | None = None) -> None:
         self.request_id = request_id
         self._sub = sub
         self._deadline = deadline
         self._next = 0  # output index of the next token to yield
         self._pending: dict[int, int] = {}  # output index -> token id, beyond a gap
+        self.output: list[int] = []  # every token yielded, in order (what a resume starts from)
         self.prompt_tokens = 0  # as counted by the node (0 until it says)
         self.finished: Finished | None = None
         self.node_headers: dict[str, str] | None = None  # trace context of the first token message
         self.prefill_s: float | None = None  # the node's engine prefill time (first token message)
+        self._request = request
+        self._backend = backend
+        self._trace_headers = trace_headers
+        self.attempt = request.attempt if request is not None else 0
+        self.watch = (Watch(backend.watchdog, time.monotonic())
+                      if backend is not None and request is not None else None)
+        self.verdicts: list[Verdict] = []  # what the watchdog decided, in order (tests, logs)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while self.finished is None:
-            remaining = self._deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = self._deadline - now
             if remaining <= 0:
                 raise StreamTimeout(self.request_id)
+            wait = remaining if self.watch is None else min(remaining, self.watch.due_in(now))
             try:
-                msg = await self._sub.next_msg(timeout=remaining)
+                msg = await self._sub.next_msg(timeout=max(wait, 0.001))
             except nats.errors.TimeoutError:
+                if self.watch is None or time.monotonic() >= self._deadline:
+                    raise StreamTimeout(self.request_id) from None
+                if self.watch.due_in(time.monotonic()) <= 0:
+                    for event in await self._check():
+                        yield event
+                continue
+            except nats.errors.ConnectionClosedError:
                 raise StreamTimeout(self.request_id) from None
             try:
                 token_msg = wire.decode(TokenMessage, msg.data)
             except wire.WireError:
                 log.warning("undecodable token message for %s dropped", self.request_id)
                 continue
+            if token_msg.attempt != self.attempt:
+                continue  # an earlier attempt that still ran somewhere: not ours any more
+            if self.watch is not None:
+                self.watch.heard(time.monotonic(), token_msg.node_id)
             if self.node_headers is None and msg.headers:
                 self.node_headers = msg.headers
             if self.prefill_s is None and token_msg.prefill_s is not None:
                 self.prefill_s = token_msg.prefill_s
             for event in self._accept(token_msg):
                 yield event
+
+    async def _check(self) -> list[TokenEvent]:
+        """The watchdog's due check: ask, judge, act (module docstring)."""
+        watch = self.watch
+        assert watch is not None and self._backend is not None and self._request is not None
+        probe = None
+        if watch.needs_probe():
+            probe = await self._backend.probe(watch.node_id, self.request_id, self.attempt)
+        verdict = watch.judge(time.monotonic(), probe)
+        self.verdicts.append(verdict)
+        if verdict is Verdict.FINISH and probe is not None and probe.final is not None:
+            log.info("request %s: its final message was lost; node %s had it", self.request_id,
+                     watch.node_id)
+            return self._accept(replace(probe.final, attempt=self.attempt))
+        if verdict is Verdict.RESUME:
+            return await self._resume(watch.node_id)
+        if verdict is Verdict.FAIL:
+            error = (f"the node serving the request was lost {watch.resumes + 1} times "
+                     f"(last: {watch.node_id}); gave up after {watch.resumes} resumes")
+            log.warning("request %s: %s", self.request_id, error)
+            return self._end(FinishReason.ERROR, error)
+        return []
+
+    async def _resume(self, lost_node: str | None) -> list[TokenEvent]:
+        """Put the request back on the request stream as the next attempt, from the tokens the
+        client already has; the stream goes on from the next one."""
+        req = self._request
+        assert req is not None and self._backend is not None and self.watch is not None
+        done = self._nothing_left(req)
+        if done is not None:
+            return self._end(done)
+        now = time.time()
+        # The request lost the time since the node died: it is judged like a new arrival for its
+        # next token (its deadline moves by that time), or every placer would drop it as late.
+        grace = max(req.grace_s, now - req.arrival - req.tpot_slo_s * len(self.output))
+        resumed = replace(req, attempt=self.attempt + 1, resumed_token_ids=list(self.output),
+                          grace_s=grace, target_node=None, target_instance=None)
+        try:
+            await self._backend.resubmit(resumed, self._trace_headers)
+        except Exception as exc:  # NATS down: the next check tries again
+            log.warning("request %s: resume failed (%r); retrying at the next check",
+                        self.request_id, exc)
+            return []
+        log.warning("request %s: node %s lost it; resumed as attempt %d from %d tokens",
+                    self.request_id, lost_node, resumed.attempt, len(self.output))
+        self.attempt = resumed.attempt
+        self._pending.clear()  # beyond a gap, from the lost attempt: the new one sends them again
+        self.watch.resumed(time.monotonic())
+        # An older attempt still running somewhere (a node that only looked dead) stops.
+        await self._backend.cancel(self.request_id, "resumed elsewhere", below_attempt=self.attempt)
+        return []
+
+    def _nothing_left(self, req: InferenceRequest) -> FinishReason | None:
+        """The output is complete already (only its final message was lost with the node)."""
+        if self.output and self.output[-1] in req.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output) >= req.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _end(self, reason: FinishReason, error: str | None = None) -> list[TokenEvent]:
+        self.finished = Finished(reason=reason, error=error,
+                                 node_id=self.watch.node_id if self.watch else None)
+        return [self.finished]
 
     def _accept(self, m: TokenMessage) -> list[TokenEvent]:
         if m.prompt_tokens:
@@ -145,6 +279,7 @@ class TokenStream:
         while self._next in self._pending:
             ready.append(self._pending.pop(self._next))
             self._next += 1
+        self.output.extend(ready)
         events: list[TokenEvent] = [Tokens(ready)] if ready else []
         if m.finished:
             if self._pending:

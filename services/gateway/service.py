@@ -55,6 +55,8 @@ class GatewayService:
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
         record = await self.registry.resolve(name, tenant)
         if record is None:
+            if not await self.registry.intact():  # Redis lost its data; a placer restores it
+                raise errors.registry_unavailable()
             raise errors.model_not_found(name)
         return record
 
@@ -127,10 +129,14 @@ class GatewayService:
         # With ignore_eos no token ends the request: the node stops at max_tokens alone.
         eos = [] if params.ignore_eos else (list(record.eos_token_ids)
                                             or tokenizer_eos_ids(prepared.tokenizer))
+        arrival = time.time()
         return InferenceRequest(
             request_id=request_id, tenant=tenant, model=record.name,
             prompt_token_ids=prepared.prompt_ids, max_tokens=prepared.max_tokens,
-            arrival=time.time(), ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
+            arrival=arrival, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
+            # After this nobody waits: placers do not place it, nodes stop it (an orphan of a
+            # gateway that died with the client's connection ends by itself).
+            deadline=arrival + self.settings.request_timeout_s,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
             eos_token_ids=eos, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,

@@ -34,6 +34,8 @@ ENV_MODEL_QUEUE = "SLINFER_MODEL_MAX_QUEUE"
 ENV_METRICS_KEY = "SLINFER_METRICS_KEY"
 ENV_METRICS_PORT = "SLINFER_GATEWAY_METRICS_PORT"
 ENV_METRICS_HOST = "SLINFER_GATEWAY_METRICS_HOST"
+ENV_STREAM_QUIET = "SLINFER_STREAM_QUIET_S"
+ENV_MAX_RESUMES = "SLINFER_MAX_RESUMES"
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
 
@@ -63,6 +65,10 @@ class GatewaySettings:
     metrics_key: str | None = field(default=None, repr=False)  # bearer key for /metrics
     metrics_port: int | None = None  # serve /metrics there (not on `port`); None: on `port`
     metrics_host: str = "127.0.0.1"
+    # The watchdog (watchdog.py): a token stream quiet this long gets its node asked about it;
+    # a request whose node was lost is resumed elsewhere at most this many times.
+    stream_quiet_s: float = 5.0
+    max_resumes: int = 3
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -121,6 +127,10 @@ class GatewaySettings:
             raise ValueError(f"{ENV_METRICS_PORT} must be in 1..65535, got {self.metrics_port}")
         if self.metrics_key is not None and not self.metrics_key:
             raise ValueError(f"{ENV_METRICS_KEY} must not be empty")
+        if not self.stream_quiet_s > 0:
+            raise ValueError(f"{ENV_STREAM_QUIET} must be > 0, got {self.stream_quiet_s}")
+        if self.max_resumes < 0:
+            raise ValueError(f"{ENV_MAX_RESUMES} must be >= 0, got {self.max_resumes}")
 
     @property
     def auth_enabled(self) -> bool:
@@ -181,6 +191,9 @@ def _limits_from_env(env: Mapping[str, str] | None) -> dict:
                                      minimum=1),
         "model_max_queue": env_int(ENV_MODEL_QUEUE, d["model_max_queue"].default, env=env,
                                    minimum=0),
+        "stream_quiet_s": env_float(ENV_STREAM_QUIET, d["stream_quiet_s"].default, env=env,
+                                    minimum=0.001),
+        "max_resumes": env_int(ENV_MAX_RESUMES, d["max_resumes"].default, env=env, minimum=0),
     }
 
 
