@@ -78,7 +78,7 @@ NODE_REQUESTS = "slinfer.node.requests"  # gauge: requests the node owns
 NODE_ITERATIONS_RATE = "slinfer.node.iterations_per_second"  # gauge, over the last ~5 s
 NODE_ITERATIONS = "slinfer.node.iterations"  # counter
 PLACER_DECISIONS = "slinfer.placer.decisions"  # counter, by action
-NODE_PREDICTION_ERROR = "slinfer.node.prediction_error"  # histogram: actual / predicted - 1
+NODE_PREDICTION_RATIO = "slinfer.node.prediction_ratio"  # histogram: actual / predicted (1 = exact)
 
 # Bucket boundaries the GenAI semantic conventions recommend.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -211,11 +211,12 @@ class NodeObserver:
         self.requests: dict[str, RequestSpans] = {}
         self._stats = tm.NodeStats()
         self._samples: deque[tuple[float, int]] = deque()
-        self._prediction_error = telemetry.meter("slinfer.node").create_histogram(
-            tm.NODE_PREDICTION_ERROR, unit="1",
-            description="Iteration time vs the profile's prediction: actual / predicted - 1",
-            explicit_bucket_boundaries_advisory=[-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25,
-                                                 0.5, 1.0, 2.0, 5.0])
+        # A ratio, not ratio - 1: OpenTelemetry histograms take only non-negative values.
+        self._prediction_ratio = telemetry.meter("slinfer.node").create_histogram(
+            tm.NODE_PREDICTION_RATIO, unit="1",
+            description="Iteration time vs the profile's prediction: actual / predicted",
+            explicit_bucket_boundaries_advisory=[0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25,
+                                                 1.5, 2.0, 3.0, 6.0])
         self._server = None
 
     # --- lifecycle and gauges ---------------------------------------------------------------
@@ -333,8 +334,9 @@ class NodeObserver:
                    actual_s: float) -> None:
         """One iteration's time against the prediction the node decided with: a metric, and an
         attribute of the request's prefill / decode span."""
-        error = actual_s / predicted_s - 1
-        self._prediction_error.record(error, {tm.MODEL: model, "slinfer.iteration.kind": kind,
+        ratio = actual_s / predicted_s
+        error = ratio - 1
+        self._prediction_ratio.record(ratio, {tm.MODEL: model, "slinfer.iteration.kind": kind,
                                               "slinfer.node_id": self.node_id})
         if not self.tracing:
             return
