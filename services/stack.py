@@ -34,6 +34,7 @@ class Stack:
     redis_url: str
     data_dir: Path
     children: tuple[Child, ...]
+    server_pids: tuple[tuple[str, int], ...] = ()  # (name, pid) of nats-server and valkey
 
 
 def store_profile(redis_url: str, profile: Profile) -> None:
@@ -125,4 +126,5 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
         if r.status_code not in (200, 201):
             raise RuntimeError(f"registering {model} failed: {r.status_code} {r.text}")
         wait_nodes(url, {"node-0"}, children)
-        yield Stack(url, model, nats.url, redis.url, data, tuple(children))
+        yield Stack(url, model, nats.url, redis.url, data, tuple(children),
+                    (("nats-server", nats.proc.pid), ("valkey", redis.proc.pid)))

@@ -1,19 +1,21 @@
 """Reproduce SLINFER §IX with the cluster simulator, on the paper's own workload shape.
 
-    .venv/bin/python -m bench.sim.reproduce --out bench/results/sim --seeds 0 1 2 3 4 --jobs 2
+    .venv/bin/python -m bench.sim.reproduce --out bench/results/sim --seeds 0 1 2 --jobs 2
     .venv/bin/python -m bench.sim.table --write bench/BENCHMARKS.md
 
 Groups of runs (each a `SimConfig`; every report is written to OUT/<group>/...json):
 - headline (§IX-B): the Azure Functions sample (one function per model, Poisson within a minute)
   for 3B/7B/13B at 32/64/128 models, the four systems, every seed;
+the rest are sensitivity runs on the first `--sensitivity-seeds` seeds (default 1):
 - startup: the 128-model headline again with a 2 s engine start-up on every cold start;
-- cv2 / cv8: the synthetic workload (log-normal popularity, Gamma bursts), 0.02 req/s per model,
-  as sensitivity runs (first seed only);
+- cv2 / cv8: the synthetic workload (log-normal popularity, Gamma bursts) at 128 models,
+  0.02 req/s per model;
 - ablation (§IX-C, plus packing): 64 x 7B and 32 x 7B on the trace with parts of SLINFER off;
 - watermark (§IX-I5): 64 x 7B at 0/25/50/100%;
 - noise: 128 x 7B SLINFER with the iteration noise off, default, doubled;
 - storage: 128 x 7B with checkpoint tiers (DRAM and disk caches, cold at the start) and with
-  every load from the registry, against the headline's all-in-DRAM (first three seeds).
+  every load from the registry, against the headline's all-in-DRAM.
+A stopped reproduction goes on where it stopped (summary.json is written after every run).
 summary.json holds every run's headline numbers; the table module turns it into BENCHMARKS.md.
 """
 
@@ -44,31 +46,36 @@ HEADLINE_KEYS = ("requests", "slo_met", "slo_attainment", "slo_attainment_mean_t
                  "migration_refusals", "admission_answers")
 
 
-def plan(seeds: list[int], groups: set[str]) -> dict[str, SimConfig]:
-    """Every run, by key: group/size/models/system[/variant]/s<seed>."""
+def plan(seeds: list[int], groups: set[str], sensitivity_seeds: int = 1) -> dict[str, SimConfig]:
+    """Every run, by key: group/size/models/system[/variant]/s<seed>. The headline runs every
+    seed; the other groups the first `sensitivity_seeds` of them (they compare variants of one
+    system on the same arrivals, so a seed's noise is common to the variants)."""
     runs: dict[str, SimConfig] = {}
     base = dict(cpu_nodes=4, gpu_nodes=4, duration=1800.0)
     for seed in seeds:
+        extra = seed in seeds[:sensitivity_seeds]
         for size in SIZES:
             for n in COUNTS:
                 for system in SYSTEMS:
                     if "headline" in groups:
                         runs[f"headline/{size}/{n}/{system}/s{seed}"] = SimConfig(
                             system=system, models=n, model_size=size, seed=seed, **base)
-                    if "startup" in groups and n == 128 and seed in seeds[:3]:
+                    if "startup" in groups and n == 128 and extra:
                         runs[f"startup/{size}/{n}/{system}/s{seed}"] = SimConfig(
                             system=system, models=n, model_size=size, seed=seed,
                             engine_startup=2.0, **base)
-                    if "storage" in groups and n == 128 and size == "7b" and seed in seeds[:3]:
+                    if "storage" in groups and n == 128 and size == "7b" and extra:
                         for mode in ("tiered", "registry"):
                             runs[f"storage/{size}/{n}/{system}/{mode}/s{seed}"] = SimConfig(
                                 system=system, models=n, model_size=size, seed=seed,
                                 storage=mode, **base)
                     for cv in (2.0, 8.0):
-                        if f"cv{cv:g}" in groups and seed == seeds[0]:
+                        if f"cv{cv:g}" in groups and n == 128 and extra:
                             runs[f"cv{cv:g}/{size}/{n}/{system}/s{seed}"] = SimConfig(
                                 system=system, models=n, model_size=size, seed=seed,
                                 arrivals="synthetic", cv=cv, rps=RPS_PER_MODEL * n, **base)
+        if not extra:
+            continue
         if "ablation" in groups:
             for n in (32, 64):
                 for name, flags in {"full": {}, "no-cpu": {"no_cpu": True},
@@ -106,38 +113,49 @@ def run_one(args: tuple[str, SimConfig, str]) -> tuple[str, dict, tuple | None]:
     return key, row, cdf
 
 
+def _meta(args: argparse.Namespace, argv: list[str] | None, started: float) -> dict:
+    return {"command": "python -m bench.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv),
+            "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                                             f"Python {platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d"), "wall_s_last_invocation": round(time.perf_counter() - started, 1),
+            "jobs": args.jobs, "sensitivity_seeds": args.sensitivity_seeds}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/sim")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--sensitivity-seeds", type=int, default=1,
+                   help="how many of the seeds the groups other than the headline run")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     p.add_argument("--groups", nargs="+", default=["headline", "startup", "cv2", "cv8", "ablation",
                                                     "watermark", "noise", "storage"])
+    p.add_argument("--fresh", action="store_true",
+                   help="run everything again (default: keep the runs summary.json already holds)")
     args = p.parse_args(argv)
     out = Path(args.out)
-    runs = plan(args.seeds, set(args.groups))
+    out.mkdir(parents=True, exist_ok=True)
+    runs = plan(args.seeds, set(args.groups), args.sensitivity_seeds)
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = {} if args.fresh or not summary_path.exists() else json.loads(summary_path.read_text())
     summary.setdefault("runs", {})
     summary.setdefault("cdfs", {})
+    # The summary is written after every run, so a reproduction that is stopped (it takes hours
+    # on two cores) goes on where it stopped when started again.
+    todo = [k for k in runs if k not in summary["runs"]]
     started = time.perf_counter()
     # Slowest first (SLINFER at 128 models), so the pool's last minutes are not one long run.
-    order = sorted(runs, key=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k))
+    order = sorted(todo, key=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k))
+    print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already in {summary_path}", flush=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for i, (key, row, cdf) in enumerate(pool.map(run_one, [(k, runs[k], str(out)) for k in order])):
             summary["runs"][key] = row
             if cdf is not None:
                 summary["cdfs"][key] = cdf
-            print(f"[{i + 1}/{len(runs)}] {key:45s} slo={row['slo_attainment']:.3f} "
+            summary["meta"] = _meta(args, argv, started)
+            summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+            print(f"[{i + 1}/{len(todo)}] {key:45s} slo={row['slo_attainment']:.3f} "
                   f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s", flush=True)
-    summary["meta"] = {
-        "command": "python -m bench.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv),
-        "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                                         f"Python {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - started, 1),
-        "jobs": args.jobs}
-    out.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
     return 0
 
 

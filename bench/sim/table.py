@@ -67,6 +67,57 @@ def _met(values: list[float], low: float) -> str:
     return "met" if values and statistics.fmean(values) >= low else "**not met**"
 
 
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def gaps(r: Runs) -> str:
+    """Where the headline falls short of the paper's lower ends, with the numbers, and the
+    reasons that apply to those numbers (each sentence is emitted only when its case holds)."""
+    missed = [(size, b, g, PAPER_GAIN[b][0]) for size in SIZES for b in BASELINES
+              if (g := _mean(r.gains("headline", size, 128, b))) is not None and g < PAPER_GAIN[b][0]]
+    if not missed:
+        return "Every size meets or beats the paper's lower end against every baseline."
+    listed = "; ".join(f"{size} vs {b} {g:+.0f}% (paper from +{low}%)" for size, b, g, low in missed)
+    out = [f"**Not met:** {listed}."]
+    start = {(size, b): _mean(r.gains("startup", size, 128, b)) for size, b, _, _ in missed}
+    closer = [f"{size} vs {b} {g:+.0f}% → {start[(size, b)]:+.0f}%" for size, b, g, _ in missed
+              if start[(size, b)] is not None and start[(size, b)] > g]
+    if closer:
+        out.append(
+            "- **The baselines pay less here than in the paper.** They run on the same profiles, "
+            "the same DRAM-cached ~1 s loads and the same noise as SLINFER, with no engine start-up "
+            "in the headline; the paper's vLLM-based baselines also pay engine initialisation on "
+            "every cold start, and they cold-start far more often than SLINFER (exclusive "
+            "instances). With a 2 s start-up on every cold start the gaps widen: "
+            + "; ".join(closer) + ".")
+    att = {size: _mean(r.values(f"headline/{size}/128/slinfer", "slo_attainment")) for size in SIZES}
+    saturated = [size for size, a in att.items() if a is not None and a < PAPER_ATTAINMENT_128 - 0.05]
+    if saturated:
+        used = "; ".join(
+            f"{size}: {att[size]:.2f} with "
+            f"{_mean(r.values(f'headline/{size}/128/slinfer', 'avg_cpu_nodes_used')):.1f} CPU and "
+            f"{_mean(r.values(f'headline/{size}/128/slinfer', 'avg_gpu_nodes_used')):.1f} GPU nodes busy"
+            for size in saturated)
+        out.append(
+            "- **A saturated cluster compresses the ratios.** SLINFER's own attainment at 128 models "
+            f"is below the paper's ~{PAPER_ATTAINMENT_128:.2f} ({used}, of 4 + 4 on average): "
+            "the load exceeds what the 8 nodes serve within the SLOs, and what no system can serve "
+            "is lost by every system, so the ratio of SLO-met requests shrinks.")
+    small = [f"{size} vs {b} {g:+.0f}%" for size, b, g, _ in missed if size == "3b"]
+    if small:
+        out.append(
+            "- **3B gains less.** A 3B instance leaves most of a GPU's memory idle even alone, so "
+            "exclusive GPUs cost the baselines little, and CPUs serve 3B well for every system that "
+            f"uses them ({', '.join(small)}).")
+    out.append(
+        "- **Iterations are per instance.** SLINFER runs one model's batch per iteration on a "
+        "shared node (as the paper's engine does); the time-sharing baseline's halves run in "
+        "parallel at half speed, which on our profiles is close to what SLINFER's interleaving "
+        "achieves, so sllm+c+s is a strong baseline here.")
+    return "\n".join(out)
+
+
 def headline_gains(r: Runs, group: str = "headline") -> str:
     out = ["| size | vs sllm (paper +86…+154%) | vs sllm+c (paper +47…+62%) | "
            "vs sllm+c+s (paper +18…+70%) | SLINFER attainment (paper ~0.86) |",
@@ -83,8 +134,10 @@ def gains_table(r: Runs, group: str) -> str:
     out = ["| size | models | SLINFER vs sllm | vs sllm+c | vs sllm+c+s |", "|---|---|---|---|---|"]
     for size in SIZES:
         for n in COUNTS:
-            out.append(f"| {size} | {n} | " + " | ".join(
-                spread(r.gains(group, size, n, b), pct=True) for b in BASELINES) + " |")
+            gains = [r.gains(group, size, n, b) for b in BASELINES]
+            if any(gains):  # the sensitivity groups run 128 models only
+                out.append(f"| {size} | {n} | " + " | ".join(
+                    spread(g, pct=True) if g else "n/a" for g in gains) + " |")
     return "\n".join(out)
 
 
@@ -128,6 +181,32 @@ def variants_table(r: Runs, prefixes: list[tuple[str, str]]) -> str:
     return "\n".join(out)
 
 
+def storage_table(r: Runs) -> str:
+    out = ["| system | checkpoints | SLO attainment | cold-start TTFT p50 / p99 (s) | loads (dram / disk / registry) |",
+           "|---|---|---|---|---|"]
+    for s in SYSTEMS:
+        for label, prefix in (("all in DRAM (headline)", f"headline/7b/128/{s}"),
+                              ("tiered (cold caches)", f"storage/7b/128/{s}/tiered"),
+                              ("registry only", f"storage/7b/128/{s}/registry")):
+            rows = r.seeds(prefix)
+            if not rows:
+                continue
+            seeds = {k.rsplit("/", 1)[1] for k in r.rows if k.startswith(f"storage/7b/128/{s}/")}
+            if prefix.startswith("headline/"):  # the same seeds as the storage runs
+                rows = [x for k, x in sorted(r.rows.items())
+                        if k.rsplit("/", 1)[0] == prefix and k.rsplit("/", 1)[1] in seeds] or rows
+            cold50 = [x["ttft_cold_start_p50"] for x in rows if x.get("ttft_cold_start_p50") is not None]
+            cold99 = [x["ttft_cold_start_p99"] for x in rows if x.get("ttft_cold_start_p99") is not None]
+            loads = [statistics.fmean(x.get("loads_by_tier", {}).get(t, 0) for x in rows)
+                     for t in ("dram", "disk", "registry")]
+            cold = (f"{statistics.fmean(cold50):.2f} / {statistics.fmean(cold99):.2f}"
+                    if cold50 and cold99 else "n/a")
+            load_text = " / ".join(f"{v:.0f}" for v in loads) if any(loads) else "(profile's load time)"
+            out.append(f"| {s} | {label} | {spread([x['slo_attainment'] for x in rows], '{:.3f}')} | "
+                       f"{cold} | {load_text} |")
+    return "\n".join(out)
+
+
 def gpus_32x7b(r: Runs) -> str:
     cells = []
     for s in ("slinfer", "sllm+c", "sllm+c+s"):
@@ -153,11 +232,12 @@ def section(r: Runs) -> str:
     n_runs = len(r.rows)
     head = r.seeds("headline/7b/128/slinfer")
     reqs = spread([float(x["requests"]) for x in head], "{:.0f}")
+    cpu_hours = sum(x.get("wall_s", 0) for x in r.rows.values()) / 3600
     return f"""{BEGIN}
 ## Cluster simulator: SLINFER §IX reproduced on the paper's workload (`bench/sim/`)
 
 Machine: {m.get('machine', '?')}. Command: `{m.get('command', '?')}` ({n_runs} runs, seeds
-{seeds}, {m.get('jobs', 1)} processes, {m.get('wall_s', 0) / 60:.0f} min of wall time), then
+{seeds}, {m.get('jobs', 1)} processes, {cpu_hours:.1f} CPU-hours of simulation), then
 `python -m bench.sim.table --write bench/BENCHMARKS.md`. Every report is in
 `bench/results/sim/<group>/...`; every number here is generated from `bench/results/sim/summary.json`.
 Cells are the mean over seeds with [min, max] across them.
@@ -186,7 +266,11 @@ headline (ServerlessLLM's ~1 s loads only), 2 s in the start-up sensitivity; kee
 
 "met" compares the mean over seeds with the paper's lower end. 32 × 7B GPUs used: {gpus_32x7b(r)}.
 
-With a 2 s engine start-up on every cold start (every system pays it; first {min(3, len(seeds))} seeds):
+#### Gaps against the paper, and why
+
+{gaps(r)}
+
+With a 2 s engine start-up on every cold start (every system pays it; seeds {seeds[:m.get('sensitivity_seeds', 1)]}):
 
 {headline_gains(r, "startup")}
 
@@ -200,9 +284,9 @@ What the core answered, over every candidate of every placement decision (SLINFE
 all sizes and seeds): {answers(r)}. `shadow_horizon` is a conservative refusal: the shadow
 simulation's step budget ran out before it could decide.
 
-### Sensitivity: the synthetic workload (seed {seeds[0] if seeds else 0})
+### Sensitivity: the synthetic workload (seeds {seeds[:m.get('sensitivity_seeds', 1)]})
 
-Log-normal popularity (σ 1.7) and Gamma inter-arrivals, 0.02 req/s per model. CV 2:
+Log-normal popularity (σ 1.7) and Gamma inter-arrivals, 128 models at 0.02 req/s each. CV 2:
 
 {gains_table(r, "cv2")}
 
@@ -223,6 +307,16 @@ bin-packing): the GPUs-used difference to `full` is what §V's bin-packing saves
 {variants_table(r, [(f"watermark {w}%", f"watermark/7b/64/{w}") for w in (0, 25, 50, 100)])}
 
 {variants_table(r, [(f"noise σ {s}", f"noise/7b/128/{s}") for s in ("0", "0.07", "0.14")])}
+
+### Checkpoint tiers (ServerlessLLM §4, 128 x 7B)
+
+The headline caches every checkpoint in every node's DRAM (the paper's setting, §IX-A). Here the
+nodes start with empty caches: a 64 GB DRAM cache and a 1 TB NVMe cache per node (LRU), the
+registry over a 10 Gb/s link (`sim/storage.py`; bandwidths are stated assumptions), and the same
+without any cache. SLINFER's core sees each node's tiers (q + n/b); the baselines pay the same
+load times.
+
+{storage_table(r)}
 {END}"""
 
 
