@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from shared import wire
 from shared.subjects import MODEL_STATE_HASH, JOB_STREAM, job_subject
@@ -37,21 +39,70 @@ class ModelState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class ModelStatus:
+class KindStatus:
+    """One hardware kind's step of the lifecycle (the profiler of that kind reports it)."""
+
     state: ModelState
-    reason: str = ""  # failed: why; otherwise what runs now
+    reason: str = ""  # failed: why; otherwise what runs now ("queued", "profiling on torch")
     progress: float = 0.0  # 0..1 of the step that runs now
-    hardware: dict[str, str] = field(default_factory=dict)  # kind -> its state ("ready", ...)
     updated: float = 0.0
 
+    def plain(self) -> dict:
+        return {"state": self.state.value, "reason": self.reason, "progress": self.progress,
+                "updated": self.updated}
+
+    @classmethod
+    def from_plain(cls, data: dict) -> KindStatus:
+        return cls(ModelState(data["state"]), data.get("reason", ""),
+                   float(data.get("progress", 0.0)), float(data.get("updated", 0.0)))
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    state: ModelState
+    reason: str = ""  # of the last update (any kind); per kind: `kinds`
+    progress: float = 0.0  # of the last update
+    hardware: dict[str, str] = field(default_factory=dict)  # kind -> its state ("ready", ...)
+    updated: float = 0.0
+    kinds: dict[str, KindStatus] = field(default_factory=dict)  # kind -> its step in full
+
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "state": self.state.value}, sort_keys=True)
+        return json.dumps({**asdict(self), "state": self.state.value,
+                           "kinds": {k: v.plain() for k, v in self.kinds.items()}},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ModelStatus:
         data = json.loads(text)
+        kinds = {k: KindStatus.from_plain(v) for k, v in data.get("kinds", {}).items()}
         return cls(ModelState(data["state"]), data.get("reason", ""), float(data.get("progress", 0.0)),
-                   dict(data.get("hardware", {})), float(data.get("updated", 0.0)))
+                   dict(data.get("hardware", {})), float(data.get("updated", 0.0)), kinds)
+
+    def kind(self, hardware: str) -> KindStatus | None:
+        """That kind's step (a state written before `kinds` existed: its state only)."""
+        if hardware in self.kinds:
+            return self.kinds[hardware]
+        if hardware in self.hardware:
+            return KindStatus(ModelState(self.hardware[hardware]), updated=self.updated)
+        return None
+
+    def describe(self, kinds: list[str] | None = None) -> str:
+        """For people: "profiling on cpu (profiling on torch, 40%)", "failed on cpu: why";
+        of `kinds` (default: every kind)."""
+        names = kinds if kinds is not None else sorted(set(self.hardware) | set(self.kinds))
+        parts = []
+        for name in names:
+            k = self.kind(name)
+            if k is None:
+                continue
+            text = f"{k.state.value} on {name}"
+            if k.state is ModelState.FAILED:
+                text += f": {k.reason or 'no reason given'}"
+            elif k.state is not ModelState.READY:
+                detail = ", ".join(x for x in (k.reason, f"{k.progress:.0%}" if k.progress else "") if x)
+                text += f" ({detail})" if detail else ""
+            parts.append(text)
+        return "; ".join(parts) or self.state.value
 
 
 @dataclass(frozen=True)
@@ -89,13 +140,29 @@ async def all_statuses(redis: Redis) -> dict[str, ModelStatus]:
 
 async def set_hardware_state(redis: Redis, model: str, hardware: str, state: ModelState,
                              reason: str = "", progress: float = 0.0) -> ModelStatus:
-    """One hardware kind's step changed; the model's state is derived from all kinds'."""
-    current = await get_status(redis, model)
-    kinds = dict(current.hardware) if current else {}
-    kinds[hardware] = state.value
-    status = ModelStatus(overall(kinds), reason, progress, kinds, time.time())
-    await redis.hset(MODEL_STATE_HASH, model, status.to_json())
-    return status
+    """One hardware kind's step changed; the model's state is derived from all kinds'. A
+    read-modify-write under WATCH: profilers of two kinds may report at once."""
+    async with redis.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(MODEL_STATE_HASH)
+                blob = await pipe.hget(MODEL_STATE_HASH, model)
+                status = _with_kind(ModelStatus.from_json(blob) if blob else None, hardware,
+                                    KindStatus(state, reason, progress, time.time()))
+                pipe.multi()
+                pipe.hset(MODEL_STATE_HASH, model, status.to_json())
+                await pipe.execute()
+                return status
+            except WatchError:
+                continue  # another kind reported meanwhile: read again
+
+
+def _with_kind(current: ModelStatus | None, hardware: str, step: KindStatus) -> ModelStatus:
+    kinds = {k: current.kind(k) for k in current.hardware} if current else {}
+    kinds = {k: v for k, v in kinds.items() if v is not None}
+    kinds[hardware] = step
+    states = {k: v.state.value for k, v in kinds.items()}
+    return ModelStatus(overall(states), step.reason, step.progress, states, step.updated, kinds)
 
 
 async def forget(redis: Redis, model: str) -> None:
@@ -123,3 +190,27 @@ async def request_profiles(js: JetStreamContext, redis: Redis, model: str,
                          headers={"Nats-Msg-Id": f"profile:{model}:{kind}:{time.time_ns()}"})
     assert status is not None, "at least one hardware kind"
     return status
+
+
+async def mark_ready(redis: Redis, model: str, hardware: str, reason: str) -> ModelStatus:
+    """A kind that needs no job (its profile exists already): ready at once."""
+    return await set_hardware_state(redis, model, hardware, ModelState.READY, reason, 1.0)
+
+
+# The placer answers a request for a model that is not servable with one of these codes in its
+# error text, so the gateway can tell "not ready" and "failed" from an inference failure
+# without a new wire field: "[model_not_ready] ..." / "[model_failed] ...".
+NOT_READY = "model_not_ready"
+FAILED = "model_failed"
+_CODED = re.compile(r"\[(model_not_ready|model_failed)\] (.*)", re.DOTALL)
+
+
+def lifecycle_error(code: str, message: str) -> str:
+    assert code in (NOT_READY, FAILED)
+    return f"[{code}] {message}"
+
+
+def parse_lifecycle_error(error: str | None) -> tuple[str, str] | None:
+    """(code, message) of an error made by `lifecycle_error`, else None."""
+    match = _CODED.fullmatch(error or "")
+    return (match.group(1), match.group(2)) if match else None

@@ -8,6 +8,11 @@ Who may do what:
   replaces and deletes public models, from `SLINFER_MODEL_ROOTS`, and sees and deletes any model.
 Another tenant's private model does not exist for a tenant (404), and its instances are left out
 of the cluster view.
+
+Registering a model starts its lifecycle (`services.gateway.lifecycle`): it is converted and
+profiled on each hardware kind of the cluster by the profiler services, and every model view
+(`POST`, `GET /admin/models`, `GET /admin/models/{name}`) carries `lifecycle`: the state
+(`converting`, `profiling`, `ready`, `failed`) per hardware kind with its progress and reason.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from services.gateway import errors
+from services.gateway import errors, lifecycle
 from services.gateway.auth import Principal
 from services.gateway.deps import Caller, Context, RawBody
 from services.gateway.openapi_docs import (ADMIN_ERRORS, DELETED, INSTANCE_LIST, MODEL_RECORD,
@@ -30,6 +35,7 @@ from services.gateway.paths import confined_model_dir
 from services.gateway.validation import _Strict, parse_body
 from shared import wire
 from shared.core.types import SLO_CLASSES, NodeView
+from shared.model_state import forget as forget_state
 from shared.registry import (ModelDirError, ModelExistsError, display_name, model_id,
                              model_record_from_dir, strip_owner)
 from shared.schemas import ModelRecord
@@ -94,6 +100,7 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
     except ModelDirError as exc:
         raise errors.invalid_request(str(exc), param="path", code="invalid_model_dir") from None
     await _check_no_clash(ctx, body.name, owner)
+    previous = await ctx.registry.get(record.name)
     try:
         await ctx.registry.register(record, replace=body.replace)
     except ModelExistsError:
@@ -101,7 +108,11 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
     ctx.service.tokenizers.forget(record.path)
     log.info("%s registered model %s (%s, %s)", _who(caller), record.name, record.engine,
              record.path)
-    return JSONResponse(model_view(record, caller), status_code=201)
+    status = await lifecycle.start(ctx.nc, ctx.redis, record, previous,
+                                   ctx.settings.profile_hardware)
+    view = model_view(record, caller)
+    view["lifecycle"] = lifecycle.view(status, set(), None if caller.operator else record.path)
+    return JSONResponse(view, status_code=201)
 
 
 async def _base_model(ctx: Context, name: str | None, tenant: str) -> ModelRecord | None:
@@ -156,7 +167,17 @@ def model_view(record: ModelRecord, caller: Principal) -> dict[str, Any]:
 @router.get("/models", response_model=None, responses={200: RECORD_LIST})
 async def list_registered(caller: Caller, ctx: Context) -> dict[str, Any]:
     records = await ctx.registry.list(None if caller.operator else caller.tenant)
-    return {"object": "list", "data": [model_view(r, caller) for r in records]}
+    states = await lifecycle.views(ctx.redis, records, caller.operator)
+    return {"object": "list",
+            "data": [{**model_view(r, caller), "lifecycle": states[r.name]} for r in records]}
+
+
+@router.get("/models/{name:path}", response_model=None, responses={200: MODEL_RECORD})
+async def get_registered(name: str, caller: Caller, ctx: Context) -> dict[str, Any]:
+    """One model as the caller calls it (the operator also by registry id), with its lifecycle."""
+    record = await _visible(ctx, name, caller)
+    states = await lifecycle.views(ctx.redis, [record], caller.operator)
+    return {**model_view(record, caller), "lifecycle": states[record.name]}
 
 
 @router.delete("/models/{name:path}", response_model=None, responses={200: DELETED})
@@ -165,17 +186,23 @@ async def delete_model(name: str, caller: Caller, ctx: Context) -> dict[str, Any
     if not await ctx.registry.delete(record.name):
         raise errors.model_not_found(name)
     ctx.service.tokenizers.forget(record.path)
+    await forget_state(ctx.redis, record.name)  # its profiles stay: instances may still run
     log.info("%s deleted model %s", _who(caller), record.name)
     return {"id": name, "object": "model", "deleted": True}
 
 
-async def _deletable(ctx: Context, name: str, caller: Principal) -> ModelRecord:
+async def _visible(ctx: Context, name: str, caller: Principal) -> ModelRecord:
     if caller.operator:  # by registry id (any tenant's), else as the operator's tenant calls it
         record = await ctx.registry.get(name) or await ctx.registry.resolve(name, caller.tenant)
     else:
         record = await ctx.registry.resolve(name, caller.tenant)
     if record is None:
         raise errors.model_not_found(name)
+    return record
+
+
+async def _deletable(ctx: Context, name: str, caller: Principal) -> ModelRecord:
+    record = await _visible(ctx, name, caller)
     if not caller.operator and record.owner != caller.tenant:
         raise _forbidden(f"Only the operator may delete the public model {name!r}.")
     return record

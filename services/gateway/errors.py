@@ -83,6 +83,17 @@ def request_dropped(detail: str | None = None) -> APIError:
                     headers={"Retry-After": "1"})
 
 
+def model_not_ready(message: str) -> APIError:
+    """A registered model still converting or profiling (GET /admin/models shows its progress)."""
+    return APIError(503, message, type="server_error", param="model", code="model_not_ready",
+                    headers={"Retry-After": "5"})
+
+
+def model_failed(message: str) -> APIError:
+    """A registered model whose lifecycle failed: retrying does not help, the operator must."""
+    return APIError(503, message, type="server_error", param="model", code="model_failed")
+
+
 def backend_unavailable(detail: str) -> APIError:
     return APIError(503, f"The inference backend is unavailable: {detail}", type="server_error",
                     code="backend_unavailable")

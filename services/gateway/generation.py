@@ -16,6 +16,7 @@ from services.gateway import errors
 from services.gateway.backend import Finished, InferenceBackend, StreamTimeout, Tokens, TokenStream
 from services.gateway.observe import RequestObserver
 from services.gateway.tokenization import IncrementalDetokenizer
+from shared.model_state import FAILED, parse_lifecycle_error
 from shared.schemas import FinishReason
 
 log = logging.getLogger("slinfer.gateway")
@@ -107,6 +108,10 @@ class Generation:
         self.failure, self.failure_detail = event.reason.value, event.error
         if event.reason is FinishReason.DROPPED:
             raise errors.request_dropped(event.error)
+        lifecycle = parse_lifecycle_error(event.error)
+        if lifecycle is not None:  # the model is not servable yet (services/placer/readiness.py)
+            code, message = lifecycle
+            raise (errors.model_failed if code == FAILED else errors.model_not_ready)(message)
         if event.reason is FinishReason.CANCELLED:
             raise errors.inference_failed(event.error or "the request was cancelled by the system")
         raise errors.inference_failed(event.error)

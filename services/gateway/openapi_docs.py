@@ -38,8 +38,9 @@ _ERROR_TEXT = {
     413: "The request body is larger than the limit.",
     429: "A limit of the caller's tenant or of the model is reached; see Retry-After.",
     500: "The gateway or the inference backend failed.",
-    503: "The inference backend or the registry is unavailable, or the request was dropped "
-         "(it could not meet its SLO).",
+    503: "The inference backend or the registry is unavailable, the request was dropped "
+         "(it could not meet its SLO), or the model is not ready yet (model_not_ready: still "
+         "converting or profiling) or failed to become servable (model_failed).",
     504: "The request did not finish within the gateway's timeout.",
 }
 
@@ -127,6 +128,20 @@ class Health(BaseModel):
     auth: bool
 
 
+class LifecycleStep(BaseModel):
+    state: str  # converting | profiling | ready | failed
+    progress: float  # 0..1 of the step that runs now
+    reason: str  # failed: why; otherwise what runs now
+    updated: float
+
+
+class Lifecycle(BaseModel):
+    """Whether the model is servable: converted and profiled per hardware kind."""
+
+    state: str  # converting | profiling | ready | failed | not_profiled
+    hardware: dict[str, LifecycleStep]
+
+
 class RegisteredModel(BaseModel):
     """A registry record; `path` only for the operator, names as the caller calls them."""
 
@@ -141,6 +156,7 @@ class RegisteredModel(BaseModel):
     kv_bytes_per_token: int
     eos_token_ids: list[int]
     created_at: float
+    lifecycle: Lifecycle | None = None
 
 
 class RegisteredList(BaseModel):

@@ -36,6 +36,7 @@ ENV_METRICS_PORT = "SLINFER_GATEWAY_METRICS_PORT"
 ENV_METRICS_HOST = "SLINFER_GATEWAY_METRICS_HOST"
 ENV_STREAM_QUIET = "SLINFER_STREAM_QUIET_S"
 ENV_MAX_RESUMES = "SLINFER_MAX_RESUMES"
+ENV_PROFILE_HARDWARE = "SLINFER_PROFILE_HARDWARE"
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
 
@@ -65,6 +66,9 @@ class GatewaySettings:
     metrics_key: str | None = field(default=None, repr=False)  # bearer key for /metrics
     metrics_port: int | None = None  # serve /metrics there (not on `port`); None: on `port`
     metrics_host: str = "127.0.0.1"
+    # A registered model is profiled on the hardware kinds of the live nodes; with no node up,
+    # on these (comma-separated in SLINFER_PROFILE_HARDWARE).
+    profile_hardware: tuple[str, ...] = ("cpu",)
     # The watchdog (watchdog.py): a token stream quiet this long gets its node asked about it;
     # a request whose node was lost is resumed elsewhere at most this many times.
     stream_quiet_s: float = 5.0
@@ -194,7 +198,15 @@ def _limits_from_env(env: Mapping[str, str] | None) -> dict:
         "stream_quiet_s": env_float(ENV_STREAM_QUIET, d["stream_quiet_s"].default, env=env,
                                     minimum=0.001),
         "max_resumes": env_int(ENV_MAX_RESUMES, d["max_resumes"].default, env=env, minimum=0),
+        "profile_hardware": _hardware_kinds(env_str(ENV_PROFILE_HARDWARE, "cpu", env=env) or "cpu"),
     }
+
+
+def _hardware_kinds(raw: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(k.strip().lower() for k in raw.split(",") if k.strip()))
+    if not kinds or any(k not in ("cpu", "gpu") for k in kinds):
+        raise ValueError(f"{ENV_PROFILE_HARDWARE} must list cpu and/or gpu, got {raw!r}")
+    return kinds
 
 
 def _dir_name(tenant: str) -> bool:

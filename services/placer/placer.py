@@ -44,6 +44,7 @@ from opentelemetry.trace import Status, StatusCode
 from redis.asyncio import Redis
 
 from services.placer.keeper import StateKeeper
+from services.placer.readiness import ReadinessGate, Verdict, hold_or_fail
 from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
 from shared import wire
@@ -99,6 +100,7 @@ class Placer:
         self.cancelled: dict[str, tuple[float, float]] = {}
         self._cancel_seq = 0  # last cancel-stream sequence seen
         self.keeper = StateKeeper(redis)
+        self.readiness = ReadinessGate(redis)  # models still converting/profiling, or failed
         self._kept_at = 0.0
         self.errors = 0  # run-loop turns that failed (Redis or NATS trouble)
         self._failing = False
@@ -269,6 +271,10 @@ class Placer:
         if record is None:
             with self._span(p, None):
                 await self._fail(p, FinishReason.ERROR, f"model {p.request.model!r} is not registered")
+            return nodes
+        ready = await self.readiness.check(record, nodes, self.perf)
+        if ready.verdict is not Verdict.SERVE:  # not profiled yet, or its lifecycle failed
+            await hold_or_fail(self, p, ready)
             return nodes
         if p.request.target_node is not None and await self._offer_to_target(p, record, nodes):
             return nodes

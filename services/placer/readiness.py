@@ -1,0 +1,128 @@
+"""Is a request's model servable yet? A registered model becomes servable once its lifecycle
+(`shared.model_state`: converting -> profiling -> ready) stored a profile for a hardware kind
+the cluster has. Before that the core would only answer `no_profile` on every node and drop the
+request as if the cluster were overloaded; instead:
+
+- the model is still converting or profiling (also while the profiler hands a stored profile
+  over to the nodes, or a profile was just stored that this placer has not read yet; a kind whose
+  lifecycle runs again, e.g. for a replaced checkpoint, does not serve on its old profile): the
+  request stays queued until its TTFT deadline, then fails with an error that
+  says the model is not ready, with the state and progress;
+- its lifecycle failed on every kind the cluster has: it fails at once, with the reason;
+- it has no profile and no lifecycle (registered around the admin API and never profiled): it
+  fails at once and says how to profile it.
+
+The errors carry a code (`shared.model_state.lifecycle_error`) the gateway maps to a 503 with
+`model_not_ready` or `model_failed`. `judge` is the pure rule; `ReadinessGate` feeds it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, replace
+
+from typing import TYPE_CHECKING
+
+from redis.asyncio import Redis
+
+from shared.cluster import request_view
+from shared.core.perf_model import PerfModel
+from shared.core.types import Hardware, NodeView
+from shared.model_state import (FAILED, NOT_READY, ModelState, ModelStatus, get_status,
+                                lifecycle_error)
+from shared.registry import display_name
+from shared.schemas import FinishReason, ModelRecord
+
+if TYPE_CHECKING:
+    from services.placer.placer import Pending, Placer
+
+STATUS_TTL_S = 0.25  # a queued request is re-judged every few tens of ms: read Redis less often
+_WAITING = (ModelState.CONVERTING, ModelState.PROFILING)
+
+
+class Verdict(str, enum.Enum):
+    SERVE = "serve"  # profiled for a kind the cluster has (or no node is up): place it
+    WAIT = "wait"  # keep it queued; past its TTFT deadline, fail it with `message`
+    FAIL = "fail"  # fail it now with `message`
+
+
+@dataclass(frozen=True)
+class Readiness:
+    verdict: Verdict
+    message: str = ""  # an error text made by `lifecycle_error`
+    refresh: bool = False  # a kind is ready but the placer's profiles predate it: reload them
+
+
+def judge(model: str, status: ModelStatus | None, profiled: set[str], present: set[str]) -> Readiness:
+    """The rule. `profiled`: kinds the placer has a profile of `model` for; `present`: kinds of
+    the live nodes (empty: none up, then every kind the lifecycle covers counts). A profiled
+    kind serves unless its lifecycle is under way again or failed (a replaced checkpoint, or the
+    profiler's hand-over of a new profile to the nodes: `services.profiler.service.HANDOVER_S`)."""
+    servable = {k for k in profiled
+                if status is None or (s := status.kind(k)) is None or s.state is ModelState.READY}
+    if servable & present or (servable and not present):
+        return Readiness(Verdict.SERVE)
+    if status is None:
+        kinds = ", ".join(sorted(present)) or "any hardware"
+        return Readiness(Verdict.FAIL, lifecycle_error(NOT_READY, (
+            f"The model {model!r} has no profile for {kinds} and no profiling was started; "
+            "register it again (POST /admin/models with replace=true) or run `slinfer profile`.")))
+    kinds = sorted(present & set(status.hardware)) if present else sorted(status.hardware)
+    steps = {k: status.kind(k) for k in kinds}
+    if any(s is not None and s.state is ModelState.READY for s in steps.values()):
+        return Readiness(Verdict.WAIT, _not_ready(model, status, kinds), refresh=True)
+    if any(s is not None and s.state in _WAITING for s in steps.values()):
+        return Readiness(Verdict.WAIT, _not_ready(model, status, kinds))
+    if kinds:  # every kind the cluster has failed
+        return Readiness(Verdict.FAIL, lifecycle_error(FAILED, (
+            f"The model {model!r} could not be made servable: {status.describe(kinds)}.")))
+    return Readiness(Verdict.FAIL, lifecycle_error(NOT_READY, (
+        f"The model {model!r} is not profiled for the hardware of the live nodes "
+        f"({', '.join(sorted(present))}); its lifecycle: {status.describe()}.")))
+
+
+def _not_ready(model: str, status: ModelStatus, kinds: list[str]) -> str:
+    return lifecycle_error(NOT_READY, f"The model {model!r} is not ready yet: "
+                           f"{status.describe(kinds)}; retry once GET /admin/models "
+                           "shows it ready.")
+
+
+class ReadinessGate:
+    """Collaborator: an open Redis. The placer asks `check` before it places a request."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._cache: dict[str, tuple[float, ModelStatus | None]] = {}
+
+    async def check(self, record: ModelRecord, nodes: list[NodeView], perf: PerfModel) -> Readiness:
+        present = {n.hardware.value for n in nodes}
+        profiled = {hw.value for hw in Hardware if perf.get(record.name, hw) is not None}
+        ready = judge(display_name(record), await self._status(record.name), profiled, present)
+        # The client sees the message: the server's path (in a failure's reason) stays out.
+        return replace(ready, message=ready.message.replace(record.path, "<model directory>"))
+
+    async def _status(self, model: str) -> ModelStatus | None:
+        now = time.monotonic()
+        cached = self._cache.get(model)
+        if cached is not None and now - cached[0] < STATUS_TTL_S:
+            return cached[1]
+        status = await get_status(self._redis, model)
+        self._cache[model] = (now, status)
+        if len(self._cache) > 4096:
+            self._cache = {k: v for k, v in self._cache.items() if now - v[0] < STATUS_TTL_S}
+        return status
+
+
+async def hold_or_fail(placer: Placer, p: Pending, ready: Readiness) -> None:
+    """Carry out a WAIT or FAIL verdict for a queued request (the placer's call site is one
+    line): WAIT keeps it queued (its claim is renewed like any queued request's) until its
+    TTFT deadline; FAIL, or WAIT past that deadline, answers it with the verdict's message."""
+    if ready.refresh:
+        placer._perf_at = 0.0  # the profile is in Redis: read the profiles at the next turn
+    late = time.time() > request_view(p.request).deadline()
+    if ready.verdict is Verdict.WAIT and not late:
+        return
+    placer.decisions["not_ready"] = placer.decisions.get("not_ready", 0) + 1
+    with placer._span(p, None):
+        await placer._fail(p, FinishReason.ERROR, ready.message)

@@ -1,0 +1,158 @@
+"""A request for a registered model that is not servable yet (its lifecycle, shared.model_state):
+the rule (`readiness.judge`) on its own, then the placer on real NATS and Redis with a stand-in
+node. A model still converting or profiling keeps its requests queued until their TTFT deadline
+and serves them once its profile is stored; past the deadline they fail with `model_not_ready`
+and the state; a failed lifecycle fails them at once with the reason; never "no_profile"."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from services.placer.readiness import Verdict, judge
+from shared.cluster import save_profile
+from shared.model_state import (FAILED, NOT_READY, KindStatus, ModelState, ModelStatus,
+                                overall, parse_lifecycle_error, request_profiles,
+                                set_hardware_state)
+from shared.registry import ModelRegistry
+from shared.schemas import FinishReason
+from tests.placer.conftest import (MODEL, FakeNode, Finals, empty_gpu, gpu_profile, publish,
+                                   request, running_placer, until)
+
+pytestmark = pytest.mark.integration
+NEW = "fresh"  # registered, lifecycle started, no profile yet
+
+
+def _status(**kinds: tuple[ModelState, str, float]) -> ModelStatus:
+    steps = {k: KindStatus(s, reason, progress, 1.0) for k, (s, reason, progress) in kinds.items()}
+    states = {k: s.state.value for k, s in steps.items()}
+    return ModelStatus(overall(states), "", 0.0, states, 1.0, steps)
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+def test_a_profile_for_a_present_kind_serves():
+    assert judge("m", None, {"gpu"}, {"gpu", "cpu"}).verdict is Verdict.SERVE
+    assert judge("m", None, {"gpu"}, set()).verdict is Verdict.SERVE  # no node yet: the core waits
+
+
+def test_converting_or_profiling_waits_and_says_how_far():
+    r = judge("m", _status(cpu=(ModelState.PROFILING, "profiling on torch", 0.4)), set(), {"cpu"})
+    assert r.verdict is Verdict.WAIT and not r.refresh
+    code, message = parse_lifecycle_error(r.message)
+    assert code == NOT_READY and "profiling on cpu (profiling on torch, 40%)" in message
+
+
+def test_a_profile_under_hand_over_or_being_replaced_does_not_serve_yet():
+    for step in ((ModelState.PROFILING, "handing the profile to the nodes", 1.0),
+                 (ModelState.CONVERTING, "queued", 0.0)):
+        r = judge("m", _status(cpu=step), {"cpu"}, {"cpu"})
+        assert r.verdict is Verdict.WAIT and not r.refresh
+
+
+def test_ready_without_the_profile_in_hand_waits_for_a_refresh():
+    r = judge("m", _status(cpu=(ModelState.READY, "", 1.0)), set(), {"cpu"})
+    assert r.verdict is Verdict.WAIT and r.refresh
+
+
+def test_failed_on_every_present_kind_fails_with_the_reason():
+    status = _status(cpu=(ModelState.FAILED, "OSError: no weights", 0.0),
+                     gpu=(ModelState.PROFILING, "", 0.1))
+    r = judge("m", status, set(), {"cpu"})  # the GPU run does not help: no GPU node is up
+    assert r.verdict is Verdict.FAIL
+    assert parse_lifecycle_error(r.message) == (FAILED, "The model 'm' could not be made servable: "
+                                                "failed on cpu: OSError: no weights.")
+    assert judge("m", status, set(), {"cpu", "gpu"}).verdict is Verdict.WAIT
+
+
+def test_no_lifecycle_and_no_profile_fails_and_says_how_to_fix_it():
+    r = judge("m", None, set(), {"cpu"})
+    assert r.verdict is Verdict.FAIL and "POST /admin/models" in r.message
+    r = judge("m", _status(gpu=(ModelState.READY, "", 1.0)), {"gpu"}, {"cpu"})  # only GPU profiled
+    assert r.verdict is Verdict.FAIL and "not profiled for the hardware of the live nodes (cpu)" in r.message
+
+
+# --- the placer ----------------------------------------------------------------------------------
+
+@pytest.fixture
+async def fresh(conns):
+    """`NEW` registered with its lifecycle started on GPU (the job waits: no profiler runs)."""
+    nc, redis = conns
+    await ModelRegistry(redis).register(dataclasses.replace(MODEL, name=NEW))
+    await request_profiles(nc.jetstream(), redis, NEW, ["gpu"])
+    return nc, redis
+
+
+async def test_a_request_waits_while_profiling_and_is_served_once_ready(servers, fresh):
+    nc, redis = fresh
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    finals = Finals(nc)
+    req = request("waits", model=NEW, ttft=30.0)
+    await finals.watch(req.request_id)
+    async with running_placer(servers) as placer:
+        await publish(nc, req)
+        await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING, "profiling", 0.5)
+        await until(lambda: placer.decisions.get("not_ready", 0) == 0 and len(placer.queue) == 1,
+                    10, "the request queued")
+        await asyncio.sleep(1.0)  # held, not answered, while the model profiles
+        assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
+        # What the profiler does: store the profile, hand it over to the nodes, report ready.
+        await save_profile(redis, gpu_profile(NEW))
+        await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING,
+                                 "handing the profile to the nodes", 1.0)
+        await asyncio.sleep(2.5)  # the placer has read the profile (every 2 s) and still waits
+        assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
+        await set_hardware_state(redis, NEW, "gpu", ModelState.READY, "", 1.0)
+        await until(lambda: node.commanded(req.request_id), 15, "the request placed once ready")
+    assert req.request_id not in finals.got  # placed, not failed
+    assert placer.decisions.get("not_ready", 0) == 0
+    await node.stop()
+
+
+async def test_past_its_ttft_while_not_ready_the_request_gets_a_clear_error(servers, fresh):
+    nc, redis = fresh
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    finals = Finals(nc)
+    req = request("late", model=NEW, ttft=1.5)
+    await finals.watch(req.request_id)
+    async with running_placer(servers):
+        await publish(nc, req)
+        final = await finals.wait(req.request_id, 30)
+    waited = time.time() - req.arrival
+    assert final.finish_reason is FinishReason.ERROR and "no_profile" not in final.error
+    code, message = parse_lifecycle_error(final.error)
+    assert code == NOT_READY and "'fresh' is not ready yet: converting on gpu (queued)" in message
+    assert waited >= 1.5  # it waited out its TTFT SLO for the profile
+    assert node.commands == []
+    await node.stop()
+
+
+async def test_a_failed_model_errors_at_once_with_the_reason(servers, fresh):
+    nc, redis = fresh
+    await set_hardware_state(redis, NEW, "gpu", ModelState.FAILED, "OSError: no weights in /x")
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    finals = Finals(nc)
+    req = request("broken", model=NEW, ttft=30.0)
+    await finals.watch(req.request_id)
+    async with running_placer(servers):
+        await publish(nc, req)
+        final = await finals.wait(req.request_id, 20)
+    assert time.time() - req.arrival < 15  # at once: not after its 30 s TTFT
+    code, message = parse_lifecycle_error(final.error)
+    assert code == FAILED and "failed on gpu: OSError: no weights in /x" in message
+    assert node.commands == []
+    await node.stop()
+
+
+async def test_a_profiled_model_without_a_lifecycle_is_served_as_before(servers, conns):
+    """`m` (the conftest's) has a profile and no state entry: placed with no Redis detour."""
+    nc, redis = conns
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    req = request("plain")
+    async with running_placer(servers):
+        await publish(nc, req)
+        await until(lambda: node.commanded(req.request_id), 15, "placed")
+    await node.stop()
