@@ -109,6 +109,20 @@ class CommandKind(str, enum.Enum):
     # What the node knows of `request_id`: the reply's `reason` is a RequestState value; a
     # finished request's final message is in `final` (the gateway may have missed it).
     STATUS = "status"
+    # Live migration (token-based, multi-round; services/node/migration.py). To the source:
+    # move `migrations[*].request_id` live to that node/instance (it keeps the request if that fails).
+    MIGRATE = "migrate"
+    # Source -> destination: `request` carries the tokens so far (resumed_token_ids); the
+    # destination admits it (loading the model if needed) and computes their KV, without streaming.
+    MIGRATE_BEGIN = "migrate_begin"
+    # Source -> destination: `tokens` (output index `seq` onwards) the source produced since.
+    MIGRATE_EXTEND = "migrate_extend"
+    # Source -> destination: the source has stopped the request; `tokens` is the last delta. The
+    # destination takes the request over and streams from output index seq + len(tokens).
+    MIGRATE_COMMIT = "migrate_commit"
+    MIGRATE_ABORT = "migrate_abort"  # source -> destination: forget it, the source keeps it
+    # Operator -> node: migrate every request off and take no new work (the view says draining).
+    DRAIN = "drain"
 
 
 class RequestState(str, enum.Enum):
@@ -141,6 +155,8 @@ class NodeCommand:
     migrations: list[MigrationTarget] = field(default_factory=list)  # PREEMPT_ADMIT
     request_id: str | None = None  # STATUS
     attempt: int = 0  # STATUS: the attempt the asker reads
+    tokens: list[int] = field(default_factory=list)  # MIGRATE_EXTEND / MIGRATE_COMMIT: the delta
+    seq: int = 0  # MIGRATE_EXTEND / MIGRATE_COMMIT: output index of tokens[0]
 
 
 @dataclass(frozen=True)

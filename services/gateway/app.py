@@ -21,7 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from redis.asyncio import Redis
 
-from services.gateway import admin_routes, errors, openai_routes
+from services.gateway import admin_routes, drain_routes, errors, openai_routes
 from services.gateway import openapi_docs as docs
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
@@ -94,6 +94,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(drain_routes.router)
 
     @app.get("/health", response_model=None, openapi_extra={"security": []},
              responses={200: docs.HEALTH, 503: docs.HEALTH_DOWN})

@@ -33,14 +33,16 @@ from services.node.settings import NodeSettings
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
-from shared.cluster import (load_perf, model_spec, publish_node, remove_calibration, remove_node,
-                            request_view, save_calibration)
+from services.node.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
+                                     next_step)
+from shared.cluster import (load_perf, model_spec, publish_node, read_nodes, remove_calibration,
+                            remove_node, request_view, save_calibration)
 from shared.core.calibration import DECODE, PREFILL, Calibrator
 from shared.core.iteration import IterationKind, predict_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
-from shared.core.types import Hardware, InstanceStatus
+from shared.core.types import Hardware, InstanceStatus, RequestView
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
                             MemOpCompletion, ModelRecord, NodeCommand, NodeReply, RequestState,
                             TokenMessage)
@@ -82,6 +84,24 @@ class Live:
         return [*self.request.prompt_token_ids, *self.output]
 
 
+@dataclass
+class Incoming:
+    """A request migrating here (live migration, destination side) before its commit."""
+
+    request: InferenceRequest
+    instance_id: str
+    # Its place in the core, held out of the instance's batches until the commit (the core
+    # admitted it, so its memory stays counted, but nothing here may decode it yet).
+    view: RequestView
+    known: list[int]  # output tokens whose KV this node has computed
+    pending: int | None = None  # the token the last prefill/extend sampled (next after `known`)
+    cancelled: bool = False
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return [*self.request.prompt_token_ids, *self.known]
+
+
 @dataclass(frozen=True)
 class Past:
     """A request that was live here and is not any more."""
@@ -90,6 +110,19 @@ class Past:
     state: RequestState  # FINISHED or MOVED
     tokens: int  # its output length when it left (resumed tokens included)
     final: TokenMessage | None = None  # FINISHED: the final message sent
+
+
+MIGRATION_KINDS = frozenset({CommandKind.MIGRATE_BEGIN, CommandKind.MIGRATE_EXTEND,
+                             CommandKind.MIGRATE_COMMIT, CommandKind.MIGRATE_ABORT})
+
+
+def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
+    """The engine's parameters for a request that already has `output_len` output tokens
+    (resumed or migrated: they count toward min_tokens)."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          seed=req.seed, eos_token_ids=tuple(req.eos_token_ids), top_k=req.top_k,
+                          repetition_penalty=req.repetition_penalty,
+                          min_tokens=max(0, req.min_tokens - output_len), ignore_eos=req.ignore_eos)
 
 
 def warm_imports() -> None:
@@ -125,6 +158,16 @@ class NodeWorker:
         self._outage: dict[str, bool] = {}  # what is failing now (logged once per outage)
         # Spans of requests, commands and memory ops; gauges for /metrics and OTLP.
         self.obs = NodeObserver(telemetry or tm.local("node"), settings.node_id, settings.hardware)
+        # Held by the token loop across choosing and running an iteration: a live migration
+        # stops a request, or computes a migrating request's KV, between two iterations.
+        self._iter_lock = asyncio.Lock()
+        self.draining = False  # an operator drains this node: no new work, requests move off
+        self.migration_policy = MigrationPolicy()
+        self.incoming: dict[str, Incoming] = {}  # live migrations to this node, before commit
+        self.migrating: set[str] = set()  # requests this node is migrating away now
+        self.migrations: deque[MigrationLog] = deque(maxlen=HISTORY_LEN)  # as source, ended
+        self._background: set[asyncio.Task] = set()
+        self._held: dict[str, RequestView | None] = {}  # stopped for a commit, not yet answered
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -152,9 +195,10 @@ class NodeWorker:
     async def stop(self) -> None:
         self._stopping = True
         self.wake.set()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._background]  # migrations and a drain too
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
@@ -206,6 +250,7 @@ class NodeWorker:
     def _view(self):
         view = self.sched.view()
         view.heartbeat = time.time()
+        view.draining = self.draining
         return view
 
     # --- commands (placer -> node) -----------------------------------------------------------
@@ -217,13 +262,24 @@ class NodeWorker:
         if cmd is not None and cmd.kind is CommandKind.STATUS:  # gateways poll it: no span
             await self._respond(msg, self.status(cmd.request_id or "", cmd.attempt))
             return
+        if cmd is not None and cmd.kind in MIGRATION_KINDS:
+            # A round may wait for a load and a long prefill: answered from its own task, so
+            # this subscription goes on taking the placer's commands meanwhile.
+            self._spawn(self._migration_command(msg, cmd), f"{cmd.kind.value}-{cmd.request_id}")
+            return
         with self.obs.command(msg.headers) as command:  # child of the placer's decision
             kind = "unknown"
             try:
                 if cmd is None:
                     raise bad
                 kind = cmd.kind.value
-                if cmd.kind is CommandKind.ADMIT:
+                if cmd.kind is CommandKind.MIGRATE:
+                    reply = self._start_migrations(cmd)
+                elif cmd.kind is CommandKind.DRAIN:
+                    reply = self._start_drain()
+                elif self.draining:
+                    reply = NodeReply(False, "draining")
+                elif cmd.kind is CommandKind.ADMIT:
                     reply = await self._admit(cmd)
                 else:
                     reply = await self._preempt_admit(cmd)
@@ -377,6 +433,10 @@ class NodeWorker:
             notice = wire.decode(CancelNotice, msg.data)
         except wire.WireError:
             return
+        incoming = self.incoming.get(notice.request_id)
+        if incoming is not None and (notice.below_attempt is None
+                                     or incoming.request.attempt < notice.below_attempt):
+            incoming.cancelled = True  # its commit is refused; the source drops it too
         live = self.live.get(notice.request_id)
         if live is None:
             return
@@ -384,6 +444,289 @@ class NodeWorker:
             return  # only older attempts are cancelled: this one is current
         live.cancelled = True  # the token loop drops it at its next turn
         self.wake.set()
+
+    # --- live migration (services/node/migration.py has the protocol) -------------------------
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._background.discard)
+
+    async def _ask(self, node_id: str, cmd: NodeCommand, timeout: float) -> NodeReply | None:
+        """A command to another node; None if it did not answer in time."""
+        try:
+            msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd), timeout=timeout)
+            return wire.decode(NodeReply, msg.data)
+        except Exception as exc:
+            log.warning("%s to %s: no answer (%r)", cmd.kind.value, node_id, exc)
+            return None
+
+    def _start_migrations(self, cmd: NodeCommand) -> NodeReply:
+        """MIGRATE: move these requests live, each in its own task (the reply does not wait)."""
+        started = [m for m in cmd.migrations
+                   if m.request_id in self.live and m.request_id not in self.migrating]
+        for m in started:
+            self._spawn(self.migrate_out(m.request_id, m.node_id, m.instance_id or None),
+                        f"migrate-{m.request_id}")
+        return NodeReply(bool(started), "migrating" if started else "not_here")
+
+    def _start_drain(self) -> NodeReply:
+        if not self.draining:
+            self.draining = True
+            self._spawn(self._drain(), "drain")
+        return NodeReply(True, "draining", generated=len(self.live))
+
+    async def _drain(self) -> None:
+        """Move every request off, one at a time, each to the best node the cluster view shows
+        now. A request no node takes stays here and finishes here: nothing is lost."""
+        await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+        for rid in list(self.live):
+            live = self.live.get(rid)
+            if live is None or rid in self.migrating:
+                continue
+            try:
+                nodes = await read_nodes(self.redis)
+            except Exception as exc:
+                log.warning("drain: cluster view unavailable (%r); %s stays here", exc, rid)
+                continue
+            dest = choose_destination(nodes, live.request.model, self.s.node_id)
+            if dest is not None:
+                await self.migrate_out(rid, *dest)
+        log.info("node %s drained: %d requests still finishing here", self.s.node_id, len(self.live))
+
+    async def migrate_out(self, rid: str, node_id: str, instance_id: str | None) -> MigrationLog:
+        """Source side: BEGIN, catch-up rounds while this node keeps decoding, then COMMIT.
+        Until the destination accepts the commit the request stays ours."""
+        record = MigrationLog(rid, self.s.node_id, node_id, time.time())
+        live = self.live.get(rid)
+        if live is None or rid in self.migrating or node_id == self.s.node_id:
+            record.reason = "not_here" if live is None else "busy_or_self"
+            return record
+        self.migrating.add(rid)
+        try:
+            record.reason = await self._migrate_rounds(live, node_id, instance_id, record)
+        except Exception as exc:  # ours still: it runs on here
+            log.exception("migration of %s to %s failed", rid, node_id)
+            record.reason = f"error: {exc}"
+            if self.live.get(rid) is None and not record.ok and rid in self._held:
+                self._unhold(live, self._held.pop(rid))
+        finally:
+            self.migrating.discard(rid)
+            self.migrations.append(record)
+        with self.obs.use(rid):
+            log.info("migration of %s to %s: %s (%d rounds, %.3f s)", rid, node_id, record.reason,
+                     len(record.rounds), record.total_s)
+        return record
+
+    async def _migrate_rounds(self, live: Live, node_id: str, instance_id: str | None,
+                              record: MigrationLog) -> str:
+        policy, rid = self.migration_policy, live.request.request_id
+        sent = len(live.output)
+        begin = replace(live.request, resumed_token_ids=list(live.output),
+                        trace_context=self.obs.headers(rid) or live.request.trace_context)
+        record.context_tokens = len(live.all_tokens)
+        reply = await self._ask(node_id, NodeCommand(
+            CommandKind.MIGRATE_BEGIN, request=begin, instance_id=instance_id,
+            model=self.records[live.instance_id]), policy.begin_timeout_s)
+        record.begin_s = time.time() - record.started
+        if reply is None or not reply.accepted:
+            await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_ABORT, request_id=rid), 5)
+            return f"refused: {reply.reason if reply else 'no answer'}"
+        while True:
+            ended = self.live.get(rid) is not live or live.cancelled
+            step = next_step(policy, len(record.rounds), len(live.output) - sent, ended)
+            if step is Next.ABORT:
+                await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_ABORT, request_id=rid), 5)
+                return "ended before the commit"
+            if step is Next.COMMIT:
+                break
+            delta, t = live.output[sent:], time.time()
+            reply = await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_EXTEND, request_id=rid,
+                                                         tokens=delta, seq=sent), policy.round_timeout_s)
+            if reply is None or not reply.accepted:
+                await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_ABORT, request_id=rid), 5)
+                return f"round refused: {reply.reason if reply else 'no answer'}"
+            record.rounds.append((len(delta), time.time() - t))
+            sent += len(delta)
+        return await self._commit_out(live, node_id, sent, record)
+
+    async def _commit_out(self, live: Live, node_id: str, sent: int, record: MigrationLog) -> str:
+        rid = live.request.request_id
+        async with self._iter_lock:  # between two iterations: the last token is out
+            if self.live.get(rid) is not live or live.cancelled:
+                await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_ABORT, request_id=rid), 5)
+                return "ended before the commit"
+            self._held[rid] = self._hold(live)
+        record.stopped_at = time.time()
+        reply = await self._ask(node_id, NodeCommand(
+            CommandKind.MIGRATE_COMMIT, request_id=rid, tokens=live.output[sent:], seq=sent),
+            self.migration_policy.round_timeout_s)
+        took = reply is not None and reply.accepted
+        if reply is None:  # the answer may be what got lost: ask before running it here again
+            status = await self._ask(node_id, NodeCommand(CommandKind.STATUS, request_id=rid,
+                                                          attempt=live.request.attempt), 5)
+            took = status is not None and status.reason == RequestState.RUNNING.value
+        view = self._held.pop(rid)
+        if not took:
+            # A cancel that came while it was held found it nowhere here; B saw it and said so.
+            live.cancelled = live.cancelled or (reply is not None and reply.reason == "cancelled")
+            self._unhold(live, view)
+            await self._ask(node_id, NodeCommand(CommandKind.MIGRATE_ABORT, request_id=rid), 5)
+            return f"commit refused: {reply.reason if reply else 'no answer'}"
+        record.committed_at, record.ok = time.time(), True
+        self._moved_away(live)
+        return "moved"
+
+    def _hold(self, live: Live) -> RequestView | None:
+        """Stop a request between iterations without forgetting it: out of the core's batches and
+        of `live`, its engine state (KV) kept, so a refused commit can put it back as it was."""
+        self.live.pop(live.request.request_id, None)
+        inst = self.sched.node.instance(live.instance_id)
+        view = next((r for r in inst.requests if r.request_id == live.request.request_id), None) \
+            if inst is not None else None
+        if view is not None:
+            inst.requests.remove(view)
+        return view
+
+    def _unhold(self, live: Live, view: RequestView | None) -> None:
+        inst = self.sched.node.instance(live.instance_id)
+        if view is not None and inst is not None:
+            inst.requests.append(view)
+        self.live[live.request.request_id] = live
+        self.wake.set()
+
+    def _moved_away(self, live: Live) -> None:
+        rid = live.request.request_id
+        engine = self.engines.get(live.instance_id)
+        if engine is not None:
+            engine.release(rid)
+        self.obs.ended(rid, "migrated", len(live.output) - len(live.request.resumed_token_ids))
+        self._remember(live, RequestState.MOVED)
+        self.wake.set()
+
+    async def _migration_command(self, msg: Msg, cmd: NodeCommand) -> None:
+        """Destination side of a migration round; any failure refuses (the source keeps it)."""
+        handlers = {CommandKind.MIGRATE_BEGIN: self._migrate_begin,
+                    CommandKind.MIGRATE_EXTEND: self._migrate_extend,
+                    CommandKind.MIGRATE_COMMIT: self._migrate_commit,
+                    CommandKind.MIGRATE_ABORT: self._migrate_abort}
+        rid = cmd.request.request_id if cmd.request else cmd.request_id or ""
+        try:
+            reply = await handlers[cmd.kind](cmd)
+        except Exception as exc:
+            with self.obs.use(rid):
+                log.exception("%s of %s failed", cmd.kind.value, rid)
+            self._drop_incoming(rid)
+            reply = NodeReply(False, f"error: {exc}")
+        await self._respond(msg, replace(reply, node=self._view()))
+
+    async def _migrate_begin(self, cmd: NodeCommand) -> NodeReply:
+        req = cmd.request
+        if req is None:
+            return NodeReply(False, "bad_command: migrate_begin without a request")
+        rid = req.request_id
+        if self.draining:
+            return NodeReply(False, "draining")
+        if rid in self.live or rid in self.incoming:
+            return NodeReply(False, "already_here")
+        record = cmd.model if cmd.instance_id is None else self.records.get(cmd.instance_id)
+        if record is None:
+            return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
+        if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
+            await self._load_profiles()
+        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        self._start_ops(result.start_ops)
+        if not result.admission.ok:
+            return NodeReply(False, result.admission.reason.value)
+        iid = result.instance_id
+        self.records[iid] = record
+        inst = self.sched.node.instance(iid)
+        view = next(r for r in inst.requests if r.request_id == rid)
+        inst.requests.remove(view)  # admitted (memory counted), but not to be batched yet
+        incoming = Incoming(replace(req, grace_s=result.admission.grace_s, target_node=None,
+                                    target_instance=None), iid, view, list(req.resumed_token_ids))
+        self.incoming[rid] = incoming
+        if not await self._until_loaded(iid, self.migration_policy.begin_timeout_s):
+            self._drop_incoming(rid)
+            return NodeReply(False, "load_failed")
+        async with self._iter_lock:
+            engine = self.engines[iid]
+            engine.add_request(rid, incoming.all_tokens, sampling_params(req, len(incoming.known)))
+            incoming.pending = (await asyncio.to_thread(engine.prefill, rid)).tokens[rid]
+        return NodeReply(True, "prefilled", iid, generated=len(incoming.known))
+
+    async def _until_loaded(self, iid: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._loaded(iid):
+            if self.sched.node.instance(iid) is None or time.monotonic() > deadline:
+                return False  # its load failed (the instance is gone) or takes too long
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _catch_up(self, rid: str, tokens: list[int], seq: int) -> Incoming | NodeReply:
+        """Compute the KV of the source's tokens `tokens` (output index `seq` on)."""
+        incoming = self.incoming.get(rid)
+        if incoming is None or incoming.pending is None:
+            return NodeReply(False, "not_migrating")
+        if seq != len(incoming.known):
+            return NodeReply(False, f"out_of_step: have {len(incoming.known)} tokens, got seq {seq}")
+        if not tokens:
+            return incoming
+        async with self._iter_lock:
+            engine = self.engines[incoming.instance_id]
+            if hasattr(engine, "extend"):  # one pass over the new tokens only
+                step = await asyncio.to_thread(engine.extend, rid, tokens)
+            else:  # an engine without extend recomputes the whole context
+                engine.release(rid)
+                engine.add_request(rid, [*incoming.all_tokens, *tokens],
+                                   sampling_params(incoming.request, len(incoming.known) + len(tokens)))
+                step = await asyncio.to_thread(engine.prefill, rid)
+        incoming.known.extend(tokens)
+        incoming.pending = step.tokens[rid]
+        return incoming
+
+    async def _migrate_extend(self, cmd: NodeCommand) -> NodeReply:
+        done = await self._catch_up(cmd.request_id or "", cmd.tokens, cmd.seq)
+        if isinstance(done, NodeReply):
+            return done
+        return NodeReply(True, "extended", done.instance_id, generated=len(done.known))
+
+    async def _migrate_commit(self, cmd: NodeCommand) -> NodeReply:
+        """Take the request over: the source has stopped it. The token sampled after the last
+        delta is the next output token, streamed with the next sequence number."""
+        rid = cmd.request_id or ""
+        done = await self._catch_up(rid, cmd.tokens, cmd.seq)
+        if isinstance(done, NodeReply):
+            return done
+        inst = self.sched.node.instance(done.instance_id)
+        if done.cancelled or inst is None or self.draining:
+            self._drop_incoming(rid)
+            return NodeReply(False, "cancelled" if done.cancelled else "draining" if self.draining
+                             else "instance_gone")
+        del self.incoming[rid]
+        output = list(done.known)
+        req = replace(done.request, resumed_token_ids=output)
+        done.view.generated, done.view.prefilled = len(output) + 1, True  # + the token below
+        inst.requests.append(done.view)
+        inst.last_active = time.time()
+        live = Live(req, done.instance_id, output=list(output), in_engine=True)
+        self.live[rid] = live
+        self.recent.pop(rid, None)
+        self.obs.admitted(req, done.instance_id, cold=False)
+        await self._emit(live, done.pending)
+        self.wake.set()
+        return NodeReply(True, "admitted", done.instance_id, generated=len(output))
+
+    async def _migrate_abort(self, cmd: NodeCommand) -> NodeReply:
+        self._drop_incoming(cmd.request_id or "")
+        return NodeReply(True, "aborted")
+
+    def _drop_incoming(self, rid: str) -> None:
+        incoming = self.incoming.pop(rid, None)
+        if incoming is None:
+            return
+        engine = self.engines.get(incoming.instance_id)
+        if engine is not None:
+            engine.release(rid)
 
     # --- memory operations -------------------------------------------------------------------
     def _start_ops(self, ops) -> None:
@@ -469,13 +812,8 @@ class NodeWorker:
             return
         live.in_engine = True
         req = live.request
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
-                                top_p=req.top_p, seed=req.seed, eos_token_ids=tuple(req.eos_token_ids),
-                                top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                # live.output holds the resumed tokens: they count toward it
-                                min_tokens=max(0, req.min_tokens - len(live.output)),
-                                ignore_eos=req.ignore_eos)
-        self.engines[live.instance_id].add_request(req.request_id, live.all_tokens, params)
+        self.engines[live.instance_id].add_request(req.request_id, live.all_tokens,
+                                                   sampling_params(req, len(live.output)))
 
     # --- the token loop ----------------------------------------------------------------------
     async def _token_loop(self) -> None:
@@ -494,20 +832,21 @@ class NodeWorker:
         """One turn of the token loop: drop cancelled requests, start memory ops, run at most
         one iteration (or wait for something to do)."""
         await self._drop_cancelled()
-        now = time.time()
-        self._start_ops(self.sched.reclaim_idle(now))
-        plan = self.sched.step(now)
-        self._start_ops(plan.start_ops)
-        for ev in plan.evictions:
-            await self._reschedule(ev)
-        if plan.iteration is None:
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.core.keep_alive_s / 4))
-            except TimeoutError:
-                pass
-            return
-        await self._run_iteration(plan)
+        async with self._iter_lock:
+            now = time.time()
+            self._start_ops(self.sched.reclaim_idle(now))
+            plan = self.sched.step(now)
+            self._start_ops(plan.start_ops)
+            for ev in plan.evictions:
+                await self._reschedule(ev)
+            if plan.iteration is not None:
+                await self._run_iteration(plan)
+                return
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout=max(0.05, self.s.core.keep_alive_s / 4))
+        except TimeoutError:
+            pass
 
     async def _run_iteration(self, plan: StepPlan) -> None:
         choice = plan.iteration
@@ -549,18 +888,22 @@ class NodeWorker:
         finished: set[str] = set()
         for rid, token in result.tokens.items():
             live = self.live.get(rid)
-            if live is None:
-                continue
-            live.output.append(token)
-            reason = self._finish_reason(live, token)
-            if reason is None:
-                await self._publish(TokenMessage(rid, len(live.output) - 1, [token],
-                                                 node_id=self.s.node_id, prefill_s=prefill_s,
-                                                 attempt=live.request.attempt))
-            else:
+            if live is not None and await self._emit(live, token, prefill_s, count_in_core=False):
                 finished.add(rid)
-                await self._finish(live, reason, count_in_core=False, prefill_s=prefill_s)
         self._start_ops(self.sched.finish_iteration(choice, time.time(), finished))
+
+    async def _emit(self, live: Live, token: int, prefill_s: float | None = None,
+                    count_in_core: bool = True) -> bool:
+        """A new output token: streamed, or the final message if it ends the request (True)."""
+        live.output.append(token)
+        reason = self._finish_reason(live, token)
+        if reason is None:
+            await self._publish(TokenMessage(live.request.request_id, len(live.output) - 1, [token],
+                                             node_id=self.s.node_id, prefill_s=prefill_s,
+                                             attempt=live.request.attempt))
+            return False
+        await self._finish(live, reason, count_in_core=count_in_core, prefill_s=prefill_s)
+        return True
 
     def _base_prediction(self, plan: StepPlan, model: str) -> float:
         """What the measured profile, uncorrected, says this iteration takes (calibration input)."""

@@ -237,7 +237,8 @@ class Placer:
 
     # --- decisions ---------------------------------------------------------------------------
     async def place_queued(self) -> None:
-        nodes = await read_nodes(self.redis)
+        # A draining node (POST /admin/nodes/{id}/drain) takes no new work; it would refuse it.
+        nodes = [n for n in await read_nodes(self.redis) if not n.draining]
         await self._refresh_perf()
         records = {r.name: r for r in await self.registry.list()}
         now = time.time()

@@ -161,6 +161,7 @@ class NodeView:
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot
+    draining: bool = False  # an operator drains it: placers send it no new work
 
     def instance(self, instance_id: str) -> InstanceView | None:
         return next((i for i in self.instances if i.instance_id == instance_id), None)

@@ -242,6 +242,37 @@ class TorchEngine(RequestBook):
             self._append(request, token, computed=n + 1)
         return StepResult(dict(zip(request_ids, tokens)))
 
+    @torch.inference_mode()
+    def extend(self, request_id: str, token_ids: list[int]) -> StepResult:
+        """Live migration's catch-up (ServerlessLLM §5): the tokens after the request's computed
+        ones become `token_ids` (they replace the token it sampled last, which the source's own
+        tokens supersede); their K/V are computed in one pass against the cached ones, and the
+        next token is sampled. They count as generated (min_tokens, like resumed tokens)."""
+        _, cache = self._loaded()
+        request = self._request(request_id)
+        if not request.computed:
+            raise ValueError(f"request {request_id!r} is not prefilled")
+        if not token_ids:
+            raise ValueError("extend needs at least one token")
+        n, m = request.computed, len(token_ids)
+        old = request.tokens
+        cache.reserve({request_id: n + m})
+        try:
+            request.tokens = [*old[:n], *token_ids]  # penalties and draws see the true sequence
+            ids = torch.tensor([token_ids], device=self.device)
+            positions = torch.arange(n, n + m, device=self.device)[None]
+            attention = _ExtendAttention(cache, request_id, n, m)
+            logits = self._forward(ids, positions, attention)
+            token = self._sample(logits[:, -1], [request])[0]
+        except BaseException:
+            request.tokens = old
+            cache.trim(request_id, n)
+            raise
+        cache.set_length(request_id, n + m)
+        request.generated += m - (len(old) - n)
+        self._append(request, token, computed=n + m)
+        return StepResult({request_id: token})
+
     # -- model ---------------------------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -335,6 +366,27 @@ class _PrefillAttention:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+class _ExtendAttention:
+    """m new tokens of one request against its n cached ones plus themselves (causal)."""
+
+    def __init__(self, cache: PagedKVCache, request_id: str, n: int, m: int) -> None:
+        self.cache = cache
+        self.slots = cache.slots(request_id, n, n + m)
+        self.table = cache.table_tensor([request_id])
+        keys = torch.arange(self.table.shape[1] * cache.block_size, device=cache.device)
+        queries = torch.arange(n, n + m, device=cache.device)
+        self.mask = (keys[None, :] <= queries[:, None])[None, None]  # [1, 1, m, keys]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        self.cache.write(layer, self.slots, k[0], v[0])
+        keys, values = self.cache.gather(layer, self.table)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.mask, enable_gqa=True)
         return out.transpose(1, 2)
 
 

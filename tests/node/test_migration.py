@@ -1,0 +1,223 @@
+"""Token-based multi-round live migration (ServerlessLLM §5) on real services: node workers with
+torch engines (the CPU default) on the demo model, real NATS and valkey.
+
+1. A request migrated from A to B while it streams (B loads the model for it) produces exactly
+   the greedy output of the same request left alone, streamed once: no gap, no duplicate.
+2. A destination that refuses leaves the request on A, which finishes it with the same output.
+3. A drain under load (a real placer placing new requests meanwhile) loses no request: each one
+   completes with the unmigrated reference output, the drained node takes no new work, and its
+   requests end on the other node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import cache
+
+import pytest
+
+from services.node.engines.base import SamplingParams
+from services.node.engines.torch_engine import TorchEngine
+from services.node.migration import MigrationPolicy, Next, choose_destination, next_step
+from services.placer.placer import Placer
+from services.placer.settings import PlacerSettings
+from shared import wire
+from shared.bus import ensure_streams
+from shared.cluster import read_nodes
+from shared.core.config import CoreConfig
+from shared.core.types import Hardware, NodeView
+from shared.registry import ModelRegistry
+from shared.schemas import CommandKind, MigrationTarget, NodeCommand
+from shared.subjects import REQUEST_SUBJECT
+
+from tests.node.harness import Harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BIG = 4 << 30  # memory of a node with room for everything here
+PROMPT, OUT = 256, 160
+
+
+@cache
+def _reference(model_dir: str, prompt_len: int, max_tokens: int) -> tuple[int, ...]:
+    """The unmigrated greedy output, straight from a torch engine."""
+    engine = TorchEngine(model_dir, kv_capacity_bytes=64 << 20)
+    engine.load()
+    prompt = [5 + (i % 1000) for i in range(prompt_len)]  # as Harness.request builds it
+    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
+    out = [engine.prefill("r").tokens["r"]]
+    while len(out) < max_tokens:
+        out.append(engine.decode(["r"]).tokens["r"])
+    engine.unload()
+    return tuple(out)
+
+
+async def _until(condition, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def _nodes(nc, redis, model_dir, b_memory: int = BIG) -> tuple[Harness, Harness]:
+    a = Harness(nc, redis, model_dir, BIG, "mig-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, b_memory, "mig-b", heartbeat_s=0.05)
+    await a.worker.start()
+    await b.worker.start()
+    return a, b
+
+
+def _sources(h: Harness, rid: str) -> list[str]:
+    """The nodes that streamed the request's tokens, in order, each once."""
+    nodes: list[str] = []
+    for m in h.messages[rid]:
+        if m.token_ids and (not nodes or nodes[-1] != m.node_id):
+            nodes.append(m.node_id)
+    return nodes
+
+
+def test_round_decisions_are_pure():
+    p = MigrationPolicy(commit_delta=2, max_rounds=3)
+    assert next_step(p, 0, 40, ended=False) is Next.ROUND
+    assert next_step(p, 1, 2, ended=False) is Next.COMMIT
+    assert next_step(p, 3, 40, ended=False) is Next.COMMIT  # rounds used up
+    assert next_step(p, 0, 40, ended=True) is Next.ABORT
+    nodes = [NodeView("a", Hardware.CPU, 10), NodeView("b", Hardware.CPU, 10, draining=True),
+             NodeView("c", Hardware.CPU, 5)]
+    assert choose_destination(nodes, "m", "a") == ("c", None)  # b drains, a is the source
+    assert choose_destination(nodes[:2], "m", "a") is None
+
+
+async def test_migrated_request_streams_the_unmigrated_output_once(connections, model_dir):
+    nc, redis = connections
+    a, b = await _nodes(nc, redis, model_dir)
+    try:
+        req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
+        assert reply.accepted, reply.reason
+        rid = req.request_id
+        await _until(lambda: len(a.tokens[rid]) >= 20, what="tokens from A")
+        # B has no instance of alpha: it loads one for the request, A decoding on meanwhile.
+        reply = await a.command(NodeCommand(CommandKind.MIGRATE,
+                                            migrations=[MigrationTarget(rid, "mig-b", "")]))
+        assert reply.accepted, reply.reason
+        await a.wait([req], timeout=120)
+        log = next(m for m in a.worker.migrations if m.request_id == rid)
+        assert log.ok, log.reason
+        final = a.finals[rid]
+        assert final.node_id == "mig-b"
+        assert tuple(final.output_token_ids) == _reference(model_dir, PROMPT, OUT)
+        assert a.streamed_once(req)
+        assert _sources(a, rid) == ["mig-a", "mig-b"]
+        # A kept streaming while B caught up: more tokens than it had at BEGIN came from A.
+        from_a = sum(len(m.token_ids) for m in a.messages[rid] if m.node_id == "mig-a")
+        assert from_a >= 20 + sum(n for n, _ in log.rounds)
+        assert rid not in a.worker.live and a.worker.status(rid).reason == "moved"
+        assert not b.worker.incoming
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+async def test_a_refusing_destination_leaves_the_request_on_the_source(connections, model_dir):
+    nc, redis = connections
+    a, b = await _nodes(nc, redis, model_dir, b_memory=1 << 20)  # B cannot hold the model
+    try:
+        req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
+        assert reply.accepted, reply.reason
+        rid = req.request_id
+        await _until(lambda: len(a.tokens[rid]) >= 10, what="tokens from A")
+        outcome = await a.worker.migrate_out(rid, "mig-b", None)
+        assert not outcome.ok and outcome.reason.startswith("refused"), outcome.reason
+        await a.wait([req], timeout=120)
+        final = a.finals[rid]
+        assert final.node_id == "mig-a"
+        assert tuple(final.output_token_ids) == _reference(model_dir, PROMPT, OUT)
+        assert a.streamed_once(req) and _sources(a, rid) == ["mig-a"]
+        assert not b.worker.incoming and rid not in b.worker.live
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+async def _publish(h: Harness, model: str, prompt_len: int, max_tokens: int):
+    req = h.request(model, prompt_len, max_tokens, ttft=60.0)
+    await h.watch(req)
+    await h.nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
+                                   headers={"Nats-Msg-Id": req.request_id})
+    return req
+
+
+async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_url, redis_url):
+    nc, redis = connections
+    registry = ModelRegistry(redis)
+    a = Harness(nc, redis, model_dir, BIG, "drain-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, BIG, "drain-b", heartbeat_s=0.05)
+    for record in a.records.values():
+        await registry.register(record, replace=True)
+    await ensure_streams(nc.jetstream())
+    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(keep_alive_s=30.0)), nc, redis)
+    stop = asyncio.Event()
+    await a.worker.start()
+    await placer.start()
+    runner = asyncio.create_task(placer.run(stop))
+    try:
+        # Load on A alone: both models, several requests streaming.
+        first = [await _publish(a, m, PROMPT, OUT) for m in ("alpha", "beta", "alpha", "beta")]
+        await _until(lambda: all(len(a.tokens[r.request_id]) >= 5 for r in first),
+                     what="the first requests to stream on A")
+        assert all(r.request_id in a.worker.live for r in first)
+        await b.worker.start()
+        reply = await a.command(NodeCommand(CommandKind.DRAIN))
+        assert reply.accepted and reply.reason == "draining"
+        await _until_async(lambda: _draining_in_view(redis, "drain-a"), what="A's view to drain")
+        later = [await _publish(a, m, PROMPT, OUT // 2) for m in ("alpha", "beta")]
+        everything = first + later
+        try:
+            await a.wait(everything, timeout=120)
+        except TimeoutError:
+            raise AssertionError(_where(a, b, everything)) from None
+        for r in everything:
+            final = a.finals[r.request_id]
+            assert final.error is None, final.error
+            assert tuple(final.output_token_ids) == _reference(model_dir, PROMPT, r.max_tokens)
+            assert a.streamed_once(r), r.request_id
+        assert all(a.finals[r.request_id].node_id == "drain-b" for r in later)  # none to A
+        moved = [m for m in a.worker.migrations if m.ok]
+        assert moved, [m.reason for m in a.worker.migrations]
+        for m in moved:
+            assert _sources(a, m.request_id) == ["drain-a", "drain-b"]
+        assert a.worker._view().draining
+    finally:
+        stop.set()
+        await runner
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+def _where(a: Harness, b: Harness, reqs) -> str:
+    """Where each unfinished request is, for a failure message."""
+    rows = []
+    for r in reqs:
+        rid = r.request_id
+        if rid in a.finals:
+            continue
+        at = [f"{h.worker.s.node_id}:{len(h.worker.live[rid].output)}" for h in (a, b)
+              if rid in h.worker.live]
+        rows.append(f"{rid} streamed {len(a.tokens[rid])} live at {at} incoming "
+                    f"{[h.worker.s.node_id for h in (a, b) if rid in h.worker.incoming]} "
+                    f"status a={a.worker.status(rid).reason} b={b.worker.status(rid).reason}")
+    return "unfinished: " + "; ".join(rows)
+
+
+async def _draining_in_view(redis, node_id: str) -> bool:
+    return any(n.node_id == node_id and n.draining for n in await read_nodes(redis))
+
+
+async def _until_async(condition, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
