@@ -78,6 +78,9 @@ class Live:
     output: list[int] = field(default_factory=list)  # resumed tokens + tokens generated here
     cancelled: bool = False
     in_engine: bool = False  # added to its engine (once the instance's load completed)
+    # The engine refused it (add_request raised): the token loop fails it with this error. It
+    # was admitted, so it ends with an error final, never also a refusal; others are unharmed.
+    error: str | None = None
 
     @property
     def all_tokens(self) -> list[int]:
@@ -366,6 +369,12 @@ class NodeWorker:
             self._drop_stale(live)  # the gateway resumed it elsewhere meanwhile: an orphan
         elif live is not None:  # a redelivered admission: already ours
             return NodeReply(True, "admitted", live.instance_id)
+        moving = self.incoming.get(req.request_id)
+        if (moving is not None and moving.request.attempt >= req.attempt) or (
+                live is None and req.request_id in self.migrating):
+            # A redelivered admission of a request migrating to or from here: the migration owns
+            # it (it commits here, or stays where it runs); a second copy must not start.
+            return NodeReply(True, "migrating")
         past = self.recent.get(req.request_id)
         if past is not None and past.attempt >= req.attempt:
             # Finished or handed back from here, and the placer's ack was lost so the stream
@@ -808,12 +817,17 @@ class NodeWorker:
         return instance_id in self.engines and inst is not None and inst.status is InstanceStatus.READY
 
     def _engine_add(self, live: Live) -> None:
-        if live.in_engine:
+        if live.in_engine or live.error is not None:
+            return
+        req = live.request
+        try:
+            self.engines[live.instance_id].add_request(req.request_id, live.all_tokens,
+                                                       sampling_params(req, len(live.output)))
+        except Exception as exc:  # e.g. a token id outside the vocabulary
+            live.error = f"engine rejected the request: {exc}"
+            self.wake.set()
             return
         live.in_engine = True
-        req = live.request
-        self.engines[live.instance_id].add_request(req.request_id, live.all_tokens,
-                                                   sampling_params(req, len(live.output)))
 
     # --- the token loop ----------------------------------------------------------------------
     async def _token_loop(self) -> None:
@@ -963,6 +977,8 @@ class NodeWorker:
     async def _drop_cancelled(self) -> None:
         for live in [lv for lv in self.live.values() if lv.cancelled]:
             await self._finish(live, FinishReason.CANCELLED)
+        for live in [lv for lv in self.live.values() if lv.error is not None]:
+            await self._finish(live, FinishReason.ERROR, live.error)
         now = time.time()
         for live in [lv for lv in self.live.values() if 0 < lv.request.deadline < now]:
             # The gateway stopped waiting (it timed out, or it died with the client's connection):

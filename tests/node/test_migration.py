@@ -4,9 +4,10 @@ torch engines (the CPU default) on the demo model, real NATS and valkey.
 1. A request migrated from A to B while it streams (B loads the model for it) produces exactly
    the greedy output of the same request left alone, streamed once: no gap, no duplicate.
 2. A destination that refuses leaves the request on A, which finishes it with the same output.
-3. A drain under load (a real placer placing new requests meanwhile) loses no request: each one
-   completes with the unmigrated reference output, the drained node takes no new work, and its
-   requests end on the other node.
+3. A drain under load (the operator's POST /admin/nodes/{id}/drain on a real gateway, a real
+   placer placing new requests meanwhile) loses no request: each one completes with the
+   unmigrated reference output, the drained node takes no new work, and its requests end on the
+   other node.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import asyncio
 import time
 from functools import cache
 
+import httpx
 import pytest
 
 from services.node.engines.base import SamplingParams
 from services.node.engines.torch_engine import TorchEngine
 from services.node.migration import MigrationPolicy, Next, choose_destination, next_step
+from services.gateway.settings import GatewaySettings
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
 from shared import wire
@@ -29,8 +32,10 @@ from shared.core.config import CoreConfig
 from shared.core.types import Hardware, NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import CommandKind, MigrationTarget, NodeCommand
+from shared.servers import free_port
 from shared.subjects import REQUEST_SUBJECT
 
+from tests.gateway.conftest import start_gateway
 from tests.node.harness import Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -158,6 +163,8 @@ async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_
         await registry.register(record, replace=True)
     await ensure_streams(nc.jetstream())
     placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(keep_alive_s=30.0)), nc, redis)
+    gateway = start_gateway(GatewaySettings(nats_url=nats_url, redis_url=redis_url, port=free_port(),
+                                            api_keys={"key-t": "t"}, operator_keys=frozenset({"key-op"})))
     stop = asyncio.Event()
     await a.worker.start()
     await placer.start()
@@ -169,8 +176,14 @@ async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_
                      what="the first requests to stream on A")
         assert all(r.request_id in a.worker.live for r in first)
         await b.worker.start()
-        reply = await a.command(NodeCommand(CommandKind.DRAIN))
-        assert reply.accepted and reply.reason == "draining"
+        # The operator's route on a real gateway; a tenant may not drain.
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=20, trust_env=False) as http:
+            denied = await http.post("/admin/nodes/drain-a/drain", headers={"Authorization": "Bearer key-t"})
+            assert denied.status_code == 403
+            missing = await http.post("/admin/nodes/nowhere/drain", headers={"Authorization": "Bearer key-op"})
+            assert missing.status_code == 404
+            resp = await http.post("/admin/nodes/drain-a/drain", headers={"Authorization": "Bearer key-op"})
+            assert resp.status_code == 200 and resp.json()["draining"], resp.text
         await _until_async(lambda: _draining_in_view(redis, "drain-a"), what="A's view to drain")
         later = [await _publish(a, m, PROMPT, OUT // 2) for m in ("alpha", "beta")]
         everything = first + later
@@ -190,6 +203,7 @@ async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_
             assert _sources(a, m.request_id) == ["drain-a", "drain-b"]
         assert a.worker._view().draining
     finally:
+        gateway.stop()
         stop.set()
         await runner
         await a.worker.stop()
