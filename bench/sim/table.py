@@ -104,17 +104,14 @@ def gaps(r: Runs) -> str:
             f"is below the paper's ~{PAPER_ATTAINMENT_128:.2f} ({used}, of 4 + 4 on average): "
             "the load exceeds what the 8 nodes serve within the SLOs, and what no system can serve "
             "is lost by every system, so the ratio of SLO-met requests shrinks.")
-    small = [f"{size} vs {b} {g:+.0f}%" for size, b, g, _ in missed if size == "3b"]
+    small = [f"vs {b} {g:+.0f}%" for size, b, g, _ in missed if size == "3b" and b != "sllm"]
     if small:
+        cpu = {b: _mean(r.values(f"headline/3b/128/{b}", "slo_attainment")) for b in ("sllm+c", "sllm+c+s")}
         out.append(
-            "- **3B gains less.** A 3B instance leaves most of a GPU's memory idle even alone, so "
-            "exclusive GPUs cost the baselines little, and CPUs serve 3B well for every system that "
-            f"uses them ({', '.join(small)}).")
-    out.append(
-        "- **Iterations are per instance.** SLINFER runs one model's batch per iteration on a "
-        "shared node (as the paper's engine does); the time-sharing baseline's halves run in "
-        "parallel at half speed, which on our profiles is close to what SLINFER's interleaving "
-        "achieves, so sllm+c+s is a strong baseline here.")
+            "- **CPUs serve 3B well for everyone.** A 3B model's prefills and decodes fit the SLOs "
+            "on a CPU node, so the baselines that use CPUs keep most of their requests ("
+            + ", ".join(f"{b} attainment {a:.2f}" for b, a in cpu.items() if a is not None)
+            + f"), and SLINFER's sharing adds less on top ({', '.join(small)}).")
     return "\n".join(out)
 
 
@@ -266,6 +263,9 @@ headline (ServerlessLLM's ~1 s loads only), 2 s in the start-up sensitivity; kee
 
 "met" compares the mean over seeds with the paper's lower end. 32 × 7B GPUs used: {gpus_32x7b(r)}.
 
+![SLO-met requests](results/sim/headline_slo_met.png)
+![TTFT CDFs at 128 models](results/sim/headline_ttft_cdf.png)
+
 #### Gaps against the paper, and why
 
 {gaps(r)}
@@ -320,6 +320,53 @@ load times.
 {END}"""
 
 
+def plots(r: Runs, cdfs: dict, out_dir: Path) -> list[Path]:
+    """The headline as figures: SLO-met requests per system and count (mean over seeds, min-max
+    bars), and the TTFT CDFs of seed 0 at 128 models (as SLINFER Fig. 22: dropped requests keep
+    a curve below 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = [out_dir / "headline_slo_met.png", out_dir / "headline_ttft_cdf.png"]
+    fig, axes = plt.subplots(1, len(SIZES), figsize=(12, 3.6))
+    width = 0.2
+    for ax, size in zip(axes, SIZES):
+        for i, system in enumerate(SYSTEMS):
+            means, lo, hi = [], [], []
+            for n in COUNTS:
+                v = r.values(f"headline/{size}/{n}/{system}", "slo_met") or [0.0]
+                means.append(statistics.fmean(v))
+                lo.append(means[-1] - min(v))
+                hi.append(max(v) - means[-1])
+            xs = [j + (i - 1.5) * width for j in range(len(COUNTS))]
+            ax.bar(xs, means, width, yerr=[lo, hi], label=system, capsize=2)
+        ax.set_xticks(range(len(COUNTS)), [f"{n} models" for n in COUNTS])
+        ax.set_title(f"{size.upper()}: SLO-met requests")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(SIZES), figsize=(12, 3.4))
+    for ax, size in zip(axes, SIZES):
+        for system in SYSTEMS:
+            xs, ys = cdfs.get(f"headline/{size}/128/{system}/s0", ([], []))
+            ax.plot(xs, ys, label=system)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_title(f"{size.upper()}, 128 models, seed 0")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of all requests")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
 def write(path: Path, text: str) -> None:
     doc = path.read_text()
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
@@ -335,9 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary", default="bench/results/sim/summary.json")
     p.add_argument("--write", metavar="BENCHMARKS_MD")
     args = p.parse_args(argv)
-    text = section(Runs(json.loads(Path(args.summary).read_text())))
+    summary = json.loads(Path(args.summary).read_text())
+    runs = Runs(summary)
+    text = section(runs)
     if args.write:
         write(Path(args.write), text)
+        plots(runs, summary.get("cdfs", {}), Path(args.summary).parent)
     else:
         print(text)
     return 0
