@@ -4,10 +4,16 @@ node worker -> torch engine -> token stream -> gateway."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from functools import lru_cache
 
 import httpx
 import openai
 import pytest
+
+from services.gateway.tokenization import encode_chat, encode_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -16,7 +22,56 @@ def _client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_chat_completion_streams_tokens(stack):
+@lru_cache(maxsize=1)
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(model_dir),
+            AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval())
+
+
+def _reference(model_dir, max_tokens: int, *, prompt: str | None = None,
+               messages: list[dict[str, str]] | None = None) -> tuple[str, int]:
+    """(text, completion tokens) of Hugging Face's own greedy generation on the stack's model,
+    from the prompt tokens the gateway makes: what temperature 0 must answer."""
+    import torch
+
+    tokenizer, model = _hf(str(model_dir))
+    ids = encode_chat(tokenizer, messages) if messages is not None else encode_text(tokenizer, prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    return tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(new)
+
+
+async def _until(condition, timeout: float = 30.0, what: str = "") -> None:
+    """Wait for an event (a condition that becomes true), not for a guessed time."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def _generating(stack, **body):
+    """A streamed completion that runs for the whole block (ignore_eos, close to the model's
+    context), yielding its request id once its first chunk arrived; leaving the block closes the
+    connection mid-stream."""
+    body = {"model": stack.model, "prompt": "a long story", "max_tokens": 2000, "stream": True,
+            "temperature": 0.7, "seed": 1, "ignore_eos": True, **body}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+            # Read the first chunk without `async for ... break`: that would close the line
+            # iterator and with it the stream, i.e. disconnect before the test means to.
+            lines = r.aiter_lines()
+            line = await anext(lines)
+            while not line.startswith("data: "):
+                line = await anext(lines)
+            yield json.loads(line[6:])["id"]
+
+
+def test_chat_completion_streams_tokens(stack, demo_model_dir):
     stream = _client(stack).chat.completions.create(
         model=stack.model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=12,
         stream=True, stream_options={"include_usage": True}, temperature=0)
@@ -26,17 +81,20 @@ def test_chat_completion_streams_tokens(stack):
     usage = [c.usage for c in chunks if c.usage]
     assert finish and finish[-1] in ("stop", "length")
     assert usage and 0 < usage[-1].completion_tokens <= 12 and usage[-1].prompt_tokens > 0
-    assert isinstance(text, str)
+    # Greedy on the real engine must say exactly what Hugging Face's greedy generation says.
+    assert (text, usage[-1].completion_tokens) == _reference(
+        demo_model_dir, 12, messages=[{"role": "user", "content": "Hello there"}])
 
 
-def test_completion_non_streaming_is_deterministic_at_temperature_zero(stack):
+def test_completion_non_streaming_is_deterministic_at_temperature_zero(stack, demo_model_dir):
     client = _client(stack)
     first = client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=8,
                                       temperature=0)
     second = client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=8,
                                        temperature=0)
     assert first.choices[0].text == second.choices[0].text
-    assert first.usage.completion_tokens <= 8
+    assert (first.choices[0].text, first.usage.completion_tokens) == _reference(
+        demo_model_dir, 8, prompt="The quick brown fox")
     assert first.choices[0].finish_reason in ("stop", "length")
 
 
@@ -50,10 +108,23 @@ async def test_async_client_concurrent_requests_all_complete(stack):
     await client.close()
 
 
-def test_instance_visible_in_admin_api(stack):
-    _client(stack).completions.create(model=stack.model, prompt="hi", max_tokens=2)
-    nodes = httpx.get(f"{stack.url}/admin/nodes").json()
-    assert any(n.get("node_id") == "node-0" for n in nodes.get("data", nodes if isinstance(nodes, list) else []))
+async def test_the_serving_instance_is_visible_in_the_admin_api(stack):
+    async with _generating(stack) as request_id:
+        async def shown() -> bool:
+            async with httpx.AsyncClient(timeout=10) as c:
+                instances = (await c.get(f"{stack.url}/admin/instances")).json()["data"]
+                nodes = (await c.get(f"{stack.url}/admin/nodes")).json()["data"]
+            serving = [i for i in instances if request_id in i["requests"]]
+            if len(serving) != 1:
+                return False  # the view is the node's heartbeat snapshot: wait for the next one
+            inst = serving[0]
+            assert inst["node_id"] == "node-0" and inst["model"] == stack.model
+            assert inst["status"] == "ready" and inst["batch_size"] >= 1
+            assert inst["kv_bytes"] > 0 and inst["weight_bytes"] > 0
+            (node,) = [n for n in nodes if n["node_id"] == "node-0"]
+            return inst["instance_id"] in {i["instance_id"] for i in node["instances"]}
+
+        await _until(shown, what="the request on its instance in /admin/instances and /admin/nodes")
 
 
 def test_bad_input_then_good_request(stack):
@@ -69,8 +140,6 @@ def _requests_on_node(stack) -> set[str]:
 
 
 async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
-    import json
-
     import nats
 
     from shared import wire
@@ -78,37 +147,31 @@ async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
     from shared.subjects import token_subject
 
     nc = await nats.connect(stack.nats_url)
+    messages: list[TokenMessage] = []
     finals: asyncio.Queue = asyncio.Queue()
 
     async def on_token(msg):
         message = wire.decode(TokenMessage, msg.data)
+        messages.append(message)
         if message.finished:
             await finals.put(message)
 
-    body = {"model": stack.model, "prompt": "a long story", "max_tokens": 2000, "stream": True,
-            "temperature": 0.7, "seed": 1}
-    async with httpx.AsyncClient(timeout=60) as client:
-        async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
-            # Read the first chunk without `async for ... break`: that would close the line
-            # iterator and with it the stream, i.e. disconnect before the test means to.
-            lines = r.aiter_lines()
-            line = await anext(lines)
-            while not line.startswith("data: "):
-                line = await anext(lines)
-            request_id = json.loads(line[6:])["id"]
-            await nc.subscribe(token_subject(request_id), cb=on_token)
-            for _ in range(40):  # the admin view is the node's heartbeat snapshot: give it a beat
-                if request_id in _requests_on_node(stack):
-                    break
-                await asyncio.sleep(0.05)
-            assert request_id in _requests_on_node(stack)  # generating on the node right now
-        # leaving the block closed the connection mid-stream
-    final = await asyncio.wait_for(finals.get(), timeout=15)
+    # ignore_eos and 2000 tokens: the request cannot end on its own before the client leaves, so
+    # a CANCELLED final below is the disconnect's doing whatever this box's speed.
+    async with _generating(stack) as request_id:
+        await nc.subscribe(token_subject(request_id), cb=on_token)
+
+        async def streaming_on_the_node() -> bool:
+            return any(m.node_id == "node-0" and m.token_ids for m in messages)
+
+        await _until(streaming_on_the_node, what="a token from the node")
+    # leaving the block closed the connection mid-stream
+    final = await asyncio.wait_for(finals.get(), timeout=30)
     await nc.close()
     assert final.finish_reason is FinishReason.CANCELLED  # the node stopped it, not max_tokens
     assert len(final.output_token_ids) < 2000
-    for _ in range(40):  # the admin view is the node's heartbeat snapshot: give it a beat
-        if request_id not in _requests_on_node(stack):
-            break
-        await asyncio.sleep(0.05)
-    assert request_id not in _requests_on_node(stack)  # and dropped it (its KV blocks with it)
+
+    async def dropped() -> bool:  # with its KV blocks (the view is the node's heartbeat snapshot)
+        return request_id not in _requests_on_node(stack)
+
+    await _until(dropped, what="the request to leave the node")

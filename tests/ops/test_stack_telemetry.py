@@ -149,17 +149,37 @@ def test_gateway_metrics_show_ttft_histogram_after_a_request(traced_stack):
     assert slo >= 1
 
 
+def _gauge(text: str, name: str) -> float | None:
+    found = re.search(rf'^{name}\{{[^}}]*slinfer_node_id="node-0"[^}}]*\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def test_node_metrics_endpoint_and_otlp_metrics(traced_stack):
-    _chat(traced_stack)
-    text = httpx.get(traced_stack.node_metrics_url, timeout=10).text
+    client = openai.OpenAI(base_url=f"{traced_stack.stack.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    # Scraped while a request is generating (ignore_eos, close to the model's context), so an
+    # instance is there because the request holds it, not because keep-alive has not run out; the
+    # gauges are sampled at the node's heartbeat, so the scrape waits for a sample that shows it.
+    stream = client.completions.create(model=traced_stack.stack.model, prompt="Scrape me",
+                                       max_tokens=2000, stream=True, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))  # the first token: the request is on the node
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(traced_stack.node_metrics_url, timeout=10).text
+            if (_gauge(text, "slinfer_node_instances") or 0) >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        stream.close()
     for name in ("slinfer_node_memory_budget_bytes", "slinfer_node_memory_pessimistic_bytes",
                  "slinfer_node_kv_allocated_bytes", "slinfer_node_memops_parked",
                  "slinfer_node_instances", "slinfer_node_iterations_per_second"):
-        assert re.search(rf'^{name}\{{[^}}]*slinfer_node_id="node-0"[^}}]*\}} \S+$', text, re.M), name
-    instances = re.search(r'^slinfer_node_instances\{[^}]*\} (\S+)$', text, re.M)
-    assert float(instances.group(1)) >= 1  # keep-alive holds the instance a moment
-    budget = float(re.search(r'^slinfer_node_memory_budget_bytes\{[^}]*\} (\S+)$', text, re.M).group(1))
-    assert budget > 0
+        assert _gauge(text, name) is not None, name
+    assert _gauge(text, "slinfer_node_instances") >= 1  # the one the running request holds
+    assert _gauge(text, "slinfer_node_kv_allocated_bytes") > 0
+    assert _gauge(text, "slinfer_node_memory_budget_bytes") > 0
     receiver = traced_stack.receiver
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and not {
