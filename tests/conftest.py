@@ -14,6 +14,20 @@ import pytest
 
 from shared.servers import ServerProcess, start_nats, start_redis
 
+# Fixtures that start a real server (nats-server, valkey, the services) or a real engine: a test
+# that uses one, directly or through another fixture, is an integration test whatever its file
+# says (`-m "not integration"` then leaves out exactly those). Tests that start servers or engines
+# without a fixture carry the marker themselves.
+REAL_FIXTURES = frozenset({"nats_server", "redis_server", "stack", "traced_stack", "make_engine",
+                           "hf_model", "engine", "profile", "connections"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.integration)
+
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> Iterator[ServerProcess]:

@@ -35,6 +35,7 @@ def test_chat_template_renders(tokenizer):
     assert user_id in ids and ids.count(tokenizer.bos_token_id) == 1  # markers are single tokens
 
 
+@pytest.mark.integration  # loads the model with transformers
 def test_tiny_directory_loads(tiny_model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
@@ -125,6 +126,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.integration  # loads the model with transformers
 def test_tiny_qwen2_directory_loads_with_biases(data_dir):
     from transformers import AutoModelForCausalLM
 

@@ -46,6 +46,7 @@ def converted_tiny(tiny_model_dir: Path, tmp_path: Path) -> Path:
     return model
 
 
+@pytest.mark.integration
 def test_loader_weights_equal_hf_weights_and_outputs(converted_tiny, tiny_model_dir):
     loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=1 << 30, dram_bytes_per_s=1e10))
     via_loader = create_engine("torch", converted_tiny, loader=loader)
@@ -79,6 +80,7 @@ def test_loader_weights_equal_hf_weights_and_outputs(converted_tiny, tiny_model_
         loader.close()
 
 
+@pytest.mark.integration
 def test_loader_path_converts_dtype_on_request(converted_tiny):
     engine = TorchEngine(converted_tiny, dtype="bfloat16")
     engine.load()
@@ -91,6 +93,7 @@ def test_loader_path_converts_dtype_on_request(converted_tiny):
         engine.unload()
 
 
+@pytest.mark.integration
 def test_qwen2_architecture_matches_hf_generate(data_dir):
     """q/k/v biases and Qwen2's rotary module, through both weight paths."""
     model = ensure_model(data_dir, "tiny-qwen2", "tiny-qwen2")
@@ -145,6 +148,7 @@ def test_decode_in_several_gather_groups_matches_each_alone(make_engine):
     assert engine._workspace.nbytes <= 6 * 2 * engine.cache.layer_block_bytes
 
 
+@pytest.mark.integration
 def test_auto_engine_is_the_device_default(tiny_model_dir):
     from services.node.engines import DEFAULT_ENGINES, default_engine, resolve_engine
 
