@@ -98,14 +98,16 @@ def test_completion_non_streaming_is_deterministic_at_temperature_zero(stack, de
     assert first.choices[0].finish_reason in ("stop", "length")
 
 
-async def test_async_client_concurrent_requests_all_complete(stack):
+async def test_async_client_concurrent_requests_all_complete(stack, demo_model_dir):
     client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
     prompts = [f"request number {i}" for i in range(6)]
     results = await asyncio.gather(*[
         client.completions.create(model=stack.model, prompt=p, max_tokens=10, temperature=0)
         for p in prompts])
-    assert all(r.usage.completion_tokens >= 1 for r in results)
     await client.close()
+    # Batched together on the node, each still says what it says alone (no crossed KV or outputs).
+    got = [(r.choices[0].text, r.usage.completion_tokens) for r in results]
+    assert got == [_reference(demo_model_dir, 10, prompt=p) for p in prompts]
 
 
 async def test_the_serving_instance_is_visible_in_the_admin_api(stack):
@@ -119,8 +121,11 @@ async def test_the_serving_instance_is_visible_in_the_admin_api(stack):
                 return False  # the view is the node's heartbeat snapshot: wait for the next one
             inst = serving[0]
             assert inst["node_id"] == "node-0" and inst["model"] == stack.model
-            assert inst["status"] == "ready" and inst["batch_size"] >= 1
-            assert inst["kv_bytes"] > 0 and inst["weight_bytes"] > 0
+            assert inst["batch_size"] >= 1 and inst["weight_bytes"] > 0
+            if inst["status"] != "ready":  # the first chunk may come before a cold start ends
+                assert inst["status"] == "loading"
+                return False
+            assert inst["kv_bytes"] > 0
             (node,) = [n for n in nodes if n["node_id"] == "node-0"]
             return inst["instance_id"] in {i["instance_id"] for i in node["instances"]}
 
