@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -75,6 +76,19 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 400)))
 
 
+ERRORS: dict[str, str] = {}  # outcome -> the first error message seen with it
+
+
+def _ended(kind: str, r: httpx.Response) -> str:
+    outcome = f"{kind} {r.status_code}"
+    if r.status_code >= 400 and outcome not in ERRORS:
+        try:
+            ERRORS[outcome] = r.json()["error"]["message"][:300]
+        except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
+            ERRORS[outcome] = "(no JSON error body)"
+    return outcome
+
+
 async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random) -> str:
     """One request of a random kind; returns how it ended (for the tally)."""
     kind = rng.choices(["stream", "plain", "chat", "hangup", "bad", "unknown"],
@@ -88,19 +102,20 @@ async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random)
     if kind == "chat":
         body = {"model": model, "max_tokens": body["max_tokens"],
                 "messages": [{"role": "user", "content": body["prompt"]}]}
-        r = await client.post("/v1/chat/completions", json=body)
-        return f"chat {r.status_code}"
+        return _ended("chat", await client.post("/v1/chat/completions", json=body))
     if kind in ("stream", "hangup"):
         body["stream"] = True
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                return _ended(kind, r)
             chunks = 0
             async for line in r.aiter_lines():
                 chunks += line.startswith("data:")
                 if kind == "hangup" and chunks >= 2:
                     return f"hangup {r.status_code}"  # leaving the block closes the connection
             return f"{kind} {r.status_code}"
-    r = await client.post("/v1/completions", json=body)
-    return f"{kind} {r.status_code}"
+    return _ended(kind, await client.post("/v1/completions", json=body))
 
 
 async def client_loop(url: str, model: str, seed: int, until: float, tally: Counter) -> None:
@@ -131,19 +146,29 @@ async def soak(url: str, model: str, pids: dict[str, int], args: argparse.Namesp
     until = started + args.warmup_s + args.minutes * 60
     await asyncio.gather(sampler(pids, until, samples, tally, started),
                          *[client_loop(url, model, i, until, tally) for i in range(args.clients)])
-    return {"samples": samples, "outcomes": dict(sorted(tally.items()))}
+    return {"samples": samples, "outcomes": dict(sorted(tally.items())), "errors": dict(ERRORS)}
 
 
 def summarize(samples: list[dict], warmup_s: float) -> dict:
-    """RSS after the warm-up and at the end, per process, and the growth per 1,000 requests."""
-    after = next(s for s in samples if s["t_s"] >= warmup_s)
-    end = samples[-1]
-    requests = max(1, end["requests"] - after["requests"])
-    return {name: {"after_warmup_mb": after["rss_mb"][name], "end_mb": end["rss_mb"][name],
-                   "max_mb": max(s["rss_mb"][name] for s in samples),
-                   "growth_mb_per_1000_requests": round(
-                       (end["rss_mb"][name] - after["rss_mb"][name]) * 1000 / requests, 2)}
-            for name in end["rss_mb"]}
+    """Per process: RSS after the warm-up, at the end and at its peak, and the median of the
+    first and last thirds of the measured samples. The node's RSS swings by hundreds of MB as KV
+    caches are resized and instances come and go, so the trend is judged on the thirds' medians
+    (growth per 1,000 requests between them), not on two single samples."""
+    measured = [s for s in samples if s["t_s"] >= warmup_s]
+    third = max(1, len(measured) // 3)
+    first, last = measured[:third], measured[-third:]
+    requests = max(1, statistics.median(s["requests"] for s in last)
+                   - statistics.median(s["requests"] for s in first))
+    out = {}
+    for name in samples[-1]["rss_mb"]:
+        early = statistics.median(s["rss_mb"][name] for s in first)
+        late = statistics.median(s["rss_mb"][name] for s in last)
+        out[name] = {"after_warmup_mb": measured[0]["rss_mb"][name],
+                     "end_mb": samples[-1]["rss_mb"][name],
+                     "max_mb": max(s["rss_mb"][name] for s in samples),
+                     "first_third_median_mb": early, "last_third_median_mb": late,
+                     "growth_mb_per_1000_requests": round((late - early) * 1000 / requests, 2)}
+    return out
 
 
 def main() -> int:
@@ -172,7 +197,7 @@ def main() -> int:
         **run,
     }
     OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("requests", "rss", "outcomes")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("requests", "rss", "outcomes", "errors")}, indent=1))
     return 0
 
 
