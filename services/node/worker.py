@@ -198,10 +198,15 @@ class NodeWorker:
     async def stop(self) -> None:
         self._stopping = True
         self.wake.set()
-        tasks = [*self._tasks, *self._background]  # migrations and a drain too
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = {*self._tasks, *self._background}  # migrations and a drain too
+        for _ in range(10):
+            if not pending:
+                break
+            # Cancelled again until they end: Python 3.11's wait_for can swallow a cancellation
+            # that arrives as its inner call completes (the heartbeat's Redis write, every beat).
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
@@ -228,7 +233,7 @@ class NodeWorker:
         beat, never the loop: once Redis answers again (restarted, even empty) the next beat puts
         the node back in the cluster view."""
         last_perf = time.monotonic()
-        while True:
+        while not self._stopping:
             try:
                 if time.monotonic() - last_perf > PERF_REFRESH_S:
                     await asyncio.wait_for(self._load_profiles(), REDIS_TIMEOUT_S)
