@@ -41,19 +41,8 @@ def one_run(model_dir: Path, name: str, check: int) -> dict:
             "load_average_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="small")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--check", type=int, default=50)
-    args = p.parse_args()
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        name = f"{args.shape}-check"
-        model_dir = Path(ensure_model(Path(tmp), args.shape, name))
-        for i in range(args.runs):
-            runs.append(one_run(model_dir, name, args.check))
-            print(f"run {i + 1}: {runs[-1]}", flush=True)
+def record(args: argparse.Namespace, runs: list[dict]) -> dict:
+    """The result file, written after every run (a stopped benchmark keeps the runs it did)."""
     ttft = statistics.median(r["ttft_mean_rel_error"] for r in runs)
     tpot = statistics.median(r["tpot_mean_rel_error"] for r in runs)
     plan = ProfilePlan()
@@ -64,7 +53,7 @@ def main() -> int:
                           f"{plan.repeats}, passes {plan.passes})",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": time.strftime("%Y-%m-%d"),
-        "shape": args.shape,
+        "shape": args.shape, "runs_done": len(runs), "runs_planned": args.runs,
         "ttft_mean_rel_error_median": ttft, "tpot_mean_rel_error_median": tpot,
         "target": TARGET, "met": ttft <= TARGET and tpot <= TARGET,
         "paper": {"ttft": 0.059, "tpot": 0.039},
@@ -72,6 +61,23 @@ def main() -> int:
     }
     out = ROOT / "bench" / "results" / f"profile_check_{args.shape}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="small")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--check", type=int, default=50)
+    args = p.parse_args()
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        name = f"{args.shape}-check"
+        model_dir = Path(ensure_model(Path(tmp), args.shape, name))
+        for i in range(args.runs):
+            runs.append(one_run(model_dir, name, args.check))
+            result = record(args, runs)
+            print(f"run {i + 1}: {runs[-1]}", flush=True)
     print(json.dumps({k: result[k] for k in ("ttft_mean_rel_error_median",
                                              "tpot_mean_rel_error_median", "met")}))
     return 0
