@@ -17,6 +17,15 @@ from shared.subjects import node_command_subject, token_subject
 MODELS = ("alpha", "beta")
 
 
+async def until(condition, timeout: float = 60.0, what: str = "") -> None:
+    """Poll `condition()` until it holds; a generous deadline, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 class Harness:
     """A node worker in this process and a stand-in placer talking to it over real NATS."""
 

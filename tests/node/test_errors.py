@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from dataclasses import replace
 
 import pytest
@@ -37,19 +36,12 @@ from shared.core.memory import kv_demand, watermark_target
 from shared.schemas import CommandKind, FinishReason, InferenceRequest, NodeCommand, RequestState
 from shared.subjects import REQUEST_SUBJECT
 
-from tests.node.harness import Harness
+from tests.node.harness import Harness, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MiB = 1024**2
 
-
-async def _until(condition, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _kv_after(h: Harness, model: str, reqs) -> int:
@@ -125,12 +117,12 @@ async def test_an_engine_out_of_kv_blocks_hands_back_the_request_with_most_headr
     try:
         urgent = await _admitted(h, "alpha", 64, 200, ttft=5.0)
         relaxed = await _admitted(h, "alpha", 900, 200, ttft=120.0)  # more headroom: the victim
-        await _until(lambda: all(len(h.tokens[r.request_id]) >= 2 for r in (urgent, relaxed)),
+        await until(lambda: all(len(h.tokens[r.request_id]) >= 2 for r in (urgent, relaxed)),
                      what="both requests to decode")
         engine = h.worker.engines[h.instances["alpha"]]
         async with h.worker._iter_lock:  # between two iterations: the pool shrinks to what is held
             engine.resize_kv(engine.memory().kv_used_bytes)
-        await _until(lambda: requeued.of(relaxed.request_id), what="the victim's hand-back")
+        await until(lambda: requeued.of(relaxed.request_id), what="the victim's hand-back")
         (back,) = requeued.of(relaxed.request_id)
         streamed = [t for m in h.messages[relaxed.request_id] for t in m.token_ids]
         assert back.resumed_token_ids == streamed and len(streamed) < relaxed.max_tokens
@@ -139,7 +131,7 @@ async def test_an_engine_out_of_kv_blocks_hands_back_the_request_with_most_headr
         assert relaxed.request_id not in h.finals  # handed back, not ended
         await h.wait([urgent])
         assert _served_in_full(h, urgent)
-        await _until(lambda: _is_idle(h), what="the node to be idle")
+        await until(lambda: _is_idle(h), what="the node to be idle")
     finally:
         await h.worker.stop()
         await requeued.sub.unsubscribe()
@@ -180,7 +172,7 @@ async def test_an_engine_exception_ends_that_request_with_an_error_and_the_node_
         after = [await _admitted(h, "alpha", 64, 30) for _ in range(2)]
         await h.wait(after)
         assert all(_served_in_full(h, r) for r in after)
-        await _until(lambda: _is_idle(h), what="the node to be idle")
+        await until(lambda: _is_idle(h), what="the node to be idle")
     finally:
         await h.worker.stop()
 
@@ -212,7 +204,7 @@ async def test_a_failed_load_ends_the_waiting_request_and_frees_the_instance(
             assert final.finish_reason is FinishReason.ERROR
             assert final.error.startswith("model failed to load: ") and final.output_token_ids == []
             iid = reply.instance_id
-            await _until(lambda: h.worker.sched.node.instance(iid) is None, what="the unload")
+            await until(lambda: h.worker.sched.node.instance(iid) is None, what="the unload")
             assert iid not in h.worker.engines and iid not in h.worker.records
         else:  # refused up front: as good, if it says why
             assert reply.reason and req.request_id not in h.worker.live
@@ -235,7 +227,7 @@ async def test_preempt_hands_the_victims_request_back_and_it_streams_on_once(con
             await _admitted(h, "alpha", 900, 250)
         victim = await _admitted(h, "beta", 64, 400)
         beta_iid = h.instances["beta"]
-        await _until(lambda: len(h.tokens[victim.request_id]) >= 5, what="the victim to stream")
+        await until(lambda: len(h.tokens[victim.request_id]) >= 5, what="the victim to stream")
         newcomer = h.request("alpha", 900, 20, ttft=30.0)
         await h.watch(newcomer)
         reply = await h.command(NodeCommand(CommandKind.PREEMPT_ADMIT, request=newcomer,
@@ -246,10 +238,10 @@ async def test_preempt_hands_the_victims_request_back_and_it_streams_on_once(con
         streamed = [t for m in h.messages[victim.request_id] for t in m.token_ids]
         assert moved.request_id == victim.request_id and moved.resumed_token_ids == streamed
         assert moved.target_node is None  # no destination in the plan: any placer may place it
-        await _until(lambda: requeued.of(victim.request_id), what="the hand-back on the stream")
+        await until(lambda: requeued.of(victim.request_id), what="the hand-back on the stream")
         assert requeued.of(victim.request_id)[0].resumed_token_ids == streamed
         assert h.worker.status(victim.request_id).reason == RequestState.MOVED.value
-        await _until(lambda: h.worker.sched.node.instance(beta_iid) is None, what="beta's unload")
+        await until(lambda: h.worker.sched.node.instance(beta_iid) is None, what="beta's unload")
 
         # The stream redelivers the old admission (its ack was lost): not run a second time.
         again = await h.command(NodeCommand(CommandKind.ADMIT, request=victim, instance_id=None,
@@ -283,7 +275,7 @@ def _out_of_vocabulary(h: Harness, model: str) -> InferenceRequest:
 async def _settle(h: Harness) -> None:
     """Give the token loop time to act on what it holds (a finished request is answered at once;
     this only lets a wrong answer show)."""
-    await _until(lambda: _is_idle(h), what="the node to be idle")
+    await until(lambda: _is_idle(h), what="the node to be idle")
     await asyncio.sleep(0.5)
 
 

@@ -36,7 +36,7 @@ from shared.servers import free_port
 from shared.subjects import REQUEST_SUBJECT
 
 from tests.gateway.conftest import start_gateway
-from tests.node.harness import Harness
+from tests.node.harness import Harness, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,13 +57,6 @@ def _reference(model_dir: str, prompt_len: int, max_tokens: int) -> tuple[int, .
     engine.unload()
     return tuple(out)
 
-
-async def _until(condition, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def _nodes(nc, redis, model_dir, b_memory: int = BIG) -> tuple[Harness, Harness]:
@@ -102,7 +95,7 @@ async def test_migrated_request_streams_the_unmigrated_output_once(connections, 
         req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
         assert reply.accepted, reply.reason
         rid = req.request_id
-        await _until(lambda: len(a.tokens[rid]) >= 20, what="tokens from A")
+        await until(lambda: len(a.tokens[rid]) >= 20, what="tokens from A")
         # B has no instance of alpha: it loads one for the request, A decoding on meanwhile.
         reply = await a.command(NodeCommand(CommandKind.MIGRATE,
                                             migrations=[MigrationTarget(rid, "mig-b", "")]))
@@ -132,7 +125,7 @@ async def test_a_refusing_destination_leaves_the_request_on_the_source(connectio
         req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
         assert reply.accepted, reply.reason
         rid = req.request_id
-        await _until(lambda: len(a.tokens[rid]) >= 10, what="tokens from A")
+        await until(lambda: len(a.tokens[rid]) >= 10, what="tokens from A")
         outcome = await a.worker.migrate_out(rid, "mig-b", None)
         assert not outcome.ok and outcome.reason.startswith("refused"), outcome.reason
         await a.wait([req], timeout=120)
@@ -172,7 +165,7 @@ async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_
     try:
         # Load on A alone: both models, several requests streaming.
         first = [await _publish(a, m, PROMPT, OUT) for m in ("alpha", "beta", "alpha", "beta")]
-        await _until(lambda: all(len(a.tokens[r.request_id]) >= 5 for r in first),
+        await until(lambda: all(len(a.tokens[r.request_id]) >= 5 for r in first),
                      what="the first requests to stream on A")
         assert all(r.request_id in a.worker.live for r in first)
         await b.worker.start()

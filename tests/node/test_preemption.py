@@ -11,7 +11,6 @@ a real placer, NATS JetStream and valkey.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -27,7 +26,7 @@ from shared.registry import ModelRegistry
 from shared.schemas import CommandKind, MigrationTarget, NodeCommand
 from shared.subjects import REQUEST_SUBJECT
 
-from tests.node.harness import MODELS, Harness
+from tests.node.harness import MODELS, Harness, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,13 +45,6 @@ def _kv_after(harness: Harness, model: str, reqs) -> int:
         kv = max(kv, watermark_target(kv, need, CORE.watermark) or kv)
     return kv
 
-
-async def _until(condition, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir):
@@ -91,7 +83,7 @@ async def test_preemption_moves_the_victims_request_to_the_validated_instance(co
         victim = await _admit_long(a, "beta", 64)
         await _admit_long(b, "beta", 64)
         beta_on_a, beta_on_b = a.instances["beta"], b.instances["beta"]
-        await _until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+        await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
 
         await placer.start()
         runner = asyncio.create_task(placer.run(stop))
@@ -106,7 +98,7 @@ async def test_preemption_moves_the_victims_request_to_the_validated_instance(co
 
         # The victim's instance on A is gone; its request lives on B's beta instance, where the
         # plan validated it, and streams on from where it stopped.
-        await _until(lambda: victim.request_id in b.worker.live, what="the victim to reach B")
+        await until(lambda: victim.request_id in b.worker.live, what="the victim to reach B")
         assert b.worker.live[victim.request_id].instance_id == beta_on_b
         inst = a.worker.sched.node.instance(beta_on_a)
         assert inst is None or inst.status is InstanceStatus.UNLOADING
@@ -130,7 +122,7 @@ async def test_a_node_that_refuses_preempt_and_admit_leaves_the_victims_untouche
         victim = await _admit_long(a, "beta", 64)
         await _admit_long(b, "beta", 64)
         beta_on_a = a.instances["beta"]
-        await _until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+        await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
         impossible = a.request("alpha", PROMPT, 20, ttft=0.001)  # no prefill is that fast
         reply = await a.command(NodeCommand(
             CommandKind.PREEMPT_ADMIT, request=impossible, instance_id=a.instances["alpha"],
