@@ -24,6 +24,8 @@ COMMANDS: dict[str, Command] = {
     "placer": Command("services.placer.__main__", "placement service: consumes the request stream"),
     "node": Command("services.node.__main__", "node worker: runs engine instances on one CPU/GPU node"),
     "make-model": Command("shared.modelgen", "build a random-weight model and tokenizer offline"),
+    "make-adapter": Command("shared.adaptergen",
+                            "build a random-weight PEFT LoRA adapter for a model offline"),
     "profile": Command("services.profiler.__main__", "measure prefill/decode tables for a model"),
     "profiler": Command("services.profiler.service",
                         "profiling service: makes registered models servable (convert, profile)"),

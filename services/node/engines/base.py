@@ -25,6 +25,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS tokens cannot be produced before this many were generated
     ignore_eos: bool = False  # an EOS token does not end the request (max_tokens does)
+    # The LoRA adapter (its name on the engine, see load_adapter) the request runs through;
+    # None = the plain base model. Only engines that serve adapters (torch) accept one.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class MemoryReport:
     kv_capacity_bytes: int  # KV pool allocated
     kv_used_bytes: int  # KV blocks holding live tokens
     kv_bytes_per_token: int
+    adapter_bytes: int = 0  # LoRA adapters loaded beside the weights (not in weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ class RequestBook:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if params.top_k < 0 or params.min_tokens < 0 or not params.repetition_penalty > 0:
             raise ValueError("top_k and min_tokens must be >= 0 and repetition_penalty > 0")
+        if params.adapter is not None and params.adapter not in getattr(self, "adapters", {}):
+            raise ValueError(f"LoRA adapter {params.adapter!r} is not loaded on this "
+                             f"{getattr(self, 'name', '')} engine")
 
     def evict(self, request_id: str) -> list[int]:
         """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""

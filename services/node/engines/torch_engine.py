@@ -13,6 +13,12 @@ Sampling is greedy at temperature 0; otherwise temperature + top-k + top-p, with
 of each step taken from a torch.Generator seeded from (params.seed, token position). A seeded
 request is therefore reproducible, and also continues identically after an evict and re-add. The
 repetition penalty and min_tokens' EOS ban change the logits first, for greedy rows too.
+
+LoRA adapters (lora.py) are loaded beside the backbone with `load_adapter(name, dir)` and applied
+unmerged, per request (`SamplingParams.adapter`): a decode step orders its rows by adapter and adds
+each adapter's `scale · B (A x)` to its own rows of every projection it targets, so one copy of the
+backbone serves a batch that mixes adapters and plain base requests. Loading one reads only its A/B
+matrices (`MemoryReport.adapter_bytes`); the backbone's tensors are never changed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from ..loader import CheckpointLoader, LoaderSettings
 from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
 from .kv_cache import PagedKVCache
+from .lora import MLP, LoraAdapter, LoraBatch, group_by_adapter, read_adapter
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +56,7 @@ class _Request:
     seed: int  # params.seed, or a random one drawn at add time
     computed: int = 0  # tokens whose K/V are in the cache; 0 until prefilled
     generated: int = 0  # tokens sampled since add_request
+    adapter: LoraAdapter | None = None  # params.adapter's weights; None: the plain base
 
 
 class TorchEngine(RequestBook):
@@ -69,6 +77,7 @@ class TorchEngine(RequestBook):
         self.model = None
         self.cache: PagedKVCache | None = None
         self.requests: dict[str, _Request] = {}
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters loaded, by name
         self.load_info: dict[str, object] = {}  # how the weights came: source, tier, s, bytes
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -140,6 +149,7 @@ class TorchEngine(RequestBook):
         self.cache = None
         self._workspace = None
         self.requests.clear()
+        self.adapters.clear()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -165,6 +175,7 @@ class TorchEngine(RequestBook):
             kv_capacity_bytes=cache.num_blocks * cache.block_bytes,
             kv_used_bytes=cache.used_blocks * cache.block_bytes,
             kv_bytes_per_token=cache.bytes_per_token,
+            adapter_bytes=sum(a.nbytes for a in self.adapters.values()),
         )
 
     def resize_kv(self, capacity_bytes: int) -> None:
@@ -182,7 +193,37 @@ class TorchEngine(RequestBook):
         self.check_new(request_id, token_ids, params, self.config.max_position_embeddings,
                        self.config.vocab_size)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.requests[request_id] = _Request(list(token_ids), params, seed)
+        adapter = None if params.adapter is None else self.adapters[params.adapter]
+        self.requests[request_id] = _Request(list(token_ids), params, seed, adapter=adapter)
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path) -> int:
+        """Load a PEFT LoRA adapter for this backbone under `name`; returns its bytes. Loading
+        a name again from the same directory is a no-op; from another directory it replaces the
+        adapter, which only an adapter without requests may be (ValueError otherwise, as for a
+        directory that is not an adapter of this backbone)."""
+        self._loaded()
+        path = Path(path)
+        old = self.adapters.get(name)
+        if old is not None:
+            if old.path == path:
+                return old.nbytes
+            self._check_unused(name)
+        adapter = read_adapter(name, path, self.config, self.device, self.dtype)
+        self.adapters[name] = adapter
+        return adapter.nbytes
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop an adapter's weights; a no-op for a name not loaded. An adapter that requests
+        still run through is not dropped (ValueError): release or evict them first."""
+        if name in self.adapters:
+            self._check_unused(name)
+            del self.adapters[name]
+
+    def _check_unused(self, name: str) -> None:
+        if users := [rid for rid, r in self.requests.items() if r.params.adapter == name]:
+            raise ValueError(f"LoRA adapter {name!r} has {len(users)} request(s) in flight")
 
     def release(self, request_id: str) -> None:
         """Drop a finished or cancelled request; releasing an unknown id is a no-op."""
@@ -205,7 +246,8 @@ class TorchEngine(RequestBook):
             ids = torch.tensor([request.tokens], device=self.device)
             positions = torch.arange(n, device=self.device)[None]
             slots = cache.slots(request_id, 0, n)
-            logits = self._forward(ids, positions, _PrefillAttention(cache, slots))
+            logits = self._forward(ids, positions, _PrefillAttention(cache, slots),
+                                   LoraBatch.of_rows([request.adapter]))
             token = self._sample(logits[:, -1], [request])[0]
         except BaseException:
             cache.free(request_id)
@@ -225,13 +267,18 @@ class TorchEngine(RequestBook):
         requests = [self._request(rid) for rid in request_ids]
         if unready := [rid for rid, r in zip(request_ids, requests) if not r.computed]:
             raise ValueError(f"requests not prefilled: {unready}")
+        if any(r.adapter is not None for r in requests):  # rows of one adapter side by side
+            order = group_by_adapter([r.params.adapter for r in requests])
+            request_ids = [request_ids[i] for i in order]
+            requests = [requests[i] for i in order]
         lengths = [r.computed for r in requests]  # also each new token's position
         cache.reserve({rid: n + 1 for rid, n in zip(request_ids, lengths)})  # all or nothing
         try:
             ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.device)
             positions = torch.tensor(lengths, device=self.device)[:, None]
             attention = _DecodeAttention(cache, request_ids, lengths, self._workspace)
-            logits = self._forward(ids, positions, attention)
+            lora = LoraBatch.of_rows([r.adapter for r in requests])
+            logits = self._forward(ids, positions, attention, lora)
             tokens = self._sample(logits[:, -1], requests)
         except BaseException:
             for rid, n in zip(request_ids, lengths):
@@ -262,7 +309,7 @@ class TorchEngine(RequestBook):
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(n, n + m, device=self.device)[None]
             attention = _ExtendAttention(cache, request_id, n, m)
-            logits = self._forward(ids, positions, attention)
+            logits = self._forward(ids, positions, attention, LoraBatch.of_rows([request.adapter]))
             token = self._sample(logits[:, -1], [request])[0]
         except BaseException:
             request.tokens = old
@@ -275,29 +322,34 @@ class TorchEngine(RequestBook):
 
     # -- model ---------------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        """Logits [batch, seq, vocab] of the last position only ([batch, 1, vocab])."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attention,
+                 lora: LoraBatch | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of the last position only ([batch, 1, vocab]); `lora`:
+        the adapters of the batch's rows (None: every row runs the plain base)."""
         base = self.model.model
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, positions)
         for index, layer in enumerate(base.layers):
-            hidden = hidden + self._attention_block(index, layer, hidden, cos, sin, attention)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._attention_block(index, layer, hidden, cos, sin, attention,
+                                                    lora)
+            x = layer.post_attention_layernorm(hidden)
+            hidden = hidden + (layer.mlp(x) if lora is None else _lora_mlp(index, layer.mlp, x, lora))
         # Only the last position is sampled: skip the vocab projection for the others.
         return self.model.lm_head(base.norm(hidden[:, -1:]))
 
     def _attention_block(self, index: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, attention) -> torch.Tensor:
+                         sin: torch.Tensor, attention, lora: LoraBatch | None = None
+                         ) -> torch.Tensor:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         batch, seq, _ = x.shape
         head_dim = attn.head_dim
-        q = attn.q_proj(x).view(batch, seq, -1, head_dim)
-        k = attn.k_proj(x).view(batch, seq, -1, head_dim)
-        v = attn.v_proj(x).view(batch, seq, -1, head_dim)
+        q = _project(index, "q_proj", attn.q_proj, x, lora).view(batch, seq, -1, head_dim)
+        k = _project(index, "k_proj", attn.k_proj, x, lora).view(batch, seq, -1, head_dim)
+        v = _project(index, "v_proj", attn.v_proj, x, lora).view(batch, seq, -1, head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # heads are dim 2 here
         out = attention(index, q, k, v)  # [batch, seq, heads, head_dim]
-        return attn.o_proj(out.reshape(batch, seq, -1))
+        return _project(index, "o_proj", attn.o_proj, out.reshape(batch, seq, -1), lora)
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -352,6 +404,21 @@ class TorchEngine(RequestBook):
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _project(layer: int, name: str, linear: torch.nn.Module, x: torch.Tensor,
+             lora: LoraBatch | None) -> torch.Tensor:
+    """A backbone projection, plus the LoRA updates of the rows whose adapter targets it."""
+    y = linear(x)
+    return y if lora is None else lora.apply(layer, name, x, y)
+
+
+def _lora_mlp(layer: int, mlp: torch.nn.Module, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+    """The Llama/Qwen2 MLP, down(act(gate(x)) * up(x)), with LoRA on each projection."""
+    gate, up, down = (getattr(mlp, name) for name in MLP)
+    h = mlp.act_fn(_project(layer, "gate_proj", gate, x, lora)) * \
+        _project(layer, "up_proj", up, x, lora)
+    return _project(layer, "down_proj", down, h, lora)
 
 
 class _PrefillAttention:
