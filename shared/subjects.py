@@ -79,3 +79,17 @@ MODEL_STATE_HASH = "slinfer:model_state"
 
 def job_subject(hardware: str) -> str:
     return f"slinfer.jobs.profile.{hardware}"
+
+
+# --- model multicast (λScale §4, services/node/multicast.py) -----------------------------------
+# NATS carries only the control of a multicast (offer, prepare, plan, go, abort, finish: request-
+# reply to each node's endpoint; progress and failures: events to the coordinator); the weights
+# travel over direct TCP connections between the nodes.
+def multicast_node_subject(node_id: str) -> str:
+    """Request-reply subject of a node's multicast endpoint."""
+    return f"slinfer.multicast.node.{node_id}"
+
+
+def multicast_events_subject(transfer_id: str) -> str:
+    """Where the nodes of one multicast report block arrivals, completion and lost peers."""
+    return f"slinfer.multicast.events.{transfer_id}"

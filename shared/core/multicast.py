@@ -12,6 +12,11 @@ in what order the blocks travel, and which nodes can form execution pipelines me
 - `execution_pipelines` (Algorithm 2): pipelines take one node from every sub-group that still
   has unassigned nodes (a full model across them), the last sub-group's leftovers one pipeline.
 - `multicast_seconds`: steps x (block bytes / link bandwidth + per-step latency).
+- `cut_blocks`: the model's bytes (the checkpoint's partitions) cut into about `DEFAULT_BLOCKS`
+  contiguous blocks, at tensor boundaries where one is near, so each block is one bulk transfer
+  (λScale §5's tensor packing: the loader's partitions already are contiguous memory).
+- `repair_schedule`: after a node is lost mid-multicast, transfers that complete the surviving
+  nodes from whatever each of them holds (one block in and one out per node per step).
 
 Pure: plain data in, plain data out; the node workers carry a plan out over TCP and the
 simulator times it.
@@ -19,8 +24,14 @@ simulator times it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+
+# λScale §7.6 (Fig. 18): 16 blocks gave the lowest transfer time; fewer make each step longer,
+# more add per-block overhead. The node workers cut a checkpoint into this many by default.
+DEFAULT_BLOCKS = 16
+TENSOR_SNAP = 0.25  # a cut moves to a tensor boundary within this fraction of a block's size
 
 
 @dataclass(frozen=True)
@@ -142,3 +153,94 @@ def multicast_seconds(model_bytes: int, blocks: int, n: int, link_bytes_per_s: f
     """1 -> n over the binomial pipeline: each step moves one block per link, in parallel."""
     steps = binomial_steps(n, blocks)
     return steps * (model_bytes / blocks / link_bytes_per_s + step_latency_s)
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int  # position in the model's block order (0 = the first bytes of the first partition)
+    file: str  # the partition the block lies in (a block never spans two partitions)
+    start: int  # byte offset in that partition, a multiple of the alignment
+    end: int  # exclusive; the partition's size for its last block
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def cut_blocks(partitions: list[tuple[str, int]], tensor_starts: dict[str, list[int]],
+               blocks: int = DEFAULT_BLOCKS, alignment: int = 4096) -> list[Block]:
+    """Cut partitions (file, size) into about `blocks` blocks of about equal size.
+
+    Each partition gets blocks in proportion to its size (at least one), so the total is within
+    a partition count of `blocks`. A cut lands on the tensor start (`tensor_starts[file]`) nearest
+    its ideal position when one is within TENSOR_SNAP of a block's size, else at the aligned
+    ideal position inside a tensor (an embedding larger than a block would otherwise make one
+    block, and so every step of the pipeline, several times longer). Every byte of every
+    partition is in exactly one block.
+    """
+    if blocks < 1:
+        raise ValueError("need blocks >= 1")
+    total = sum(size for _, size in partitions)
+    if total <= 0:
+        return []
+    target = total / blocks
+    out: list[Block] = []
+    for file, size in partitions:
+        if size <= 0:
+            continue
+        n = max(1, round(size / target))
+        starts = sorted(s for s in tensor_starts.get(file, ()) if 0 < s < size)
+        cuts = [0]
+        for i in range(1, n):
+            ideal = i * size / n
+            cut = (int(ideal) // alignment) * alignment
+            j = bisect.bisect_left(starts, ideal)
+            near = [starts[x] for x in (j - 1, j) if 0 <= x < len(starts)]
+            if near:
+                best = min(near, key=lambda s: abs(s - ideal))
+                if abs(best - ideal) <= TENSOR_SNAP * size / n:
+                    cut = best
+            if cuts[-1] < cut < size:
+                cuts.append(cut)
+        cuts.append(size)
+        out += [Block(len(out) + i, file, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    return out
+
+
+def repair_schedule(have: list[set[int]], order: list[int]) -> list[Transfer]:
+    """Transfers that give every node every block of `order`, starting from any holdings (what
+    the survivors of a multicast hold when a node was lost). Per step each node sends at most one
+    block and receives at most one; nodes with the fewest blocks choose first, each taking the
+    block held by the fewest nodes (so copies of rare blocks spread, and more nodes can forward
+    them next step) from an idle holder, the one with the fewest blocks first (leaving the
+    richer holders free for the others). Raises ValueError when a block is held by no node."""
+    held = set().union(*have) if have else set()
+    lost = [b for b in order if b not in held]
+    if lost:
+        raise ValueError(f"blocks {lost} are held by no node")
+    rank = {block: i for i, block in enumerate(order)}
+    have = [set(h) & set(order) for h in have]
+    full = len(order)
+    out: list[Transfer] = []
+    step = 0
+    while any(len(h) < full for h in have):
+        sending: set[int] = set()
+        sends: list[Transfer] = []
+        copies = {b: sum(b in h for h in have) for b in order}
+        for r in sorted((r for r in range(len(have)) if len(have[r]) < full),
+                        key=lambda r: (len(have[r]), r)):
+            options = [(copies[b], rank[b], s, b) for b in order if b not in have[r]
+                       for s in [min((s for s in range(len(have)) if s != r and s not in sending
+                                      and b in have[s]), key=lambda s: (len(have[s]), s),
+                                     default=None)] if s is not None]
+            if options:
+                _, _, src, block = min(options)
+                sends.append(Transfer(step, src, r, block))
+                sending.add(src)
+        if not sends:  # cannot happen while every missing block has a holder
+            raise RuntimeError("repair schedule made no progress")
+        for t in sends:
+            have[t.dst].add(t.block)
+        out.extend(sends)
+        step += 1
+    return out

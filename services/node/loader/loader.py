@@ -209,6 +209,49 @@ class CheckpointLoader:
             self._trim_buffers()
         return dropped
 
+    # -- checkpoints that travel between nodes (λScale multicast, services/node/multicast.py) --
+
+    def host_checkpoint(self, model_path: str | Path) -> HostCheckpoint:
+        """The model's checkpoint in host memory, to send to other nodes: the DRAM tier's entry,
+        else read from disk or the registry (and kept in the DRAM tier when it fits)."""
+        located = self._locate(Path(model_path))
+        host = self._dram_hit(located.key)
+        if host is not None:
+            return host
+        ticket = object()
+        with self._lock:
+            self._pending[id(ticket)] = _Pending()
+        try:
+            with self._io_lock:
+                host = self._dram_hit(located.key)
+                if host is None:
+                    host = self._read_from_storage(located, torch.device("cpu"), id(ticket))[0]
+            return host
+        finally:
+            with self._lock:
+                self._pending.pop(id(ticket), None)
+
+    def empty_host_checkpoint(self, index: CheckpointIndex, model_path: str | Path
+                              ) -> HostCheckpoint:
+        """Buffers of the host pool for a checkpoint that will arrive from another node, one per
+        partition of `index` (contents undefined until the sender's bytes are written)."""
+        buffers = {p.file: self._buffers.take(p.size) for p in index.partitions}
+        return HostCheckpoint(index, buffers, str(model_path))
+
+    def admit_host(self, model_path: str | Path, host: HostCheckpoint) -> bool:
+        """Put a checkpoint assembled in host memory (received by multicast, verified by the
+        caller) in the DRAM tier, so the next `load(model_path)` is a DRAM hit. Its key is the
+        one `load` computes: the model's name and the index's fingerprint of the source (a
+        changed source here gives another key, so a stale copy is never served). False when it
+        is larger than the DRAM budget."""
+        key = _tier_key(Path(model_path), host.index.fingerprint)
+        with self._lock:
+            if host.nbytes > self._dram.capacity_bytes:
+                return False
+            self._dram.admit(key, host, host.nbytes)
+            self._trim_buffers()
+        return True
+
     def _trim_buffers(self) -> None:
         """Free buffers beyond what the DRAM budget leaves after the cached checkpoints."""
         self._buffers.trim(max(0, self._dram.capacity_bytes - self._dram.used_bytes))
@@ -356,12 +399,12 @@ class CheckpointLoader:
             index = read_index(model_path)
             if index is None:
                 raise CheckpointMissing(f"{model_path} holds an incomplete checkpoint")
-            return _Located(f"{model_path.name}-{index.fingerprint[:16]}", str(model_path),
+            return _Located(_tier_key(model_path, index.fingerprint), str(model_path),
                             model_path, index.fingerprint, None)
         if not (model_path / "config.json").is_file():
             raise CheckpointMissing(f"{model_path} is neither a model nor a checkpoint directory")
         fingerprint = source_fingerprint(model_path)
-        return _Located(f"{model_path.name}-{fingerprint[:16]}", str(model_path),
+        return _Located(_tier_key(model_path, fingerprint), str(model_path),
                         default_checkpoint_dir(model_path), fingerprint, model_path)
 
     def _tier_of(self, located: _Located) -> str | None:
@@ -390,6 +433,12 @@ class CheckpointLoader:
                models: tuple[TierModel, ...]) -> TierState:
         meter = self._meters[name]
         return TierState(name, meter.bytes_per_s, meter.loads, capacity, used, models)
+
+
+def _tier_key(model_path: Path, fingerprint: str) -> str:
+    """A checkpoint's identity in the tiers: the model directory's name and its source's
+    fingerprint."""
+    return f"{model_path.name}-{fingerprint[:16]}"
 
 
 @dataclass
