@@ -26,9 +26,10 @@ running out of budget never means yes).
 
 The placer runs this for every candidate it tries, so the simulation works on a compact copy of
 the node (`_SimInstance`) that keeps each instance's earliest deadline up to date instead of
-rescanning every request on every step. It makes exactly the choices `choose_iteration` and
+rescanning every request on every step, and credits a decode step of a batch with one TPOT SLO
+as a count rather than request by request. It makes exactly the choices `choose_iteration` and
 `apply_iteration` make on the views (tests/core/test_shadow_equivalence.py checks this against a
-step-by-step simulation on those functions), only cheaper: a step costs O(instances + batch).
+step-by-step simulation on those functions), only cheaper: a decode step costs O(instances).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class _SimRequest:
 
 class _SimInstance:
     __slots__ = ("instance_id", "profile", "ready_at", "can_run", "requests", "context",
-                 "min_deadline", "min_on_time", "unprefilled", "decode_at")
+                 "min_deadline", "min_on_time", "unprefilled", "decode_at", "tpot", "pending",
+                 "lowest", "on_time")
 
     def __init__(self, inst: InstanceView, profile: Profile, requests: list[_SimRequest]) -> None:
         self.instance_id = inst.instance_id
@@ -76,39 +78,63 @@ class _SimInstance:
         self.context = sum(r.input_len + r.generated for r in requests)  # tokens in its KV cache
         self.unprefilled = 0  # requests still to prefill (set by `refresh`)
         self.decode_at = profile.decode_at(len(requests))  # no request finishes in the simulation
+        # With one TPOT SLO across the batch (the usual case: one model, one SLO class) a decode
+        # step moves every deadline by the same amount, so the earliest ones stay the earliest:
+        # the step is credited to the batch as a count (`pending`) and only the two requests
+        # holding the minima are looked at, instead of every request on every step.
+        tpots = {r.tpot for r in requests}
+        self.tpot = tpots.pop() if len(tpots) == 1 else None
+        self.pending = 0  # decode steps not yet written into the requests (see `settle`)
+        self.lowest: _SimRequest | None = None  # the request with `min_deadline`
+        self.on_time: _SimRequest | None = None  # the one with `min_on_time`
         self.refresh()
+
+    def settle(self) -> None:
+        """Write the pending decode steps into the requests (before anyone reads them)."""
+        if self.pending:
+            k, self.pending = self.pending, 0
+            for r in self.requests:
+                r.generated += k
+                r.deadline = token_deadline(r.base, r.tpot, r.generated)
 
     def refresh(self) -> None:
         """Earliest deadline of all requests (the pick) and of the ones still on time (the checks)."""
+        self.settle()
         lowest = on_time = INF
+        low_r = on_r = None
         unprefilled = 0
         for r in self.requests:
             d = r.deadline
             if d < lowest:
-                lowest = d
+                lowest, low_r = d, r
             if d < on_time and not r.late:
-                on_time = d
+                on_time, on_r = d, r
             if not r.prefilled:
                 unprefilled += 1
         self.min_deadline, self.min_on_time, self.unprefilled = lowest, on_time, unprefilled
+        self.lowest, self.on_time = low_r, on_r
 
     def decode_s(self) -> float:
         n = len(self.requests)
         return self.decode_at(self.context / n) if n else 0.0
 
     def credit_batch(self) -> None:
-        """A decode step ran: every request got a token. Credits and refreshes in one pass
-        (`_SimRequest.credit` and `refresh`, fused: this is the hot loop of the simulation)."""
-        lowest = on_time = INF
-        for r in self.requests:  # all prefilled already: a decode runs only then
-            r.generated += 1
-            d = r.deadline = token_deadline(r.base, r.tpot, r.generated)
-            if d < lowest:
-                lowest = d
-            if d < on_time and not r.late:
-                on_time = d
+        """A decode step ran: every request got a token (all are prefilled: a decode runs only
+        then). With one TPOT across the batch the minima move with their requests; otherwise
+        (or when `refresh` must re-read the late flags) every request is credited."""
         self.context += len(self.requests)
-        self.min_deadline, self.min_on_time, self.unprefilled = lowest, on_time, 0
+        if self.tpot is None:
+            for r in self.requests:
+                r.generated += 1
+                r.deadline = token_deadline(r.base, r.tpot, r.generated)
+            self.refresh()
+            return
+        self.pending += 1
+        low, on = self.lowest, self.on_time
+        self.min_deadline = INF if low is None else \
+            token_deadline(low.base, low.tpot, low.generated + self.pending)
+        self.min_on_time = INF if on is None else \
+            token_deadline(on.base, on.tpot, on.generated + self.pending)
 
 
 def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
@@ -219,6 +245,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
         blamed = t >= blame_from
         prefill = inst.unprefilled > 0
         if prefill:  # a prefill runs alone: the waiting request with the least headroom
+            inst.settle()
             first = min((r for r in inst.requests if not r.prefilled),
                         key=lambda r: (r.deadline - t, r.request_id))
             chosen = [first]
@@ -226,13 +253,16 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
         else:
             chosen = inst.requests
             t += inst.decode_s() * scale
+        marked = False
         if inst.min_on_time - t < 0:
+            inst.settle()
             missed = _missed(chosen, t)
             if missed and blamed:
                 return _verdict(missed, new_request_id)
             for r in missed:  # the node's own loss, not the newcomer's doing
                 r.late = True
                 waiting -= not r.prefilled
+            marked = bool(missed)
         if prefill:
             first = chosen[0]
             waiting -= not first.late
@@ -242,6 +272,8 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
             new_done = new_done or first.request_id == new_request_id
         else:
             inst.credit_batch()
+            if marked:
+                inst.refresh()  # the minimum on time was one of the requests just marked late
 
 
 def shadow_validate(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
