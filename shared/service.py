@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from shared import telemetry
 from shared.bus import connect
+from shared.redis_client import open_redis
 
 S = TypeVar("S")
 
@@ -24,7 +25,7 @@ Body = Callable[[S, NATS, Redis, asyncio.Event, telemetry.Telemetry], Awaitable[
 
 async def _serve(settings, client_name: str, body: Body, tel: telemetry.Telemetry) -> None:
     nc = await connect(settings.nats_url, client_name)
-    redis = Redis.from_url(settings.redis_url)
+    redis = open_redis(settings.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,7 +19,6 @@ import nats
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from redis.asyncio import Redis
 
 from services.gateway import admin_routes, drain_routes, errors, openai_routes
 from services.gateway import openapi_docs as docs
@@ -36,6 +35,7 @@ from services.gateway.watchdog import WatchdogConfig
 from services.gateway.validation import ChatBody, CompletionBody
 from shared import telemetry as tm
 from shared.bus import ensure_streams
+from shared.redis_client import open_redis
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
@@ -61,8 +61,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         nc = await nats.connect(settings.nats_url, name="slinfer-gateway", connect_timeout=5,
                                 max_reconnect_attempts=-1, allow_reconnect=True)
         # Bounded waits: a Redis that went away answers 503 in seconds instead of hanging requests.
-        redis = Redis.from_url(settings.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
-                               socket_timeout=REDIS_TIMEOUT_S)
+        redis = open_redis(settings.redis_url, REDIS_TIMEOUT_S)
         metrics_server = None
         try:
             await redis.ping()
