@@ -47,6 +47,7 @@ class NodeOutcome:
     registered: bool  # the checkpoint is in the node's DRAM tier (a load there is a DRAM hit)
     error: str | None  # why it failed (None when ok)
     block_seconds: dict[int, float] = field(default_factory=dict)  # block -> arrival time
+    block_sources: dict[int, str] = field(default_factory=dict)  # block -> the node it came from
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,9 @@ class MulticastReport:
                 "seconds": round(self.seconds, 4),
                 "destinations": [{"node": d.node, "ok": d.ok, "seconds": d.seconds,
                                   "registered": d.registered, "error": d.error,
-                                  "block_seconds": d.block_seconds} for d in self.destinations]}
+                                  "block_seconds": d.block_seconds,
+                                  "block_sources": d.block_sources}
+                                 for d in self.destinations]}
 
 
 async def multicast(nc, model_path: str, source: str, destinations: list[str], *,
@@ -118,6 +121,7 @@ class _Run:
         self.done_at: dict[str, float] = {}
         self.registered: dict[str, bool] = {}
         self.arrivals: dict[str, dict[int, float]] = {d: {} for d in destinations}
+        self.senders: dict[str, dict[int, str]] = {d: {} for d in destinations}
         self.participants: list[str] = []  # everyone told about the transfer (for finish)
         self.nblocks = 0
 
@@ -196,7 +200,8 @@ class _Run:
             d, d not in self.failed and d in self.done_at, self.done_at.get(d),
             self.registered.get(d, False),
             self.failed.get(d) or (None if d in self.done_at else "did not complete"),
-            dict(sorted(self.arrivals[d].items()))) for d in self.destinations)
+            dict(sorted(self.arrivals[d].items())), dict(sorted(self.senders[d].items())))
+            for d in self.destinations)
         return MulticastReport(self.id, self.model_path, self.source, nblocks, nbytes,
                                planned_steps, epoch + 1, prepare_seconds or 0.0, self.now(),
                                outcomes)
@@ -235,7 +240,7 @@ class _Run:
                 continue
             if kind == "block":
                 self.have[node].add(event["block"])
-                self.arrivals[node].setdefault(event["block"], at)
+                self._arrived(node, event, at)
             elif kind == "complete":
                 self.done_at.setdefault(node, at)
                 self.registered[node] = bool(event.get("registered"))
@@ -266,7 +271,12 @@ class _Run:
                 self.done_at.setdefault(node, at)
                 self.registered[node] = bool(event.get("registered"))
             elif node in self.arrivals and event.get("kind") == "block":
-                self.arrivals[node].setdefault(event["block"], at)
+                self._arrived(node, event, at)
+
+    def _arrived(self, node: str, event: dict, at: float) -> None:
+        if node in self.arrivals and event["block"] not in self.arrivals[node]:
+            self.arrivals[node][event["block"]] = at
+            self.senders[node][event["block"]] = event.get("src")
 
     def _fail(self, node: str, reason: str) -> None:
         if node in self.alive:
@@ -277,12 +287,14 @@ class _Run:
     def _fail_orphans(self) -> None:
         """Survivors missing a block that no survivor holds cannot complete."""
         held = set().union(*(self.have[n] for n in self.alive)) if self.alive else set()
+        lost = sorted(self.failed)
         for n in list(self.alive):
             missing = sorted(b for b in range(self.nblocks) if b not in self.have[n]
                              and b not in held)
             if missing:
+                holders = [x for x in lost if self.have.get(x, set()) & set(missing)]
                 self._fail(n, f"blocks {missing} were held only by lost nodes "
-                              f"({', '.join(sorted(self.failed))})")
+                              f"({', '.join(holders)})")
 
     def _incomplete(self) -> list[str]:
         return [n for n in self.alive if n != self.source and n not in self.done_at]

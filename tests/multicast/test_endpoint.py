@@ -1,0 +1,133 @@
+"""One multicast endpoint in the test process, on real NATS and a real TCP listener, driven by
+hand as a coordinator and a sender would drive it: a block whose bytes do not match its checksum
+is refused (and reported), the same block with the right bytes is counted and, as the last one,
+makes the node register the model in its DRAM tier; a sender that never connects is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from services.node.loader import CheckpointLoader, LoaderSettings
+from services.node.multicast import FRAME, HELLO, MulticastEndpoint, build_manifest
+from services.node.loader.direct_io import writable_view
+from shared.subjects import multicast_events_subject
+
+from tests.multicast.conftest import ask
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def endpoint(nc):
+    loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=1 << 30, dram_bytes_per_s=1e10))
+    ep = MulticastEndpoint(nc, "under-test", loader, connect_timeout_s=0.5)
+    await ep.start()
+    try:
+        yield ep
+    finally:
+        await ep.stop()
+        loader.close()
+
+
+@pytest.fixture(scope="module")
+def source(small_model):
+    """The checkpoint in this process's memory and its manifest, as a source would offer it."""
+    loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=1 << 30, dram_bytes_per_s=1e10))
+    host = loader.host_checkpoint(small_model)
+    yield host, build_manifest(host, str(small_model), blocks=4)
+    loader.close()
+
+
+class Events:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def cb(self, msg) -> None:
+        self.queue.put_nowait(json.loads(msg.data))
+
+    async def next(self, kind: str, timeout: float = 30.0) -> dict:
+        while True:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+            if event["kind"] == kind:
+                return event
+
+
+def _send_blocks(address, transfer: str, epoch: int, blocks, views, corrupt: bool = False):
+    with socket.create_connection(tuple(address), timeout=10) as sock:
+        hello = json.dumps({"transfer": transfer, "epoch": epoch, "src": "sender"}).encode()
+        sock.sendall(HELLO.pack(len(hello)) + hello)
+        for b in blocks:
+            data = bytearray(views[b.file][b.start:b.end])
+            if corrupt:
+                data[len(data) // 2] ^= 0x01
+            sock.sendall(FRAME.pack(b.index, b.size) + bytes(data))
+
+
+async def test_a_corrupt_block_is_refused_and_the_good_one_completes_the_model(
+        endpoint, nc, source, small_model, small_digests):
+    host, manifest = source
+    views = {f: writable_view(buf) for f, buf in host.buffers.items()}
+    transfer = "t-corrupt"
+    events = Events()
+    sub = await nc.subscribe(multicast_events_subject(transfer), cb=events.cb)
+    try:
+        got = await ask(nc, "under-test", {"op": "prepare", "transfer": transfer,
+                                           "manifest": manifest.to_wire()})
+        assert got["ok"], got
+        address = got["address"]
+        everything = [[s, "sender", b.index] for s, b in enumerate(manifest.blocks)]
+
+        async def epoch(number: int, corrupt: bool) -> None:
+            for op, body in (("plan", {"epoch": number, "addresses": {}, "sends": [],
+                                       "receives": everything}), ("go", {"epoch": number})):
+                reply = await ask(nc, "under-test", {"op": op, "transfer": transfer, **body})
+                assert reply["ok"], reply
+            await asyncio.to_thread(_send_blocks, address, transfer, number,
+                                    manifest.blocks[:1] if corrupt else manifest.blocks, views,
+                                    corrupt)
+
+        await epoch(0, corrupt=True)
+        suspect = await events.next("suspect")
+        assert suspect["peer"] == "sender" and "block 0 from sender failed its checksum" in \
+            suspect["reason"]
+        reply = await ask(nc, "under-test", {"op": "abort", "transfer": transfer, "epoch": 0})
+        assert reply["have"] == [] and not reply["complete"]
+
+        await epoch(1, corrupt=False)
+        done = await events.next("complete")
+        assert done["registered"]
+        reply = await ask(nc, "under-test", {"op": "finish", "transfer": transfer})
+        assert reply["complete"] and reply["registered"]
+    finally:
+        await sub.unsubscribe()
+    digest = await ask(nc, "under-test", {"op": "digest", "model_path": str(small_model)})
+    assert digest["tier"] == "dram" and digest["tensors"] == small_digests
+
+
+async def test_a_sender_that_never_connects_is_reported(endpoint, nc, source):
+    _, manifest = source
+    transfer = "t-ghost"
+    events = Events()
+    sub = await nc.subscribe(multicast_events_subject(transfer), cb=events.cb)
+    try:
+        assert (await ask(nc, "under-test", {"op": "prepare", "transfer": transfer,
+                                             "manifest": manifest.to_wire()}))["ok"]
+        for op, body in (("plan", {"epoch": 0, "addresses": {}, "sends": [],
+                                   "receives": [[0, "ghost", 0]]}), ("go", {"epoch": 0})):
+            assert (await ask(nc, "under-test", {"op": op, "transfer": transfer, **body}))["ok"]
+        suspect = await events.next("suspect")
+        assert suspect["peer"] == "ghost" and "did not connect" in suspect["reason"]
+    finally:
+        await sub.unsubscribe()
+        await ask(nc, "under-test", {"op": "finish", "transfer": transfer})
+
+
+async def test_unknown_transfers_and_ops_get_an_error_answer(endpoint, nc):
+    reply = await ask(nc, "under-test", {"op": "go", "transfer": "nope", "epoch": 0})
+    assert not reply["ok"] and "no transfer nope" in reply["error"]
+    reply = await ask(nc, "under-test", {"op": "explode"})
+    assert not reply["ok"] and "unknown op" in reply["error"]
