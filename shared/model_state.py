@@ -28,7 +28,8 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from shared import wire
-from shared.subjects import MODEL_STATE_HASH, JOB_STREAM, job_subject
+from shared.schemas import ModelRecord
+from shared.subjects import JOB_STREAM, MODEL_STATE_HASH, PROFILES_HASH, job_subject
 
 
 class ModelState(str, enum.Enum):
@@ -186,10 +187,82 @@ async def request_profiles(js: JetStreamContext, redis: Redis, model: str,
     status = None
     for kind in hardware_kinds:
         status = await set_hardware_state(redis, model, kind, ModelState.CONVERTING, "queued")
-        await js.publish(job_subject(kind), wire.encode(ProfileJob(model, kind, time.time())),
-                         headers={"Nats-Msg-Id": f"profile:{model}:{kind}:{time.time_ns()}"})
+        await _publish_job(js, model, kind)
     assert status is not None, "at least one hardware kind"
     return status
+
+
+async def _publish_job(js: JetStreamContext, model: str, kind: str) -> None:
+    await js.publish(job_subject(kind), wire.encode(ProfileJob(model, kind, time.time())),
+                     headers={"Nats-Msg-Id": f"profile:{model}:{kind}:{time.time_ns()}"})
+
+
+JOINED_REASON = "queued: a {kind} node joined"
+
+
+async def profile_joining_kind(js: JetStreamContext, redis: Redis, kind: str,
+                               records: list[ModelRecord]) -> list[str]:
+    """A node of hardware kind `kind` joined the cluster: queue a profiling job of that kind for
+    each registered model of `records` that is servable or on its way elsewhere (a profile, or a
+    lifecycle step that has not failed, on another kind) and has neither a profile nor a
+    lifecycle step of `kind` yet (the first GPU node of a cluster that so far had CPUs only).
+    LoRA adapters are not profiled (they run on their base model's profile). Each step is
+    claimed under WATCH before its job is published, so nodes of one kind joining at once queue
+    each job once. Returns the models it queued a job for."""
+    profiled: dict[str, set[str]] = {}
+    for key in await redis.hkeys(PROFILES_HASH):
+        name, _, hardware = (key.decode() if isinstance(key, bytes) else key).rpartition("|")
+        profiled.setdefault(name, set()).add(hardware)
+    statuses = await all_statuses(redis)
+    queued = []
+    for model in [r.name for r in records if r.base_model is None]:
+        status, kinds = statuses.get(model), profiled.get(model, set())
+        if kind in kinds or (status is not None and status.kind(kind) is not None):
+            continue
+        elsewhere = status is not None and any(
+            (step := status.kind(k)) is not None and step.state is not ModelState.FAILED
+            for k in set(status.hardware) | set(status.kinds))
+        if not kinds and not elsewhere:
+            continue  # failed everywhere, or never started: registering again decides
+        if not await _claim(redis, model, kind, kinds):
+            continue  # another node of this kind claimed it meanwhile
+        await ensure_job_stream(js)
+        try:
+            await _publish_job(js, model, kind)
+        except Exception as exc:
+            await set_hardware_state(redis, model, kind, ModelState.FAILED,
+                                     f"could not queue the profiling job: {exc!r}; register "
+                                     "the model again (replace=true)")
+            raise
+        queued.append(model)
+    return queued
+
+
+async def _claim(redis: Redis, model: str, kind: str, profiled: set[str]) -> bool:
+    """Set `kind`'s step to queued if it has none (kinds profiled without a lifecycle entry
+    become `ready` in the same write, so the model's state stays what it serves as)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(MODEL_STATE_HASH)
+                blob = await pipe.hget(MODEL_STATE_HASH, model)
+                status = ModelStatus.from_json(blob) if blob else None
+                if status is not None and status.kind(kind) is not None:
+                    await pipe.reset()
+                    return False
+                now = time.time()
+                for done in sorted(profiled):
+                    if status is None or status.kind(done) is None:
+                        status = _with_kind(status, done, KindStatus(
+                            ModelState.READY, "profile stored", 1.0, now))
+                status = _with_kind(status, kind, KindStatus(
+                    ModelState.CONVERTING, JOINED_REASON.format(kind=kind), 0.0, now))
+                pipe.multi()
+                pipe.hset(MODEL_STATE_HASH, model, status.to_json())
+                await pipe.execute()
+                return True
+            except WatchError:
+                continue
 
 
 async def mark_ready(redis: Redis, model: str, hardware: str, reason: str) -> ModelStatus:

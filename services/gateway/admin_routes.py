@@ -228,6 +228,9 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
         if not caller.operator:
             node.instances = [_tenant_instance(i, visible[i.model.name])
                               for i in node.instances if i.model.name in visible]
+            if node.storage is not None:  # which checkpoints it holds: the visible ones only
+                node.storage = dataclasses.replace(node.storage, holds={
+                    visible[m]: tier for m, tier in node.storage.holds.items() if m in visible})
         nodes.append(node)
     return nodes
 

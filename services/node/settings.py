@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.node.loader.settings import LoaderSettings
 from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
 from shared.core.config import CoreConfig
 from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
@@ -29,6 +30,12 @@ class NodeSettings:
     hardware_name: str = ""
     cores: int = 0
     accel_flags: tuple[str, ...] = ()
+    # The node's checkpoint loader (DRAM cache, local disk, registry; services/node/loader). The
+    # default keeps nothing after a load; from_env reads SLINFER_NODE_DRAM_CACHE_BYTES & co.
+    loader: LoaderSettings = LoaderSettings()
+    # Profiles (and the registry's model names, for the tiers report) are re-read this often; a
+    # request for a model the node has no profile of re-reads them at once before refusing it.
+    profile_refresh_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> NodeSettings:
@@ -56,6 +63,8 @@ class NodeSettings:
             hardware_name=info.name,
             cores=info.cores,
             accel_flags=tuple(info.flags),
+            loader=LoaderSettings.from_env(),
+            profile_refresh_s=env_float("SLINFER_PROFILE_REFRESH_S", 5.0, minimum=0.1),
         )
 
 

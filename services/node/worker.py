@@ -20,6 +20,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,6 +31,7 @@ from services.node.engines import KVCacheFull, SamplingParams, create_engine
 from services.node.engines.base import Engine
 from services.node.observe import NodeObserver
 from services.node.settings import NodeSettings
+from services.node.tiers import ModelNames, model_key, storage_view
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
@@ -38,19 +40,24 @@ from services.node.migration import (MigrationLog, MigrationPolicy, Next, choose
 from shared.cluster import (load_perf, model_spec, publish_node, read_nodes, remove_calibration,
                             remove_node, request_view, save_calibration)
 from shared.core.calibration import DECODE, PREFILL, Calibrator
+from shared.core.evaluate import load_seconds
 from shared.core.iteration import IterationKind, predict_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, RequestView
+from shared.model_state import profile_joining_kind
+from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
                             MemOpCompletion, ModelRecord, NodeCommand, NodeReply, RequestState,
                             TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
                              node_command_subject, token_subject)
 
+if TYPE_CHECKING:
+    from services.node.loader import CheckpointLoader
+
 log = logging.getLogger("slinfer.node")
-PERF_REFRESH_S = 5.0
 HISTORY_LEN = 4096
 RECENT_LEN = 4096  # finished or handed-back requests remembered for STATUS and redeliveries
 REDIS_TIMEOUT_S = 5.0  # one heartbeat's Redis work; a hung Redis must not hang the heartbeat
@@ -115,6 +122,26 @@ class Past:
     final: TokenMessage | None = None  # FINISHED: the final message sent
 
 
+@dataclass
+class LoadRecord:
+    """One instance's load: what the core expected when it admitted the cold start, and what
+    the engine and the node's checkpoint loader then did (tests, debugging, the admin view)."""
+
+    instance_id: str
+    model: str
+    admitted_at: float
+    # The tier the node's StorageView said holds the checkpoint (None: the node reported no
+    # tiers then) and the core's load time from it: n/b + the engine's start-up, or the
+    # profile's measured load_s (no tiers, or a tier with no bandwidth figure).
+    expected_tier: str | None
+    expected_s: float
+    tier: str | None = None  # the loader's tier that served it (None: not through the loader)
+    seconds: float | None = None  # the engine's whole load (None: not done)
+    loader_seconds: float | None = None  # the loader's part of it
+    bytes: int = 0  # checkpoint bytes the loader moved
+    ok: bool | None = None  # None while loading
+
+
 MIGRATION_KINDS = frozenset({CommandKind.MIGRATE_BEGIN, CommandKind.MIGRATE_EXTEND,
                              CommandKind.MIGRATE_COMMIT, CommandKind.MIGRATE_ABORT})
 
@@ -171,13 +198,22 @@ class NodeWorker:
         self.migrations: deque[MigrationLog] = deque(maxlen=HISTORY_LEN)  # as source, ended
         self._background: set[asyncio.Task] = set()
         self._held: dict[str, RequestView | None] = {}  # stopped for a commit, not yet answered
+        # The node's checkpoint loader (made in start(): it measures memory bandwidth): every
+        # engine loads through it, so an unloaded model's checkpoint stays in its DRAM tier.
+        self.loader: CheckpointLoader | None = None
+        self.model_names = ModelNames()  # the loader's model directories -> registered names
+        self.loads: deque[LoadRecord] = deque(maxlen=HISTORY_LEN)
+        self._loading: dict[str, LoadRecord] = {}  # instance id -> its load, until it ends
+        self._joined = False  # queued the profiling jobs this node's hardware kind lacks
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         # Import the engine stack now, not inside the first cold start (it takes seconds).
         await asyncio.to_thread(warm_imports)
+        self.loader = await asyncio.to_thread(self._new_loader)
         await ensure_streams(self.js)
         await self._load_profiles()
+        await self._read_registry()
         await self.nc.subscribe(node_command_subject(self.s.node_id), cb=self._on_command)
         await self.nc.subscribe(CANCEL_SUBJECT, cb=self._on_cancel)
         # The reservation station's input: this node's memory-op completions, from the stream.
@@ -187,6 +223,7 @@ class NodeWorker:
                                 deliver_policy=DeliverPolicy.NEW, ordered_consumer=True,
                                 idle_heartbeat=MEMOP_HEARTBEAT_S)
         await publish_node(self.redis, self._view(), ttl_s=self.s.heartbeat_s * 12)
+        await self._join_profiling()
         await self.obs.start(self, self.s.metrics_port)
         self._tasks = [asyncio.create_task(self._token_loop(), name="token-loop"),
                        asyncio.create_task(self._heartbeat(), name="heartbeat")]
@@ -210,6 +247,8 @@ class NodeWorker:
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
+        if self.loader is not None:  # loads still running in threads fail; the node is going
+            await asyncio.to_thread(self.loader.close)
         try:
             await remove_node(self.redis, self.s.node_id)
             await remove_calibration(self.redis, self.s.node_id)
@@ -228,15 +267,23 @@ class NodeWorker:
             log.info("%s works again", what)
         self._outage[what] = exc is not None
 
+    def _new_loader(self) -> CheckpointLoader:
+        from services.node.loader import CheckpointLoader
+
+        return CheckpointLoader(self.s.loader)
+
     async def _heartbeat(self) -> None:
-        """Publish the node's view; pick up new profiles every few seconds. A Redis error costs a
-        beat, never the loop: once Redis answers again (restarted, even empty) the next beat puts
-        the node back in the cluster view."""
+        """Publish the node's view; pick up new profiles (and the registry's model names) every
+        few seconds. A Redis error costs a beat, never the loop: once Redis answers again
+        (restarted, even empty) the next beat puts the node back in the cluster view."""
         last_perf = time.monotonic()
         while not self._stopping:
             try:
-                if time.monotonic() - last_perf > PERF_REFRESH_S:
+                if time.monotonic() - last_perf > self.s.profile_refresh_s:
                     await asyncio.wait_for(self._load_profiles(), REDIS_TIMEOUT_S)
+                    await asyncio.wait_for(self._read_registry(), REDIS_TIMEOUT_S)
+                    if not self._joined:
+                        await asyncio.wait_for(self._join_profiling(), REDIS_TIMEOUT_S)
                     last_perf = time.monotonic()
                 await asyncio.wait_for(publish_node(self.redis, self._view(),
                                                     ttl_s=self.s.heartbeat_s * 12), REDIS_TIMEOUT_S)
@@ -255,7 +302,46 @@ class NodeWorker:
             return
         self.base_perf, self.sched.perf = base, perf
 
+    async def _read_registry(self) -> None:
+        """The registry's names of model directories, for the tiers report. A checkpoint the
+        local disk tier kept from an earlier run is known by its key only: those keys are
+        computed (file metadata) when the disk tier holds such a checkpoint."""
+        records = await ModelRegistry(self.redis).list()
+        loader = self.loader
+        stray = False
+        if loader is not None:
+            paths = {model_key(r.path) for r in records}
+            stray = any(model_key(m.model_path) not in paths
+                        for t in loader.tiers_report().tiers if t.name == "disk" for m in t.models)
+        await asyncio.to_thread(self.model_names.set_registry, records,
+                                loader.key_of if stray and loader is not None else None)
+
+    async def _join_profiling(self) -> None:
+        """This node's hardware kind joins the cluster: the models servable elsewhere with no
+        profile of this kind get a profiling job (`shared.model_state.profile_joining_kind`;
+        another node of the kind that did it first leaves nothing to do). Retried by the
+        heartbeat until it went through once."""
+        try:
+            records = await ModelRegistry(self.redis).list()
+            queued = await profile_joining_kind(self.js, self.redis, self.s.hardware, records)
+        except Exception as exc:
+            log.warning("could not check which models lack a %s profile (%r); retrying",
+                        self.s.hardware, exc)
+            return
+        self._joined = True
+        if queued:
+            log.info("node %s: %s has no %s profile yet; profiling queued", self.s.node_id,
+                     ", ".join(queued), self.s.hardware)
+
+    def _refresh_storage(self) -> None:
+        """The loader's tiers into the node's view: the core's cold starts on this node and the
+        placers' (through the published view) take q + n/b from them."""
+        if self.loader is not None:
+            self.sched.node.storage = storage_view(self.loader.tiers_report(),
+                                                   self.model_names.names)
+
     def _view(self):
+        self._refresh_storage()
         view = self.sched.view()
         view.heartbeat = time.time()
         view.draining = self.draining
@@ -395,12 +481,18 @@ class NodeWorker:
         if record is None:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
+            # A profile stored after this node last read them (the profiler reports `ready` as
+            # soon as it stored it): read them again once before the core may say no_profile.
             await self._load_profiles()
+        self.model_names.learn(record)
+        self._refresh_storage()
         return req, record
 
     def _commit(self, req: InferenceRequest, record: ModelRecord, result: AdmitResult,
                 cold: bool) -> NodeReply:
         """Carry out what the core admitted: the request becomes ours, its memory ops start."""
+        if result.admission.ok and cold:
+            self._expect_load(result.instance_id, record)
         self._start_ops(result.start_ops)
         if not result.admission.ok:
             return NodeReply(False, result.admission.reason.value)
@@ -647,7 +739,11 @@ class NodeWorker:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
             await self._load_profiles()
+        self.model_names.learn(record)
+        self._refresh_storage()
         result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        if result.admission.ok and cmd.instance_id is None:
+            self._expect_load(result.instance_id, record)
         self._start_ops(result.start_ops)
         if not result.admission.ok:
             return NodeReply(False, result.admission.reason.value)
@@ -768,13 +864,36 @@ class NodeWorker:
             log.warning("memory-op completion %s not published (%r): applied locally", op.op_id, exc)
             await self._memop_done(done)
 
+    def _expect_load(self, instance_id: str, record: ModelRecord) -> None:
+        """A cold start admitted: what the core expects of its load, from the view it decided
+        on (before its LOAD op starts, so the loader's queue is the loads ahead of it)."""
+        storage = self.sched.node.storage
+        profile = self.sched.perf.get(record.name, self.sched.node.hardware)
+        expected = load_seconds(self.sched.node, model_spec(record), profile) if profile else 0.0
+        load = LoadRecord(instance_id, record.name, time.time(),
+                          storage.holds.get(record.name, "registry") if storage else None, expected)
+        self._loading[instance_id] = load
+        self.loads.append(load)
+
     def _run_op(self, op: MemOp) -> None:
         record = self.records[op.instance_id]
         kv_bytes = max(0, op.bytes_after - record.weight_bytes)
         if op.kind is MemOpKind.LOAD:
+            load = self._loading.pop(op.instance_id, None)
             engine = create_engine(record.engine, record.path, device=self.s.device,
-                                   kv_capacity_bytes=kv_bytes)
-            engine.load()
+                                   kv_capacity_bytes=kv_bytes, loader=self.loader)
+            started = time.perf_counter()
+            try:
+                engine.load()
+            except BaseException:
+                if load is not None:
+                    load.ok, load.seconds = False, time.perf_counter() - started
+                raise
+            if load is not None:
+                info = getattr(engine, "load_info", {}) or {}
+                load.seconds, load.ok = time.perf_counter() - started, True
+                load.tier, load.loader_seconds = info.get("tier"), info.get("loader_seconds")
+                load.bytes = int(info.get("bytes", 0) or 0)
             self.engines[op.instance_id] = engine
         elif op.kind is MemOpKind.SCALE:
             self.engines[op.instance_id].resize_kv(kv_bytes)
@@ -802,6 +921,7 @@ class NodeWorker:
             await self._after_load(op.instance_id, done)
         if op.kind is MemOpKind.UNLOAD and not self.sched.node.instance(op.instance_id):
             self.records.pop(op.instance_id, None)
+            self._loading.pop(op.instance_id, None)  # unloaded before its load ran
         self._start_ops(released)
         self.wake.set()
 

@@ -3,11 +3,11 @@
 the cluster has. Before that the core would only answer `no_profile` on every node and drop the
 request as if the cluster were overloaded; instead:
 
-- the model is still converting or profiling (also while the profiler hands a stored profile
-  over to the nodes, or a profile was just stored that this placer has not read yet; a kind whose
-  lifecycle runs again, e.g. for a replaced checkpoint, does not serve on its old profile): the
-  request stays queued until its TTFT deadline, then fails with an error that
-  says the model is not ready, with the state and progress;
+- the model is still converting or profiling (also when a profile was just stored that this
+  placer has not read yet: it re-reads them; a kind whose lifecycle runs again, e.g. for a
+  replaced checkpoint, does not serve on its old profile): the request stays queued until its
+  TTFT deadline, then fails with an error that says the model is not ready, with the state and
+  progress;
 - its lifecycle failed on every kind the cluster has: it fails at once, with the reason;
 - it has no profile and no lifecycle (registered around the admin API and never profiled): it
   fails at once and says how to profile it.
@@ -57,8 +57,9 @@ class Readiness:
 def judge(model: str, status: ModelStatus | None, profiled: set[str], present: set[str]) -> Readiness:
     """The rule. `profiled`: kinds the placer has a profile of `model` for; `present`: kinds of
     the live nodes (empty: none up, then every kind the lifecycle covers counts). A profiled
-    kind serves unless its lifecycle is under way again or failed (a replaced checkpoint, or the
-    profiler's hand-over of a new profile to the nodes: `services.profiler.service.HANDOVER_S`)."""
+    kind serves unless its lifecycle is under way again or failed (a replaced checkpoint). The
+    profiler stores a profile before it reports `ready`, and a node re-reads the profiles before
+    it refuses a model it has none of, so `ready` can be served at once."""
     servable = {k for k in profiled
                 if status is None or (s := status.kind(k)) is None or s.state is ModelState.READY}
     if servable & present or (servable and not present):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from services.node.engines import create_engine
@@ -38,11 +38,22 @@ def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device
 
     try:
         profile = measure(engine, name, hardware, plan, vocab, load_s, tick=tick)
+        profile = replace(profile, engine_init_s=engine_init_s(engine, load_s))
         result = check(engine, profile, plan, vocab, check_n, tick=tick) if check_n else None
     finally:
         bar.close()
         engine.unload()
     return profile, result
+
+
+def engine_init_s(engine, load_s: float) -> float:
+    """The engine's start-up beside reading its checkpoint: the whole load less the loader's
+    part (0 when the weights did not come through the node's loader). A node's cold-start
+    estimate is this plus the checkpoint's bytes over the bandwidth of the tier holding it."""
+    info = getattr(engine, "load_info", None) or {}
+    if info.get("source") != "loader" or info.get("loader_seconds") is None:
+        return 0.0
+    return max(0.0, load_s - float(info["loader_seconds"]))
 
 
 def _bar(total: int, enabled: bool, desc: str):

@@ -32,10 +32,10 @@ from shared.subjects import job_subject
 log = logging.getLogger("slinfer.profiler")
 ACK_WAIT_S = 600.0  # a profile of a real model takes minutes; redelivered only after this
 PROGRESS_EVERY_S = 1.0  # state updates at most this often
-# Nodes re-read the profiles every `services.node.worker.PERF_REFRESH_S` (5 s) and refuse a
-# model they have no profile of; `ready` is reported only once they all had the time to read it,
-# so the first request after it is not refused until the placer gives up on it.
-HANDOVER_S = 6.0
+# `ready` is reported as soon as the profile is stored: nothing reads `ready` before the profile
+# is in Redis, a placer that sees `ready` without the profile re-reads the profiles
+# (services/placer/readiness.py), and a node asked to start a model it has no profile of re-reads
+# them before it refuses (services/node/worker.py, _admission_inputs).
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,6 @@ class ProfilerSettings:
     max_len: int = 1024
     max_batch: int = 16
     name: str = "profiler-cpu"
-    handover_s: float = HANDOVER_S  # between storing the profile and reporting ready
 
     @classmethod
     def from_env(cls) -> ProfilerSettings:
@@ -124,9 +123,7 @@ class ProfilerService:
         plan = ProfilePlan(max_len=min(self.s.max_len, record.max_context), max_batch=self.s.max_batch)
         profile, _ = await asyncio.to_thread(profile_model, path, record.name, record.engine,
                                              self.s.device, plan, 0, False, progress)
-        await save_profile(self.redis, profile)
-        await self._state(job, ModelState.PROFILING, "handing the profile to the nodes", 1.0)
-        await asyncio.sleep(self.s.handover_s)
+        await save_profile(self.redis, profile)  # first: `ready` promises the profile is there
         await self._state(job, ModelState.READY, "", 1.0)
         log.info("%s is ready on %s (load %.2f s, prefill(512) %.3f s)", record.name,
                  job.hardware, profile.load_s, profile.prefill_s(512))

@@ -13,7 +13,8 @@ import pytest
 from redis import Redis as SyncRedis
 
 from shared import wire
-from shared.core.types import SLO, Hardware, InstanceView, ModelSpec, NodeView, RequestView
+from shared.core.types import (SLO, Hardware, InstanceView, ModelSpec, NodeView, RequestView,
+                               StorageView)
 from shared.registry import model_id
 from shared.subjects import NODES_SET, node_key
 from tests.gateway.conftest import PRIVATE_A, PUBLIC_MODEL, copy_model, start_gateway
@@ -227,8 +228,9 @@ def _node(node_id: str, models: list[str]) -> NodeView:
                               kv_bytes=4096 * (i + 1),
                               requests=[RequestView(f"req-{m}", m, 5, 0.0, SLO(1.0, 0.25))])
                  for i, m in enumerate(models)]
+    storage = StorageView({"dram": 2e10, "disk": 1e9}, {m: "dram" for m in models}, 0.5)
     return NodeView(node_id=node_id, hardware=Hardware.CPU, memory_bytes=1 << 30, matrix_accel=True,
-                    instances=instances, budget_bytes=5000, heartbeat=12.5)
+                    instances=instances, budget_bytes=5000, heartbeat=12.5, storage=storage)
 
 
 def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
@@ -244,6 +246,10 @@ def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
         assert [i["model"]["name"] for i in nodes[0]["instances"]] == [PUBLIC_MODEL, PRIVATE_A]
         assert [i["kv_bytes"] for i in nodes[0]["instances"]] == [4096, 8192]
         assert nodes[1]["instances"] == []
+        # The node's checkpoint tiers, its own private model under the name it gave it.
+        assert nodes[0]["storage"] == {"bytes_per_s": {"dram": 2e10, "disk": 1e9},
+                                       "holds": {PUBLIC_MODEL: "dram", PRIVATE_A: "dram"},
+                                       "pending_s": 0.5}
 
         inst = {i["model"]: i for i in client_a.get("/admin/instances").json()["data"]}
         assert set(inst) == {PUBLIC_MODEL, PRIVATE_A}  # its own private one, by its own name
@@ -257,12 +263,15 @@ def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
         assert [(i["model"], i["instance_id"]) for i in inst_b] == [(PUBLIC_MODEL, "cpu-0-0")]
         node_b = client_b.get("/admin/nodes").json()["data"][0]
         assert [i["model"]["name"] for i in node_b["instances"]] == [PUBLIC_MODEL]
+        assert node_b["storage"]["holds"] == {PUBLIC_MODEL: "dram"}
         assert private_id not in json.dumps(node_b) and PRIVATE_A not in json.dumps(node_b)
 
         # The operator sees everything, ids and request ids included.
         inst_op = {i["model"]: i for i in client_op.get("/admin/instances").json()["data"]}
         assert set(inst_op) == {PUBLIC_MODEL, private_id}
         assert inst_op[private_id]["requests"] == [f"req-{private_id}"]
+        node_op = client_op.get("/admin/nodes").json()["data"][0]
+        assert node_op["storage"]["holds"] == {PUBLIC_MODEL: "dram", private_id: "dram"}
     finally:
         r.delete(NODES_SET, node_key("cpu-0"), node_key("cpu-1"))
         r.close()

@@ -46,8 +46,8 @@ def test_converting_or_profiling_waits_and_says_how_far():
     assert code == NOT_READY and "profiling on cpu (profiling on torch, 40%)" in message
 
 
-def test_a_profile_under_hand_over_or_being_replaced_does_not_serve_yet():
-    for step in ((ModelState.PROFILING, "handing the profile to the nodes", 1.0),
+def test_a_profile_being_replaced_does_not_serve_yet():
+    for step in ((ModelState.PROFILING, "profiling on torch", 0.9),
                  (ModelState.CONVERTING, "queued", 0.0)):
         r = judge("m", _status(cpu=step), {"cpu"}, {"cpu"})
         assert r.verdict is Verdict.WAIT and not r.refresh
@@ -99,10 +99,10 @@ async def test_a_request_waits_while_profiling_and_is_served_once_ready(servers,
                     10, "the request queued")
         await asyncio.sleep(1.0)  # held, not answered, while the model profiles
         assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
-        # What the profiler does: store the profile, hand it over to the nodes, report ready.
+        # A profile in Redis while the kind still profiles (as while a replaced checkpoint is
+        # profiled again) is not served; the profiler's `ready` after storing it is.
         await save_profile(redis, gpu_profile(NEW))
-        await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING,
-                                 "handing the profile to the nodes", 1.0)
+        await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING, "profiling on torch", 0.9)
         await asyncio.sleep(2.5)  # the placer has read the profile (every 2 s) and still waits
         assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
         await set_hardware_state(redis, NEW, "gpu", ModelState.READY, "", 1.0)

@@ -58,6 +58,9 @@ async def test_registration_makes_a_model_servable_and_a_broken_one_fails(nats_u
         assert "profiling" in seen  # progress was reported on the way
         profile = (await load_perf(redis)).get("lifecycle-ok", Hardware.CPU)
         assert profile is not None and profile.prefill.lengths[-1] == 64
+        # Loaded through the loader (the service converted it): the engine's start-up beside the
+        # checkpoint read is measured, for a node's q + n/b + start-up estimate.
+        assert 0 < profile.engine_init_s < profile.load_s
 
         await request_profiles(nc.jetstream(), redis, "lifecycle-broken", ["cpu"])
 

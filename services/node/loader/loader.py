@@ -99,6 +99,7 @@ class TiersReport:
     tiers: tuple[TierState, ...]
     pending: int  # loads queued or running
     pending_bytes: int  # their checkpoint bytes (known once a load has read its index)
+    pending_s: float = 0.0  # q of the startup estimate: those bytes over their tiers' bandwidth
 
 
 @dataclass
@@ -278,10 +279,14 @@ class CheckpointLoader:
         tier = self._tier_of(located) or "registry"
         nbytes = self._checkpoint_bytes(located, tier)
         with self._lock:
-            queue = sum(p.bytes / self._meters[p.tier].bytes_per_s
-                        for p in self._pending.values() if p.tier != "dram")
+            queue = self._queue_s()
             rate = self._meters[tier].bytes_per_s
         return LoadEstimate(tier, nbytes, queue, nbytes / rate)
+
+    def key_of(self, model_path: str | Path) -> str:
+        """The model's identity in the tiers (`TierModel.key`): how a checkpoint found on the
+        local disk at start, whose `model_path` is its copy there, maps back to a model."""
+        return self._locate(Path(model_path)).key
 
     def tiers_report(self) -> TiersReport:
         with self._lock:
@@ -295,7 +300,13 @@ class CheckpointLoader:
                             tuple(self._registry_models.values())),
             )
             pending = list(self._pending.values())
-        return TiersReport(states, len(pending), sum(p.bytes for p in pending))
+            queue = self._queue_s()
+        return TiersReport(states, len(pending), sum(p.bytes for p in pending), queue)
+
+    def _queue_s(self) -> float:
+        """Seconds of the loads queued or running on the I/O queue (call with the lock held)."""
+        return sum(p.bytes / self._meters[p.tier].bytes_per_s
+                   for p in self._pending.values() if p.tier != "dram")
 
     def wait_for_copies(self) -> None:
         """Block until the background copies to local disk are done (tests, shutdown)."""
