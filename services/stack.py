@@ -115,6 +115,8 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
 
         start("placer", "services.placer", env)
         start("node-0", "services.node", {
+            # Its local disk tier of checkpoints in the stack's data, not the working directory.
+            "SLINFER_NODE_CHECKPOINT_DIR": str(data / "checkpoints" / "node-0"),
             **env, "SLINFER_NODE_ID": "node-0", "SLINFER_NODE_HARDWARE": "cpu",
             # A development CPU may lack AMX; the placer's CPU rule needs the explicit override.
             "SLINFER_MATRIX_ACCEL": "true", "SLINFER_NODE_MEMORY_BYTES": str(2 * 1024**3)})
