@@ -70,11 +70,12 @@ def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> No
                "gateway never became healthy", timeout_s)
 
 
-def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: float = 60.0) -> None:
+def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: float = 60.0,
+               headers: Mapping[str, str] | None = None) -> None:
     """Until every node in `node_ids` is in the cluster view (it published itself after loading
     its engine stack): a request sent before would only queue for it."""
     def joined() -> bool:
-        r = httpx.get(f"{url}/admin/nodes", timeout=1)
+        r = httpx.get(f"{url}/admin/nodes", timeout=1, headers=headers)
         return r.status_code == 200 and node_ids <= {n["node_id"] for n in r.json()["data"]}
 
     wait_until(joined, children, f"nodes {sorted(node_ids)} never joined the cluster view", timeout_s)
@@ -123,10 +124,14 @@ def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | No
         start("gateway", "services.gateway", env)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, children)
+        # With keys configured, the stack's own admin calls use the first operator key.
+        operator = (env.get("SLINFER_OPERATOR_KEYS") or "").split(",")[0].strip()
+        auth = {"Authorization": f"Bearer {operator}"} if operator else None
         r = httpx.post(f"{url}/admin/models", json={"name": model, "path": str(model_dir),
-                                                    "engine": "torch", "public": True})
+                                                    "engine": "torch", "public": True},
+                       headers=auth)
         if r.status_code not in (200, 201):
             raise RuntimeError(f"registering {model} failed: {r.status_code} {r.text}")
-        wait_nodes(url, {"node-0"}, children)
+        wait_nodes(url, {"node-0"}, children, headers=auth)
         yield Stack(url, model, nats.url, redis.url, data, tuple(children),
                     (("nats-server", nats.proc.pid), ("valkey", redis.proc.pid)))

@@ -68,6 +68,9 @@ class InferenceRequest:
     # Unix seconds after which nobody waits for the output any more (the gateway's timeout);
     # 0 = none. Placers do not place, and nodes stop, a request past its deadline.
     deadline: float = 0.0
+    # A LoRA adapter's registry id: the request runs through that adapter on an instance of its
+    # backbone, which `model` then names (the gateway resolves an adapter's name to both).
+    adapter: str | None = None
 
 
 class FinishReason(str, enum.Enum):

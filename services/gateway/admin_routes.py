@@ -226,7 +226,7 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
             log.warning("undecodable view of node %s skipped", node_id)
             continue
         if not caller.operator:
-            node.instances = [_tenant_instance(i, visible[i.model.name])
+            node.instances = [_tenant_instance(i, visible[i.model.name], visible)
                               for i in node.instances if i.model.name in visible]
             if node.storage is not None:  # which checkpoints it holds: the visible ones only
                 node.storage = dataclasses.replace(node.storage, holds={
@@ -235,11 +235,13 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
     return nodes
 
 
-def _tenant_instance(instance, name: str):
+def _tenant_instance(instance, name: str, visible: dict[str, str]):
     # Request ids are the gateway's handles of other tenants' requests too: counted, not named.
     requests = [dataclasses.replace(r, request_id="", model=name) for r in instance.requests]
+    # LoRA adapters on a shared backbone: only those the tenant may see, by its names for them.
+    adapters = {visible[a]: n for a, n in instance.adapters.items() if a in visible}
     return dataclasses.replace(instance, model=dataclasses.replace(instance.model, name=name),
-                               requests=requests)
+                               requests=requests, adapters=adapters)
 
 
 @router.get("/nodes", response_model=None, responses={200: NODE_LIST})
@@ -257,5 +259,6 @@ async def list_instances(caller: Caller, ctx: Context) -> dict[str, Any]:
                          "status": inst.status.value, "batch_size": inst.batch_size,
                          "kv_bytes": inst.kv_bytes, "weight_bytes": inst.model.weight_bytes,
                          "last_active": inst.last_active,
-                         "requests": [r.request_id for r in inst.requests]})
+                         "requests": [r.request_id for r in inst.requests],
+                         "adapters": dict(inst.adapters)})
     return {"object": "list", "data": data}

@@ -39,6 +39,14 @@ async def start(nc: NATS, redis: Redis, record: ModelRecord, previous: ModelReco
                 default_kinds: tuple[str, ...]) -> ModelStatus | None:
     """After a registration: a profiling job for every kind without a profile (module doc)."""
     kinds = kinds_to_profile({n.hardware.value for n in await read_nodes(redis)}, default_kinds)
+    if record.base_model is not None:
+        # A LoRA adapter is not profiled: it runs on instances of its backbone, with the
+        # backbone's profile and lifecycle (the placer waits for those).
+        await forget(redis, record.name)
+        for kind in kinds:
+            await mark_ready(redis, record.name, kind,
+                             f"LoRA adapter: served by its base model {record.base_model}")
+        return await get_status(redis, record.name)
     fresh = reprofile(record, previous)
     profiled = set() if fresh else await _profiled(redis, record.name, kinds)
     await forget(redis, record.name)  # a new registration starts a new lifecycle

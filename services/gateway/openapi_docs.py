@@ -186,6 +186,7 @@ class InstanceRow(BaseModel):
     weight_bytes: int
     last_active: float
     requests: list[str]
+    adapters: dict[str, int]  # LoRA adapters attached to this backbone instance -> their bytes
 
 
 class InstanceList(BaseModel):

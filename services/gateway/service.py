@@ -130,8 +130,12 @@ class GatewayService:
         eos = [] if params.ignore_eos else (list(record.eos_token_ids)
                                             or tokenizer_eos_ids(prepared.tokenizer))
         arrival = time.time()
+        # A LoRA adapter runs on an instance of its backbone (ServerlessLoRA): the placer places
+        # the backbone; the node attaches the adapter.
+        adapter = record.name if record.base_model is not None else None
         return InferenceRequest(
-            request_id=request_id, tenant=tenant, model=record.name,
+            request_id=request_id, tenant=tenant, model=record.base_model or record.name,
+            adapter=adapter,
             prompt_token_ids=prepared.prompt_ids, max_tokens=prepared.max_tokens,
             arrival=arrival, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
             # After this nobody waits: placers do not place it, nodes stop it (an orphan of a

@@ -45,7 +45,7 @@ from shared.core.iteration import IterationKind, predict_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
-from shared.core.types import Hardware, InstanceStatus, RequestView
+from shared.core.types import AdapterSpec, Hardware, InstanceStatus, RequestView, adapter_owner
 from shared.model_state import profile_joining_kind
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -152,7 +152,8 @@ def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                           seed=req.seed, eos_token_ids=tuple(req.eos_token_ids), top_k=req.top_k,
                           repetition_penalty=req.repetition_penalty,
-                          min_tokens=max(0, req.min_tokens - output_len), ignore_eos=req.ignore_eos)
+                          min_tokens=max(0, req.min_tokens - output_len), ignore_eos=req.ignore_eos,
+                          adapter=req.adapter)
 
 
 def warm_imports() -> None:
@@ -176,6 +177,7 @@ class NodeWorker:
         self.base_perf = PerfModel()
         self.calibrator = Calibrator()
         self.records: dict[str, ModelRecord] = {}
+        self.adapter_records: dict[str, ModelRecord] = {}  # LoRA (issue 12): adapters by id
         self.live: dict[str, Live] = {}
         self.ops: dict[int, MemOp] = {}
         self.wake = asyncio.Event()
@@ -425,7 +427,11 @@ class NodeWorker:
         if isinstance(checked, NodeReply):
             return checked
         req, record = checked
-        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
+        if isinstance(adapter, NodeReply):
+            return adapter
+        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time(),
+                                  adapter)
         return self._commit(req, record, result, cold=cmd.instance_id is None)
 
     async def _preempt_admit(self, cmd: NodeCommand) -> NodeReply:
@@ -436,8 +442,12 @@ class NodeWorker:
         if isinstance(checked, NodeReply):
             return checked
         req, record = checked
+        adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
+        if isinstance(adapter, NodeReply):
+            return adapter
         result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
-                                              cmd.instance_id, model_spec(record), time.time())
+                                              cmd.instance_id, model_spec(record), time.time(),
+                                              adapter)
         targets = {m.request_id: m for m in cmd.migrations}
         moved = []
         for view in result.evicted:
@@ -487,6 +497,62 @@ class NodeWorker:
         self.model_names.learn(record)
         self._refresh_storage()
         return req, record
+
+    # --- LoRA adapters (issue 12; ServerlessLoRA §4.4) -----------------------------------------
+    # A request for an adapter comes with `model` = its backbone and `adapter` = the adapter's
+    # registry id. It is admitted to a backbone instance; where that instance lacks the adapter,
+    # the core holds the adapter's bytes and issues a LOAD memory op for it (its key names the
+    # instance and the adapter), executed here like any other memory op: the request joins the
+    # engine once the adapter is loaded. Instance unloads take their adapters with them.
+    async def _adapter_spec(self, req: InferenceRequest,
+                            record: ModelRecord) -> AdapterSpec | None | NodeReply:
+        if req.adapter is None:
+            return None
+        adapter = self.adapter_records.get(req.adapter)
+        if adapter is None:
+            try:
+                adapter = await ModelRegistry(self.redis).get(req.adapter)
+            except Exception as exc:  # Redis blip: the placer asks again
+                return NodeReply(False, f"error: reading the adapter's record: {exc!r}")
+        if adapter is None or adapter.base_model != record.name:
+            return NodeReply(False, f"bad_command: {req.adapter!r} is not a LoRA adapter of "
+                                    f"{record.name!r}")
+        self.adapter_records[req.adapter] = adapter
+        return AdapterSpec(adapter.name, adapter.weight_bytes)
+
+    def _run_adapter_op(self, op: MemOp, instance_id: str, name: str) -> None:
+        """An adapter's memory op, on a worker thread: load it into (or drop it from) the
+        instance's engine. A load waits for the engine, whose own load may be running."""
+        if op.kind is MemOpKind.UNLOAD:
+            engine = self.engines.get(instance_id)
+            if engine is not None and hasattr(engine, "unload_adapter"):
+                engine.unload_adapter(name)
+            return
+        while (engine := self.engines.get(instance_id)) is None:
+            if self.sched.node.instance(instance_id) is None or self._stopping:
+                return  # the instance is gone (its load failed or was cancelled)
+            time.sleep(0.005)
+        if not hasattr(engine, "load_adapter"):
+            raise RuntimeError(f"the {engine.name} engine does not serve LoRA adapters")
+        engine.load_adapter(name, self.adapter_records[name].path)
+
+    async def _after_adapter(self, instance_id: str, name: str, done: MemOpCompletion) -> None:
+        """An adapter's load completed: its waiting requests join the engine, or fail with it."""
+        waiting = [lv for lv in self.live.values() if lv.instance_id == instance_id
+                   and lv.request.adapter == name and not lv.in_engine]
+        if done.ok:
+            if self._loaded(instance_id):  # else the instance's own load completion adds them
+                for live in waiting:
+                    self._engine_add(live)
+            return
+        for live in waiting:
+            await self._finish(live, FinishReason.ERROR, f"LoRA adapter failed to load: {done.error}")
+        self._start_ops(self.sched.detach_adapter(instance_id, name, time.time()))
+
+    def _adapter_ready(self, instance_id: str, adapter: str | None) -> bool:
+        engine = self.engines.get(instance_id)
+        return adapter is None or (engine is not None and adapter in getattr(engine, "adapters", {}))
+    # --- end LoRA ----------------------------------------------------------------------------
 
     def _commit(self, req: InferenceRequest, record: ModelRecord, result: AdmitResult,
                 cold: bool) -> NodeReply:
@@ -741,7 +807,11 @@ class NodeWorker:
             await self._load_profiles()
         self.model_names.learn(record)
         self._refresh_storage()
-        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time())
+        adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
+        if isinstance(adapter, NodeReply):
+            return adapter
+        result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time(),
+                                  adapter)
         if result.admission.ok and cmd.instance_id is None:
             self._expect_load(result.instance_id, record)
         self._start_ops(result.start_ops)
@@ -755,7 +825,7 @@ class NodeWorker:
         incoming = Incoming(replace(req, grace_s=result.admission.grace_s, target_node=None,
                                     target_instance=None), iid, view, list(req.resumed_token_ids))
         self.incoming[rid] = incoming
-        if not await self._until_loaded(iid, self.migration_policy.begin_timeout_s):
+        if not await self._until_loaded(iid, self.migration_policy.begin_timeout_s, req.adapter):
             self._drop_incoming(rid)
             return NodeReply(False, "load_failed")
         async with self._iter_lock:
@@ -764,9 +834,9 @@ class NodeWorker:
             incoming.pending = (await asyncio.to_thread(engine.prefill, rid)).tokens[rid]
         return NodeReply(True, "prefilled", iid, generated=len(incoming.known))
 
-    async def _until_loaded(self, iid: str, timeout: float) -> bool:
+    async def _until_loaded(self, iid: str, timeout: float, adapter: str | None = None) -> bool:
         deadline = time.monotonic() + timeout
-        while not self._loaded(iid):
+        while not self._loaded(iid) or not self._adapter_ready(iid, adapter):
             if self.sched.node.instance(iid) is None or time.monotonic() > deadline:
                 return False  # its load failed (the instance is gone) or takes too long
             await asyncio.sleep(0.01)
@@ -876,6 +946,9 @@ class NodeWorker:
         self.loads.append(load)
 
     def _run_op(self, op: MemOp) -> None:
+        if (owner := adapter_owner(op.instance_id)) is not None:  # LoRA (issue 12)
+            self._run_adapter_op(op, *owner)
+            return
         record = self.records[op.instance_id]
         kv_bytes = max(0, op.bytes_after - record.weight_bytes)
         if op.kind is MemOpKind.LOAD:
@@ -917,7 +990,10 @@ class NodeWorker:
             return  # already applied (published and applied locally), or not ours
         del self.ops[done.op_id]
         released = self.sched.memop_done(op, time.time())
-        if op.kind is MemOpKind.LOAD:
+        if (owner := adapter_owner(op.instance_id)) is not None:  # LoRA (issue 12)
+            if op.kind is MemOpKind.LOAD:
+                await self._after_adapter(*owner, done)
+        elif op.kind is MemOpKind.LOAD:
             await self._after_load(op.instance_id, done)
         if op.kind is MemOpKind.UNLOAD and not self.sched.node.instance(op.instance_id):
             self.records.pop(op.instance_id, None)
@@ -945,6 +1021,8 @@ class NodeWorker:
         if live.in_engine or live.error is not None:
             return
         req = live.request
+        if not self._adapter_ready(live.instance_id, req.adapter):
+            return  # LoRA (issue 12): its adapter's load completion adds it
         try:
             self.engines[live.instance_id].add_request(req.request_id, live.all_tokens,
                                                        sampling_params(req, len(live.output)))

@@ -9,6 +9,13 @@ The node worker (real engines) and the simulator (profile-timed engines) drive i
     sched.finish_iteration(plan.iteration, now, finished)     # feed the outcome back
     sched.memop_done(op, now)                                 # a memory op completed
     sched.reclaim_idle(now)                                   # keep-alive expiry
+
+LoRA adapters (ServerlessLoRA §4.4) ride on an instance of their backbone: a request that runs
+through an adapter is admitted to a backbone instance with `adapter=AdapterSpec(...)`; where the
+instance does not hold the adapter yet, its memory demand is the adapter's bytes plus its KV (the
+backbone's weights are there already), and the adapter gets its own entry in the memory ledger
+(`adapter_key`) and its own LOAD op, which the node executes like any other memory op. The
+instance runs nothing while one of its adapters loads; unloading the instance detaches them.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from shared.core.iteration import (IterationChoice, IterationKind, apply_iterati
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.perf_model import PerfModel
-from shared.core.types import (Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView,
-                               RequestView, RunningIteration)
+from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
+                               NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
 
 @dataclass(frozen=True)
@@ -66,20 +73,81 @@ class NodeScheduler:
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
-              now: float) -> AdmitResult:
-        """Re-check the placer's decision against this node's own state, then commit it."""
-        admission = evaluate(self.view(), instance_id, request, model, self.perf, now, self.config)
+              now: float, adapter: AdapterSpec | None = None) -> AdmitResult:
+        """Re-check the placer's decision against this node's own state, then commit it.
+        `adapter`: the LoRA adapter the request runs through on this backbone instance."""
+        need = self._adapter_need(instance_id, adapter)
+        admission = evaluate(self._with_adapter(self.view(), need), instance_id, request, model,
+                             self.perf, now, self.config)
+        if admission.ok and not self._adapter_fits(instance_id, model, admission, need):
+            admission = Admission(AdmitReason.MEMORY)
         if not admission.ok:
             return AdmitResult(admission)
         if instance_id is None:
-            return self._admit_new(request, model, admission, now)
+            result = self._admit_new(request, model, admission, now)
+            inst = self._instance(result.instance_id)
+            return replace(result, start_ops=(*result.start_ops, *self._attach(inst, adapter, now)))
         inst = self._instance(instance_id)
         ops: list[MemOp] = []
         if admission.kv_target_bytes is not None:
             ops = self._resize(inst, admission.kv_target_bytes, now)
+        ops.extend(self._attach(inst, adapter, now))
         inst.requests.append(replace(request, grace_s=admission.grace_s))
         inst.last_active = now
         return AdmitResult(admission, instance_id, tuple(ops))
+
+    # --- LoRA adapters on backbone instances ----------------------------------------------------
+    def _adapter_need(self, instance_id: str | None, adapter: AdapterSpec | None) -> int:
+        """Bytes an admission must add for its adapter: none where the instance holds it."""
+        if adapter is None:
+            return 0
+        inst = self._find(instance_id) if instance_id is not None else None
+        return 0 if inst is not None and adapter.name in inst.adapters else adapter.bytes
+
+    @staticmethod
+    def _with_adapter(view: NodeView, need: int) -> NodeView:
+        """The node as an admission needing `need` adapter bytes besides its KV sees it."""
+        return replace(view, memory_bytes=view.memory_bytes - need) if need else view
+
+    def _adapter_fits(self, instance_id: str | None, model: ModelSpec, admission: Admission,
+                      need: int) -> bool:
+        """The budget after the admission's KV change still has room for the adapter (an
+        admission that needs no KV growth is not memory-checked by evaluate)."""
+        if not need:
+            return True
+        budget = self.ledger.budget
+        if instance_id is None:
+            budget += model.weight_bytes + (admission.kv_target_bytes or 0)
+        elif admission.kv_target_bytes is not None:
+            budget += model.weight_bytes + admission.kv_target_bytes - self.ledger.target(instance_id)
+        return budget + need <= self.ledger.capacity
+
+    def _attach(self, inst: InstanceView, adapter: AdapterSpec | None, now: float) -> list[MemOp]:
+        if adapter is None or adapter.name in inst.adapters:
+            return []
+        ok, ops = self.ledger.request(MemOpKind.LOAD, adapter_key(inst.instance_id, adapter.name),
+                                      adapter.bytes, now)
+        assert ok, "admit() checked the budget with the adapter's bytes"
+        inst.adapters[adapter.name] = adapter.bytes
+        self._sync(now)
+        return ops
+
+    def detach_adapter(self, instance_id: str, adapter: str, now: float) -> list[MemOp]:
+        """Unload an adapter from a backbone instance (offloading, §4.3): its bytes leave the
+        budget; the UNLOAD op (and anything it releases) is returned to execute. The caller
+        makes sure no request still runs through it."""
+        inst = self._find(instance_id)
+        if inst is None or adapter not in inst.adapters:
+            return []
+        del inst.adapters[adapter]
+        _, ops = self.ledger.request(MemOpKind.UNLOAD, adapter_key(instance_id, adapter), 0, now)
+        self._sync(now)
+        return ops
+
+    def _adapters_busy(self) -> set[str]:
+        """Instances with an adapter op running or parked: they run nothing until it is done."""
+        ops = (*self.ledger.running(), *self.ledger.parked())
+        return {owner[0] for op in ops if (owner := adapter_owner(op.instance_id)) is not None}
 
     def _admit_new(self, request: RequestView, model: ModelSpec, admission: Admission,
                    now: float) -> AdmitResult:
@@ -96,7 +164,8 @@ class NodeScheduler:
         return AdmitResult(admission, iid, tuple(ops))
 
     def preempt_and_admit(self, victims: list[str], request: RequestView, instance_id: str | None,
-                          model: ModelSpec, now: float) -> AdmitResult:
+                          model: ModelSpec, now: float,
+                          adapter: AdapterSpec | None = None) -> AdmitResult:
         """Proactive preemption (§VIII-A) as one step the node re-checks first: the victims must
         still be strictly smaller than the preemptor, and the request must pass on this node
         without them. Only then are they unloaded (their requests come back in `evicted`, to be
@@ -107,11 +176,12 @@ class NodeScheduler:
         if (instance_id is not None and preemptor is None) or not set(victims) <= allowed:
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         trial = without_instances(self.view(), set(victims))
+        trial = self._with_adapter(trial, self._adapter_need(instance_id, adapter))
         admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config)
         if not admission.ok:
             return AdmitResult(admission)
         evicted, unload_ops = self.preempt(victims, now)
-        result = self.admit(request, instance_id, model, now)
+        result = self.admit(request, instance_id, model, now, adapter)
         return replace(result, start_ops=(*unload_ops, *result.start_ops), evicted=tuple(evicted))
 
     # --- the token-level loop ---------------------------------------------------------------
@@ -119,6 +189,7 @@ class NodeScheduler:
         """Choose the next iteration; resolve KV shortfalls first (scale up, else evict)."""
         blocked = {i.instance_id for i in self.node.instances
                    if i.status is not InstanceStatus.READY or i.instance_id in self._running_ops()}
+        blocked |= self._adapters_busy()
         ops: list[MemOp] = []
         evictions: list[Eviction] = []
         while True:
@@ -212,8 +283,10 @@ class NodeScheduler:
         inst = self._find(op.instance_id)
         if inst is not None and op.kind is MemOpKind.LOAD and inst.status is InstanceStatus.LOADING:
             inst.status = InstanceStatus.READY
-        if inst is not None and not self.ledger.busy(inst.instance_id):
-            inst.ready_at = min(inst.ready_at, now)  # free to run now, however long we guessed
+        owner = self._find(_owner_id(op.instance_id))  # the instance, also for an adapter's op
+        if owner is not None and not self.ledger.busy(owner.instance_id) and \
+                owner.instance_id not in self._adapters_busy():
+            owner.ready_at = min(owner.ready_at, now)  # free to run now, however long we guessed
         if op.kind is MemOpKind.UNLOAD and self.ledger.target(op.instance_id) == 0:
             self.node.instances = [i for i in self.node.instances if i.instance_id != op.instance_id]
         self._sync(now)
@@ -250,7 +323,10 @@ class NodeScheduler:
 
     def _unload(self, inst: InstanceView, now: float) -> list[MemOp]:
         inst.status = InstanceStatus.UNLOADING
-        _, ops = self.ledger.request(MemOpKind.UNLOAD, inst.instance_id, 0, now)
+        ops: list[MemOp] = []
+        for adapter in list(inst.adapters):  # its adapters go with it
+            ops.extend(self.detach_adapter(inst.instance_id, adapter, now))
+        ops.extend(self.ledger.request(MemOpKind.UNLOAD, inst.instance_id, 0, now)[1])
         if self.ledger.target(inst.instance_id) == 0 and not self.ledger.busy(inst.instance_id):
             # a load that never started was cancelled outright: nothing to execute
             self.node.instances = [i for i in self.node.instances if i.instance_id != inst.instance_id]
@@ -314,10 +390,14 @@ class NodeScheduler:
         running = self.ledger.running()
         running_end = max((op.started_at + self._op_s(op) for op in running if op.started_at is not None),
                           default=now)
-        ends: dict[str, float] = {op.instance_id: op.started_at + self._op_s(op)
-                                  for op in running if op.started_at is not None}
+        ends: dict[str, float] = {}
+        for op in running:
+            if op.started_at is not None:  # an adapter's op holds up its instance
+                key = _owner_id(op.instance_id)
+                ends[key] = max(ends.get(key, now), op.started_at + self._op_s(op))
         for op in self.ledger.parked():
-            ends[op.instance_id] = max(ends.get(op.instance_id, now), running_end) + self._op_s(op)
+            key = _owner_id(op.instance_id)
+            ends[key] = max(ends.get(key, now), running_end) + self._op_s(op)
         for inst in self.node.instances:
             if inst.instance_id in ends:
                 inst.ready_at = max(ends[inst.instance_id], now)
@@ -340,7 +420,14 @@ class NodeScheduler:
 
 def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:
     """Copies deep enough that changing requests on them leaves the originals untouched."""
-    return [replace(i, requests=[replace(r) for r in i.requests]) for i in instances]
+    return [replace(i, requests=[replace(r) for r in i.requests], adapters=dict(i.adapters))
+            for i in instances]
+
+
+def _owner_id(key: str) -> str:
+    """The instance a memory op's key belongs to (its own, or the one its adapter is on)."""
+    owner = adapter_owner(key)
+    return key if owner is None else owner[0]
 
 
 def new_node(node_id: str, hardware: Hardware, memory_bytes: int, perf: PerfModel,

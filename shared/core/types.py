@@ -113,10 +113,35 @@ class InstanceView:
     ready_at: float = 0.0
     last_active: float = 0.0  # last time it held a request (for keep-alive)
     requests: list[RequestView] = field(default_factory=list)
+    # LoRA adapters attached to this backbone instance (loaded or loading), name -> bytes. Each
+    # is held in the node's memory ledger on its own (`adapter_key`), beside the instance.
+    adapters: dict[str, int] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         return len(self.requests)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter a request runs through, on an instance of its backbone (ServerlessLoRA)."""
+
+    name: str  # the adapter's model name (registry id)
+    bytes: int  # its A/B matrices: all it adds to a node that holds its backbone
+
+
+ADAPTER_SEPARATOR = "/lora/"
+
+
+def adapter_key(instance_id: str, adapter: str) -> str:
+    """The memory ledger's (and memory ops') name for `adapter` attached to an instance."""
+    return f"{instance_id}{ADAPTER_SEPARATOR}{adapter}"
+
+
+def adapter_owner(key: str) -> tuple[str, str] | None:
+    """(instance id, adapter) of an `adapter_key`; None for an instance's own key."""
+    iid, sep, adapter = key.partition(ADAPTER_SEPARATOR)
+    return (iid, adapter) if sep else None
 
 
 @dataclass(frozen=True)

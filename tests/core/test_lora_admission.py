@@ -1,0 +1,120 @@
+"""LoRA adapters in the node's core: an adapter request on a node that holds its backbone costs
+the adapter's bytes plus its KV (never another backbone), through the memory ledger's own entry
+for the adapter and its own LOAD op; the instance runs nothing while an adapter loads; unloading
+the instance unloads its adapters."""
+
+from shared.core.admission import AdmitReason
+from shared.core.iteration import IterationKind
+from shared.core.memory import MemOpKind
+from shared.core.types import AdapterSpec, Hardware, adapter_key, adapter_owner
+
+from tests.core.factories import flat_profile, loaded, model, node, perf_for, request
+
+MB = 1024**2
+
+
+def done(sched, ops, now=0.0):
+    pending = list(ops)
+    while pending:
+        pending.extend(sched.memop_done(pending.pop(0), now))
+
+
+def test_adapter_key_round_trips():
+    key = adapter_key("m@n0#1", "tenant~a1")
+    assert adapter_owner(key) == ("m@n0#1", "tenant~a1")
+    assert adapter_owner("m@n0#1") is None
+
+
+def test_adapters_on_a_resident_backbone_cost_their_bytes_only():
+    spec = model("m", weight_gb=4)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base"), spec)
+    before = sched.ledger.budget
+    for i in range(8):
+        res = sched.admit(request(f"r{i}", ttft=5.0), iid, spec, 0.0,
+                          AdapterSpec(f"a{i}", 30 * MB))
+        assert res.admission.ok and res.instance_id == iid
+        loads = [op for op in res.start_ops if op.kind is MemOpKind.LOAD]
+        assert [op.instance_id for op in loads] == [adapter_key(iid, f"a{i}")]
+        assert loads[0].bytes_after == 30 * MB
+        done(sched, res.start_ops)
+    # One backbone, eight adapters, and the requests' KV: no second copy of the weights.
+    assert len(sched.node.instances) == 1
+    inst = sched.node.instances[0]
+    assert inst.adapters == {f"a{i}": 30 * MB for i in range(8)}
+    assert sched.ledger.budget == sched.ledger.target(iid) + 8 * 30 * MB
+    assert sched.ledger.target(iid) == spec.weight_bytes + inst.kv_bytes
+    assert sched.ledger.budget < 2 * spec.weight_bytes
+    # The same adapter again adds no adapter bytes (only, perhaps, KV).
+    res = sched.admit(request("again", ttft=5.0), iid, spec, 0.0, AdapterSpec("a0", 30 * MB))
+    assert res.admission.ok
+    assert not [op for op in res.start_ops if adapter_owner(op.instance_id) is not None]
+    done(sched, res.start_ops)
+    assert sched.ledger.budget == sched.ledger.target(iid) + 8 * 30 * MB
+
+
+def test_a_cold_start_with_an_adapter_loads_backbone_and_adapter():
+    spec = model("m", weight_gb=4)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    res = sched.admit(request("r"), None, spec, 0.0, AdapterSpec("a", 50 * MB))
+    assert res.admission.ok
+    keys = sorted(op.instance_id for op in res.start_ops)
+    assert keys == sorted([res.instance_id, adapter_key(res.instance_id, "a")])
+    assert sched.ledger.budget == sched.ledger.target(res.instance_id) + 50 * MB
+
+
+def test_the_adapter_bytes_are_counted_in_the_memory_check():
+    # 4 GB backbone with its KV leaves less than the adapter's bytes free.
+    spec = model("m", weight_gb=4)
+    sched = node(memory_gb=4.2, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base"), spec)
+    free = sched.ledger.capacity - sched.ledger.budget
+    too_big = AdapterSpec("big", free + 1)
+    res = sched.admit(request("r"), iid, spec, 0.0, too_big)
+    assert res.admission.reason is AdmitReason.MEMORY
+    assert sched.node.instances[0].adapters == {} and len(sched.node.instances[0].requests) == 1
+    fits = AdapterSpec("ok", free // 4)
+    assert sched.admit(request("r2", input_len=10), iid, spec, 0.0, fits).admission.ok
+
+
+def test_the_instance_runs_nothing_while_an_adapter_loads():
+    spec = model("m", weight_gb=1)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base"), spec)
+    res = sched.admit(request("r"), iid, spec, 0.0, AdapterSpec("a", 10 * MB))
+    adapter_ops = [op for op in res.start_ops if adapter_owner(op.instance_id)]
+    other = [op for op in res.start_ops if not adapter_owner(op.instance_id)]
+    done(sched, other)
+    assert sched.step(0.0).iteration is None  # blocked by the adapter's load
+    done(sched, adapter_ops)
+    plan = sched.step(0.0)
+    assert plan.iteration is not None and plan.iteration.kind is IterationKind.PREFILL
+
+
+def test_unloading_the_instance_unloads_its_adapters():
+    spec = model("m", weight_gb=1)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base"), spec)
+    for name in ("a", "b"):
+        done(sched, sched.admit(request(name), iid, spec, 0.0, AdapterSpec(name, 10 * MB)).start_ops)
+    evicted, ops = sched.preempt([iid], 1.0)
+    assert {r.request_id for r in evicted} == {"base", "a", "b"}
+    assert sorted(op.instance_id for op in ops) == sorted(
+        [iid, adapter_key(iid, "a"), adapter_key(iid, "b")])
+    assert all(op.kind is MemOpKind.UNLOAD for op in ops)
+    done(sched, ops, 1.0)
+    assert sched.ledger.budget == 0 and sched.node.instances == []
+
+
+def test_detach_frees_the_adapter_only():
+    spec = model("m", weight_gb=1)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base"), spec)
+    done(sched, sched.admit(request("r"), iid, spec, 0.0, AdapterSpec("a", 10 * MB)).start_ops)
+    budget = sched.ledger.budget
+    ops = sched.detach_adapter(iid, "a", 0.0)
+    assert [(op.kind, op.instance_id) for op in ops] == [(MemOpKind.UNLOAD, adapter_key(iid, "a"))]
+    done(sched, ops)
+    assert sched.ledger.budget == budget - 10 * MB
+    assert sched.node.instances[0].adapters == {}
+    assert sched.detach_adapter(iid, "a", 0.0) == []
