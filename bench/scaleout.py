@@ -1,22 +1,50 @@
-"""Scale-out of one model to k nodes at once (λScale §4): the multicast plan's time against every
-node reading the checkpoint from storage, at datacenter link speeds (modelled, not measured:
-this box has no network). The plan is the one the node workers would carry out
-(`shared.core.multicast`); its steps are timed as block bytes over the link plus a per-step
-latency.
+"""Scale-out of one model to k nodes at once (λScale §4): the multicast against every node
+reading the checkpoint from storage, two ways.
+
+**Modelled** (the default): the plan the node workers carry out (`shared.core.multicast`) timed
+as block bytes over a datacenter link plus a per-step latency, against every node reading from
+NVMe or a shared registry link (no network on this box).
 
     .venv/bin/python bench/scaleout.py [--out bench/results/scaleout_sim.json]
 
 Figures: time until all k nodes hold the model (multicast vs storage), and time until the first
 execution pipeline holds a full model across its nodes (execute-while-load can serve then).
+
+**Measured** (`--measure SHAPES`): real multicast endpoints (`python -m services.node.multicast`,
+one process per node: a source n0 and destinations n1..nk) on this machine, a real nats-server
+for the control, TCP on loopback for the blocks. For each k:
+
+* multicast: the source holds the model in its DRAM tier; time from the coordinator's call to
+  the moment the last destination holds every block, checked, in its DRAM tier (offer, prepare
+  and plan round trips included; `prepare_s` is that part);
+* storage: every destination loads the model through its loader from the converted checkpoint
+  at the same time (the `load` op: `CheckpointLoader.load`, chunked parallel O_DIRECT reads into
+  pool buffers, as the torch engine loads), the page cache of every partition file dropped
+  before each run (`posix_fadvise(POSIX_FADV_DONTNEED)` after an fdatasync, then mincore: the
+  largest resident fraction left is recorded); and one destination alone (what each node would
+  take if every node had its own disk of this one's speed).
+
+Before each run the destinations drop the model from their DRAM tier (their pool keeps the freed
+buffers, so both methods write into memory faulted in before); one untimed run of each method
+comes first. Runs alternate between the methods; the median of `--repeats` is reported.
+
+    flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/scaleout.py --measure small,llama-3.2-1b
+
+Results: bench/results/scaleout_measured_<shape>.json. Loopback on 2 shared cores is not a
+datacenter network: every byte a destination receives costs the machine's CPUs a kernel copy and
+a CRC pass, so the k links of a step do not run in parallel here as they would on k NICs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,11 +98,7 @@ def row(model: str, n_dest: int, gbps: float, blocks: int) -> dict:
             "registry_shared_s": round(n_dest * size / REGISTRY_BYTES_PER_S, 3)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaleout_sim.json"))
-    p.add_argument("--blocks", type=int, default=32, help="model blocks (λScale's elbow: tens)")
-    args = p.parse_args(argv)
+def modelled(args, argv: list[str] | None) -> int:
     rows = [row(m, k, g, args.blocks) for m in MODELS for k in (2, 4, 8) for g in LINKS_GBPS]
     result = {"command": "python bench/scaleout.py " + " ".join(argv or sys.argv[1:]),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores (a model, no network used)",
@@ -85,6 +109,223 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(r)
     return 0
+
+
+# -- measured: real endpoints on this machine -----------------------------------------------------
+
+SHAPE_KS = {"small": (2, 4, 8), "llama-3.2-1b": (2, 4, 8)}
+MEMORY_MARGIN = 4 << 30  # left free for the other processes sharing this machine
+PROCESS_OVERHEAD = 400 << 20  # an endpoint process besides its model copy (230 MB idle RSS measured)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "")
+    mem = Path("/proc/meminfo").read_text().splitlines()[0]
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory": mem, "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_before": os.getloadavg()}
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def checkpoint_for(shape: str) -> Path:
+    """The shape's converted checkpoint: the model directory's own when it has one, else a
+    conversion private to this benchmark (other users of .data/models see no new directory)."""
+    from services.node.loader import convert_checkpoint, default_checkpoint_dir, read_index
+    from services.node.loader.checkpoint_format import source_fingerprint
+    from shared.modelgen import ensure_model
+
+    model_dir = ensure_model(ROOT / ".data", shape, shape)
+    own = default_checkpoint_dir(model_dir)
+    index = read_index(own)
+    if index is not None and index.fingerprint == source_fingerprint(model_dir):
+        return own
+    return convert_checkpoint(model_dir, ROOT / ".data" / "bench-scaleout" / f"{shape}-checkpoint"
+                              ).path
+
+
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) -> dict:
+    import nats
+
+    from services.node.loader import read_index
+    from services.node.loader.direct_io import drop_page_cache, resident_bytes
+    from services.node.multicast_coordinator import multicast
+    from shared.servers import popen_tied, start_nats
+    from shared.subjects import multicast_node_subject
+
+    ckpt = checkpoint_for(shape)
+    index = read_index(ckpt)
+    size = index.file_bytes
+    files = [ckpt / p.file for p in index.partitions]
+    fits = [k for k in ks if (k + 1) * (size + PROCESS_OVERHEAD) + MEMORY_MARGIN
+            <= available_bytes()]
+    skipped = {k: f"{k + 1} endpoints x ({size / 1e9:.2f} GB + "
+                  f"{PROCESS_OVERHEAD / 1e9:.1f} GB) + {MEMORY_MARGIN / 1e9:.0f} GB margin > "
+                  f"{available_bytes() / 1e9:.1f} GB available" for k in ks if k not in fits}
+    result = {"shape": shape, "checkpoint": str(ckpt.relative_to(ROOT)), "model_bytes": size,
+              "partitions": len(index.partitions), "tensors": len(index.tensors),
+              "repeats": repeats, "skipped_k": skipped, "rows": []}
+    if not fits:
+        return result
+    kmax = max(fits)
+    names = [f"n{i}" for i in range(kmax + 1)]
+    tmp = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    server = start_nats(tmp / "nats")
+    procs = []
+    logs = [open(tmp / f"{n}.log", "wb") for n in names]
+    try:
+        for name, log in zip(names, logs):
+            procs.append(popen_tied([sys.executable, "-m", "services.node.multicast",
+                                     "--node-id", name, "--nats", server.url,
+                                     "--dram-cache-bytes", str(2 * size + (1 << 30))],
+                                    cwd=ROOT, stdout=log, stderr=log))
+        nc = await nats.connect(server.url)
+
+        async def ask(node: str, body: dict, timeout: float = 600.0) -> dict:
+            msg = await nc.request(multicast_node_subject(node), json.dumps(body).encode(),
+                                   timeout=timeout)
+            reply = json.loads(msg.data)
+            if not reply.get("ok"):
+                raise RuntimeError(f"{node}: {reply.get('error')}")
+            return reply
+
+        deadline = time.monotonic() + 180
+        for name in names:
+            while True:
+                try:
+                    await ask(name, {"op": "ping"}, timeout=1.0)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+        model = str(ckpt)
+        t0 = time.perf_counter()
+        first = await ask("n0", {"op": "load", "model_path": model})
+        result["source_first_load_s"] = round(time.perf_counter() - t0, 4)
+        result["source_first_load_tier"] = first["tier"]
+
+        async def drop(dests: list[str]) -> None:
+            await asyncio.gather(*(ask(d, {"op": "drop", "model_path": model}) for d in dests))
+
+        async def run_multicast(dests: list[str]) -> dict:
+            await drop(dests)
+            report = await multicast(nc, model, "n0", dests, blocks=blocks, timeout_s=900)
+            if not report.ok:
+                raise RuntimeError(f"multicast failed: {report.failed}")
+            done = [d.seconds for d in report.destinations]
+            arrivals = [t for d in report.destinations for t in d.block_seconds.values()]
+            return {"seconds": report.seconds, "prepare_s": report.prepare_seconds,
+                    "first_done_s": min(done), "first_block_s": min(arrivals),
+                    "steps": report.planned_steps, "blocks": report.blocks,
+                    "registered": all(d.registered for d in report.destinations)}
+
+        async def run_storage(dests: list[str]) -> dict:
+            await drop(dests)
+            for f in files:
+                drop_page_cache(f)
+            resident = max(resident_bytes(f) / f.stat().st_size for f in files)
+            t0 = time.perf_counter()
+            loads = await asyncio.gather(*(ask(d, {"op": "load", "model_path": model})
+                                           for d in dests))
+            seconds = time.perf_counter() - t0
+            if any(x["tier"] != "registry" for x in loads):
+                raise RuntimeError(f"a storage load was served from {[x['tier'] for x in loads]}")
+            return {"seconds": seconds, "resident_after_drop": resident,
+                    "direct": all(x["direct"] for x in loads),
+                    "loader_s": [round(x["seconds"], 4) for x in loads]}
+
+        # Untimed: the first offer checksums the source's copy (reported), and both methods
+        # fault in the destinations' pool buffers once.
+        t0 = time.perf_counter()
+        warm = await multicast(nc, model, "n0", names[1:], blocks=blocks, timeout_s=900)
+        result["first_multicast_s"] = round(time.perf_counter() - t0, 4)
+        result["first_offer_s_incl_checksum"] = round(warm.prepare_seconds, 4)
+        await run_storage(names[1:])
+        for k in sorted(fits):
+            dests = names[1:k + 1]
+            mc, st, one = [], [], []
+            for _ in range(repeats):
+                mc.append(await run_multicast(dests))
+                st.append(await run_storage(dests))
+                one.append(await run_storage(dests[:1]))
+            row = {
+                "k": k,
+                "multicast_s": median([r["seconds"] for r in mc]),
+                "multicast_all_s": [round(r["seconds"], 4) for r in mc],
+                "multicast_prepare_s": median([r["prepare_s"] for r in mc]),
+                "multicast_first_block_s": median([r["first_block_s"] for r in mc]),
+                "multicast_first_node_done_s": median([r["first_done_s"] for r in mc]),
+                "multicast_steps": mc[0]["steps"], "blocks": mc[0]["blocks"],
+                "multicast_delivered_bytes_per_s": round(
+                    k * size / statistics.median(r["seconds"] - r["prepare_s"] for r in mc)),
+                "registered_in_dram_tier": all(r["registered"] for r in mc),
+                "storage_concurrent_s": median([r["seconds"] for r in st]),
+                "storage_concurrent_all_s": [round(r["seconds"], 4) for r in st],
+                "storage_one_reader_s": median([r["seconds"] for r in one]),
+                "storage_direct_io": all(r["direct"] for r in st + one),
+                "page_cache_resident_after_drop": max(r["resident_after_drop"]
+                                                      for r in st + one),
+            }
+            row["storage_over_multicast"] = round(row["storage_concurrent_s"]
+                                                  / row["multicast_s"], 3)
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+        await nc.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except Exception:
+                proc.kill()
+        for log in logs:
+            log.close()
+        server.stop()
+    result["load_average_after"] = os.getloadavg()
+    return result
+
+
+def measured(args, argv: list[str] | None) -> int:
+    for shape in args.measure.split(","):
+        ks = [int(k) for k in args.ks.split(",")] if args.ks else list(SHAPE_KS.get(shape,
+                                                                                (2, 4, 8)))
+        result = {"command": "flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/scaleout.py "
+                             + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "network": "loopback TCP between processes of this machine",
+                  **asyncio.run(measure_shape(shape, ks, args.repeats, args.measure_blocks))}
+        out = Path(args.results) / f"scaleout_measured_{shape}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaleout_sim.json"))
+    p.add_argument("--blocks", type=int, default=32, help="model blocks (λScale's elbow: tens)")
+    p.add_argument("--measure", metavar="SHAPES",
+                   help="measure on real endpoints instead, e.g. small,llama-3.2-1b")
+    p.add_argument("--ks", help="destination counts to measure (default 2,4,8; those that do "
+                                "not fit in memory are skipped and recorded)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--measure-blocks", type=int, default=16,
+                   help="blocks of a measured multicast (λScale §7.6: 16)")
+    p.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    return measured(args, argv) if args.measure else modelled(args, argv)
 
 
 if __name__ == "__main__":
