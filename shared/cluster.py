@@ -11,7 +11,7 @@ import time
 from redis.asyncio import Redis
 
 from shared import wire
-from shared.core.calibration import DECODE, PREFILL, calibrated
+from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, calibrated
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.types import SLO, ModelSpec, NodeView, RequestView
 from shared.schemas import InferenceRequest, ModelRecord
@@ -87,9 +87,13 @@ CALIBRATION_TTL_S = 600.0
 
 
 async def save_calibration(redis: Redis, node_id: str, model: str, hardware: str,
-                           factors: dict[str, float]) -> None:
+                           factors: dict[str, float], seen: dict[str, float] | None = None) -> None:
+    """A node's correction factors per iteration kind, with when it last saw an iteration of
+    each kind (`seen`; readers fade an unconfirmed factor from then on, see `aged`)."""
+    now = time.time()
     await redis.hset(CALIBRATION_HASH, calibration_field(model, hardware, node_id),
-                     json.dumps({**factors, "updated": time.time()}))
+                     json.dumps({**factors, "updated": now,
+                                 **{f"{kind}_seen": t for kind, t in (seen or {}).items()}}))
 
 
 async def remove_calibration(redis: Redis, node_id: str) -> None:
@@ -99,10 +103,12 @@ async def remove_calibration(redis: Redis, node_id: str) -> None:
         await redis.hdel(CALIBRATION_HASH, *fields)
 
 
-async def load_calibration(redis: Redis) -> dict[tuple[str, str], dict[str, float]]:
+async def load_calibration(redis: Redis, config: CalibrationConfig = CalibrationConfig()
+                           ) -> dict[tuple[str, str], dict[str, float]]:
     """(model, hardware) -> the median correction factor of the nodes of that hardware kind that
     reported one recently (one profile per kind is what the core decides with; the median keeps
-    one odd node from moving every node's decisions)."""
+    one odd node from moving every node's decisions), each faded by how long its node has not
+    seen an iteration of that kind."""
     by_kind: dict[tuple[str, str], list[dict]] = {}
     now = time.time()
     for key, blob in (await redis.hgetall(CALIBRATION_HASH)).items():
@@ -115,13 +121,18 @@ async def load_calibration(redis: Redis) -> dict[tuple[str, str], dict[str, floa
             by_kind.setdefault((model, hardware), []).append(entry)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("skipping bad calibration %s: %s", key, exc)
-    return {k: {kind: statistics.median(float(e.get(kind, 1.0)) for e in entries)
+    def factor(entry: dict, kind: str) -> float:
+        seen = float(entry.get(f"{kind}_seen", entry["updated"]))
+        return aged(float(entry.get(kind, 1.0)), now - seen, config)
+
+    return {k: {kind: statistics.median(factor(e, kind) for e in entries)
                 for kind in (PREFILL, DECODE)} for k, entries in by_kind.items()}
 
 
-async def load_perf(redis: Redis, calibrate: bool = True) -> PerfModel:
+async def load_perf(redis: Redis, calibrate: bool = True,
+                    config: CalibrationConfig = CalibrationConfig()) -> PerfModel:
     """The measured profiles, each corrected by its online calibration (if any and `calibrate`)."""
-    factors = await load_calibration(redis) if calibrate else {}
+    factors = await load_calibration(redis, config) if calibrate else {}
     perf = PerfModel()
     for field, blob in (await redis.hgetall(PROFILES_HASH)).items():
         try:

@@ -176,6 +176,7 @@ class NodeWorker:
         # The measured profiles as stored; sched.perf is the same with the online calibration.
         self.base_perf = PerfModel()
         self.calibrator = Calibrator()
+        self._published_seen: dict[str, dict[str, float]] = {}  # model -> `seen` as published
         self.records: dict[str, ModelRecord] = {}
         self.adapter_records: dict[str, ModelRecord] = {}  # LoRA (issue 12): adapters by id
         self.live: dict[str, Live] = {}
@@ -289,6 +290,7 @@ class NodeWorker:
                     last_perf = time.monotonic()
                 await asyncio.wait_for(publish_node(self.redis, self._view(),
                                                     ttl_s=self.s.heartbeat_s * 12), REDIS_TIMEOUT_S)
+                await self._confirm_calibrations()
                 self._trouble("heartbeat (Redis)", None)
             except asyncio.CancelledError:
                 raise
@@ -297,8 +299,20 @@ class NodeWorker:
             self.obs.sample(self)
             await asyncio.sleep(self.s.heartbeat_s)
 
+    async def _confirm_calibrations(self) -> None:
+        """Republish a correction whose model ran since it was last published, with when: the
+        placers hold a confirmed correction and fade one that nothing has run to confirm (see
+        shared.core.calibration). One write per corrected, running model per beat."""
+        if not self.s.calibrate:
+            return
+        for model in self.calibrator.models():
+            if self.calibrator.corrected(model) and \
+                    self.calibrator.seen(model) != self._published_seen.get(model):
+                await asyncio.wait_for(self._publish_calibration(model, quiet=True), REDIS_TIMEOUT_S)
+
     async def _load_profiles(self) -> None:
-        base, perf = await load_perf(self.redis, calibrate=False), await load_perf(self.redis)
+        base = await load_perf(self.redis, calibrate=False)
+        perf = await load_perf(self.redis, config=self.calibrator.config)
         if not perf.profiles and self.sched.perf.profiles:
             # Redis came back empty: decide with the profiles we had until they are restored.
             return
@@ -1134,16 +1148,19 @@ class NodeWorker:
         kind = PREFILL if plan.iteration.kind is IterationKind.PREFILL else DECODE
         if plan.predicted_s > 0:
             self.obs.prediction(model, kind, plan.iteration.request_ids, plan.predicted_s, elapsed)
-        if self.calibrator.observe(model, kind, base_s, elapsed) and self.s.calibrate:
+        if self.calibrator.observe(model, kind, base_s, elapsed, time.time()) and self.s.calibrate:
             asyncio.create_task(self._publish_calibration(model), name=f"calibrate-{model}")
 
-    async def _publish_calibration(self, model: str) -> None:
-        factors = self.calibrator.factors(model)
-        log.info("calibrated %s on %s: prefill x%.3f, decode x%.3f", model, self.s.node_id,
-                 factors[PREFILL], factors[DECODE])
+    async def _publish_calibration(self, model: str, quiet: bool = False) -> None:
+        factors, seen = self.calibrator.factors(model), self.calibrator.seen(model)
+        if not quiet:
+            log.info("calibrated %s on %s: prefill x%.3f, decode x%.3f", model, self.s.node_id,
+                     factors[PREFILL], factors[DECODE])
         try:
-            await save_calibration(self.redis, self.s.node_id, model, self.s.hardware, factors)
-            await self._load_profiles()
+            await save_calibration(self.redis, self.s.node_id, model, self.s.hardware, factors, seen)
+            self._published_seen[model] = seen
+            if not quiet:  # a new factor: decide with it at once (a confirmation changes nothing)
+                await self._load_profiles()
         except Exception:  # a Redis blip: the next correction publishes again
             log.exception("publishing the calibration of %s failed", model)
 

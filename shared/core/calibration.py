@@ -9,6 +9,13 @@ correction factor that multiplies that kind's table. Decisions (the node's re-ch
 plan, the shadow validation) then use the corrected profile, and the next samples are judged
 against it, so a steady slowdown converges to one factor instead of compounding.
 
+A correction needs iterations to stay true, and a large one can stop them: a factor that makes
+the model look too slow for its SLO gets every request for it refused, so no sample ever shows
+that the slowdown (another tenant's burst, say) has passed. So a correction fades toward the
+measured profile while nothing confirms it: once `hold_s` has passed since the last iteration of
+that kind, its log halves every `half_life_s` (`aged`). While iterations keep coming, the factor
+holds (the node republishes when it last saw one, for the placers).
+
 Pure: time and measurements come in as arguments; the caller stores and publishes the factors.
 """
 
@@ -28,12 +35,16 @@ class CalibrationConfig:
     threshold: float = 0.05  # |log drift| past which the factor is corrected (about 5%)
     min_samples: int = 8  # samples of a kind before its drift may correct the factor
     max_factor: float = 50.0  # a bound on the correction either way (a broken clock, not drift)
+    hold_s: float = 10.0  # a correction holds while iterations come at least this often
+    half_life_s: float = 60.0  # past that, an unconfirmed correction's log halves this often
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 1:
             raise ValueError("weight must be in (0, 1]")
-        if self.threshold <= 0 or self.min_samples < 1 or self.max_factor <= 1:
-            raise ValueError("threshold > 0, min_samples >= 1, max_factor > 1")
+        if self.threshold <= 0 or self.min_samples < 1 or self.max_factor <= 1 \
+                or self.half_life_s <= 0 or self.hold_s < 0:
+            raise ValueError("threshold > 0, min_samples >= 1, max_factor > 1, half_life_s > 0, "
+                             "hold_s >= 0")
 
 
 @dataclass
@@ -42,6 +53,7 @@ class _Drift:
     log_drift: float = 0.0  # EWMA of log(actual / predicted with `factor`), started at 0
     samples: int = 0  # since the last correction
     last_error: float = 0.0  # the latest sample's relative error, (actual - predicted) / predicted
+    seen: float = 0.0  # when the latest sample came (the factor fades from then on)
 
 
 @dataclass
@@ -49,11 +61,18 @@ class Calibrator:
     config: CalibrationConfig = field(default_factory=CalibrationConfig)
     _drift: dict[tuple[str, str], _Drift] = field(default_factory=dict)
 
-    def observe(self, model: str, kind: str, base_predicted_s: float, actual_s: float) -> bool:
-        """One executed iteration; `base_predicted_s` is what the measured (uncorrected) profile
-        says, judged here with this calibrator's own factor. True when the factor of this model
-        and kind changed (publish it)."""
+    def observe(self, model: str, kind: str, base_predicted_s: float, actual_s: float,
+                now: float) -> bool:
+        """One executed iteration at `now`; `base_predicted_s` is what the measured (uncorrected)
+        profile says, judged here with this calibrator's own factor as it stands then. True when
+        the factor of this model and kind changed (publish it)."""
         d = self._drift.setdefault((model, kind), _Drift())
+        if d.seen and now - d.seen > self.config.hold_s:
+            # After a pause the faded factor is what the next samples are judged against (the
+            # samples before the pause were judged against the old one: start afresh).
+            d.factor = aged(d.factor, now - d.seen, self.config)
+            d.log_drift, d.samples = 0.0, 0
+        d.seen = now
         predicted_s = base_predicted_s * d.factor
         if predicted_s <= 0 or actual_s <= 0:
             return False
@@ -71,9 +90,20 @@ class Calibrator:
         d.log_drift, d.samples = 0.0, 0
         return True
 
-    def factor(self, model: str, kind: str) -> float:
+    def factor(self, model: str, kind: str, now: float | None = None) -> float:
+        """The correction in force (faded to `now` when given)."""
         d = self._drift.get((model, kind))
-        return d.factor if d else 1.0
+        if d is None:
+            return 1.0
+        return d.factor if now is None or not d.seen else aged(d.factor, now - d.seen, self.config)
+
+    def seen(self, model: str) -> dict[str, float]:
+        """Per iteration kind: when the latest iteration of `model` was observed."""
+        return {kind: d.seen for (m, kind), d in self._drift.items() if m == model}
+
+    def corrected(self, model: str) -> bool:
+        """Has a correction of `model` been made (one worth publishing)?"""
+        return any(d.factor != 1.0 for (m, _), d in self._drift.items() if m == model)
 
     def last_error(self, model: str, kind: str) -> float:
         d = self._drift.get((model, kind))
@@ -84,6 +114,15 @@ class Calibrator:
 
     def models(self) -> set[str]:
         return {m for m, _ in self._drift}
+
+
+def aged(factor: float, age_s: float, config: CalibrationConfig) -> float:
+    """A correction `age_s` after the last iteration that confirmed it: held for `hold_s`, then
+    its log halves every `half_life_s` (x8 is x2.8 one half-life later, x1.07 five later)."""
+    faded = age_s - config.hold_s
+    if faded <= 0 or factor == 1.0:
+        return factor
+    return math.exp(math.log(factor) * 0.5 ** (faded / config.half_life_s))
 
 
 def calibrated(profile: Profile, prefill_factor: float, decode_factor: float) -> Profile:

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from shared.core.admission import AdmitReason
-from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, Calibrator, calibrated
+from shared.core.calibration import (DECODE, PREFILL, CalibrationConfig, Calibrator, aged,
+                                     calibrated)
 from shared.core.config import CoreConfig
 from shared.core.shadow import shadow_validate
 from shared.core.types import SLO, Hardware, InstanceView, RequestView
@@ -17,12 +18,14 @@ from shared.core.types import SLO, Hardware, InstanceView, RequestView
 from tests.core.factories import linear_profile, model
 
 
-def _feed(cal: Calibrator, slowdown: float, n: int, rng: random.Random, noise: float = 0.0) -> int:
+def _feed(cal: Calibrator, slowdown: float, n: int, rng: random.Random, noise: float = 0.0,
+          start: float = 1000.0) -> int:
+    """`n` decode iterations 0.1 s apart from `start` (a busy model: no pause to fade over)."""
     changes = 0
-    for _ in range(n):
+    for k in range(n):
         base = rng.uniform(0.01, 0.2)
         actual = base * slowdown * math.exp(rng.gauss(0.0, noise))
-        changes += cal.observe("m", DECODE, base, actual)
+        changes += cal.observe("m", DECODE, base, actual, now=start + 0.1 * k)
     return changes
 
 
@@ -63,3 +66,25 @@ def test_the_corrected_profile_changes_the_admission():
     assert fixed.decode_s(4, 900) == pytest.approx(5 * stale.decode_s(4, 900))
     assert shadow_validate([busy], {"a": fixed}, "a", newcomer, 0.0, 0.0, cfg) is AdmitReason.TTFT_MISS
     assert calibrated(stale, 1.0, 1.0) is stale
+
+
+def test_a_correction_holds_while_iterations_confirm_it_and_fades_without_them():
+    """A factor that makes a model look infeasible stops every request for it, and with them the
+    samples that could lower it: unconfirmed, it must fade back toward the measured profile."""
+    cfg = CalibrationConfig()
+    cal = Calibrator(cfg)
+    _feed(cal, 8.0, 400, random.Random(3), start=1000.0)  # busy for 40 s, 8x slower
+    last = 1000.0 + 0.1 * 399
+    held = cal.factor("m", DECODE, now=last + cfg.hold_s)
+    assert held == cal.factor("m", DECODE) == pytest.approx(8.0, rel=0.06)
+    one = cal.factor("m", DECODE, now=last + cfg.hold_s + cfg.half_life_s)
+    assert one == pytest.approx(math.sqrt(held))  # the log halved
+    assert cal.factor("m", DECODE, now=last + cfg.hold_s + 10 * cfg.half_life_s) < 1.01
+    assert aged(1 / 8, cfg.hold_s + cfg.half_life_s, cfg) == pytest.approx(1 / math.sqrt(8))
+    # Iterations after a long pause are judged against the faded factor: a slowdown that has
+    # passed leaves no correction behind, one that has not is learnt again.
+    later = last + cfg.hold_s + 10 * cfg.half_life_s
+    _feed(cal, 1.0, 200, random.Random(4), start=later)
+    assert cal.factor("m", DECODE) == pytest.approx(1.0, rel=0.06)
+    _feed(cal, 8.0, 400, random.Random(5), start=later + 100.0)
+    assert cal.factor("m", DECODE) == pytest.approx(8.0, rel=0.06)

@@ -16,11 +16,11 @@ import pytest
 
 import services.node.worker as worker_module
 from services.node.engines import create_engine
-from shared.cluster import load_perf
+from shared.cluster import load_calibration, load_perf, remove_calibration, save_calibration
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, Calibrator
 from shared.core.types import Hardware
 
-from tests.node.harness import Harness
+from tests.node.harness import Harness, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -109,6 +109,9 @@ async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_c
         published = (await load_perf(redis)).get("alpha", Hardware.CPU)
         assert published.prefill_s(PROMPT) > 2 * stale_prefill  # what the placer now decides with
         assert "calibrated online" in published.source
+        # The heartbeat confirms the correction with when the node last ran the model.
+        await until(lambda: learner.worker._published_seen.get("alpha")
+                    == learner.worker.calibrator.seen("alpha"), 10.0, "the confirmation")
 
         admitted, refused = await _burst(learner, "alpha", ttft)
         # Refused on time (its prefill, or a neighbour's token, would come late) or on the decode
@@ -129,3 +132,24 @@ async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_c
         assert max(_lateness(stale, r) for r in admitted) > 2 * MARGIN
     finally:
         await stale.worker.stop()
+
+
+async def test_placers_fade_a_correction_nothing_has_confirmed(connections):
+    """What a placer reads: a node's factor as published while its iterations confirm it, faded
+    toward 1 once the node has not run that kind for longer than the hold (see `aged`)."""
+    _, redis = connections
+    cfg = CalibrationConfig()
+    now = time.time()
+    await save_calibration(redis, "fresh", "alpha", "cpu", {PREFILL: 8.0, DECODE: 8.0},
+                           {PREFILL: now, DECODE: now})
+    await save_calibration(redis, "idle", "beta", "cpu", {PREFILL: 8.0, DECODE: 8.0},
+                           {PREFILL: now - cfg.hold_s - cfg.half_life_s,
+                            DECODE: now - cfg.hold_s - 20 * cfg.half_life_s})
+    try:
+        factors = await load_calibration(redis, cfg)
+        assert factors["alpha", "cpu"][PREFILL] == pytest.approx(8.0, rel=1e-3)
+        assert factors["beta", "cpu"][PREFILL] == pytest.approx(8.0 ** 0.5, rel=1e-2)
+        assert factors["beta", "cpu"][DECODE] == pytest.approx(1.0, abs=1e-3)
+    finally:
+        for node in ("fresh", "idle"):
+            await remove_calibration(redis, node)
