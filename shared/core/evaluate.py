@@ -79,9 +79,10 @@ def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
     """How long the load of `model` itself takes on `node` (the n/b of ServerlessLLM's startup
     time q + n/b, §6): its weights over the bandwidth of the fastest tier holding its checkpoint
     there (the registry if none does), plus the engine's own start-up. A node that reports no
-    tiers: the load time its profile measured. This is a cold start's TTFT grace (§IX-A)."""
+    tiers, or a model its engine loads by itself (`ModelSpec.tiered`): the load time its profile
+    measured. This is a cold start's TTFT grace (§IX-A)."""
     storage = node.storage
-    if storage is None:
+    if storage is None or not model.tiered:
         return profile.load_s
     bandwidth = storage.bytes_per_s.get(storage.holds.get(model.name, "registry"), 0.0)
     if bandwidth <= 0:

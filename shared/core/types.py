@@ -53,6 +53,10 @@ class ModelSpec:
     # A paged engine gives each request whole blocks of this many tokens; counting KV in the
     # same blocks keeps the core's accounting equal to what the engine really allocates.
     kv_block_tokens: int = 1
+    # Loaded through the node's checkpoint tiers (the torch engine's loader): its cold start is
+    # q + n/b from the fastest tier holding it. False (OpenVINO, vLLM read their own files): the
+    # load time its profile measured.
+    tiered: bool = True
 
 
 def token_deadline(base: float, tpot_s: float, generated: int) -> float:

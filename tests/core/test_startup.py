@@ -30,6 +30,8 @@ def test_startup_is_q_plus_n_over_b_of_the_tier_holding_the_checkpoint():
     assert cold_start_ready_at(n, spec.weight_bytes, load, 10.0) == pytest.approx(10 + 1.5 + 2.5)  # q + n/b
     n.storage = StorageView(TIERS, {})  # nowhere on the node: from the registry
     assert load_seconds(n, spec, profile) == pytest.approx(8 / 1 + 0.5)
+    # An engine that reads its own files (OpenVINO, vLLM) never goes through the tiers.
+    assert load_seconds(n, replace(spec, tiered=False), profile) == 9.9
 
 
 def test_a_cold_start_goes_where_the_checkpoint_is_fast_enough_for_the_ttft():
@@ -50,3 +52,13 @@ def test_migration_time_is_the_line_through_the_prefill_table():
     profile = linear_profile("m", Hardware.CPU, per_token_prefill=1e-3)
     assert profile.migration_s(1000) == pytest.approx(1.0, rel=1e-6)
     assert profile.migration_s(3000) == pytest.approx(3 * profile.migration_s(1000), rel=1e-6)
+
+
+def test_only_models_the_loader_serves_are_tiered():
+    from shared.cluster import model_spec
+    from shared.schemas import ModelRecord
+
+    def spec(engine: str):
+        return model_spec(ModelRecord("m", "/m", weight_bytes=GB, kv_bytes_per_token=1, engine=engine))
+    assert spec("torch").tiered and spec("auto").tiered
+    assert not spec("openvino").tiered and not spec("vllm").tiered
