@@ -68,6 +68,7 @@ HELLO = struct.Struct("!I")  # length of the JSON hello that opens a connection
 FRAME = struct.Struct("!IQ")  # block index, byte count; the block's bytes follow
 MAX_HELLO = 4096
 PACE_CHUNK = 1 << 20  # bytes per send when a rate limit paces the sender
+DEFAULT_TTL_S = 3600.0  # a transfer whose coordinator sent no ttl_s is forgotten after this
 
 
 class MulticastError(RuntimeError):
@@ -316,7 +317,7 @@ class MulticastEndpoint:
         blocks = int(body.get("blocks", DEFAULT_BLOCKS))
         host, manifest = await asyncio.to_thread(self._source, model_path, blocks)
         self._register(_Transfer(body["transfer"], manifest, host,
-                                 set(range(len(manifest.blocks)))))
+                                 set(range(len(manifest.blocks)))), body.get("ttl_s"))
         return {"address": list(self.address), "manifest": manifest.to_wire()}
 
     def _source(self, model_path: str, blocks: int) -> tuple[HostCheckpoint, Manifest]:
@@ -337,7 +338,7 @@ class MulticastEndpoint:
             raise MulticastError("bad manifest: " + "; ".join(problems[:3]))
         host = await asyncio.to_thread(self.loader.empty_host_checkpoint, manifest.index,
                                        manifest.model_path)
-        self._register(_Transfer(body["transfer"], manifest, host, set()))
+        self._register(_Transfer(body["transfer"], manifest, host, set()), body.get("ttl_s"))
         return {"address": list(self.address)}
 
     async def _op_plan(self, body: dict) -> dict:
@@ -409,11 +410,24 @@ class MulticastEndpoint:
             self._manifests.clear()
         return {"dropped": dropped}
 
-    def _register(self, t: _Transfer) -> None:
+    def _register(self, t: _Transfer, ttl_s: float | None) -> None:
+        """Track the transfer until its finish, or for `ttl_s` at most (default
+        DEFAULT_TTL_S): a coordinator that died must not leave its buffers here for good."""
         with self._lock:
             if t.id in self._transfers:
                 raise MulticastError(f"transfer {t.id} is already known here")
             self._transfers[t.id] = t
+        self._loop.call_later(float(ttl_s or DEFAULT_TTL_S), self._expire, t)
+
+    def _expire(self, t: _Transfer) -> None:
+        with self._lock:
+            if self._transfers.get(t.id) is not t:
+                return  # finished
+            del self._transfers[t.id]
+        log.warning("multicast %s on %s expired before its finish", t.id, self.node_id)
+        task = asyncio.create_task(asyncio.to_thread(self._stop_epoch, t))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _transfer(self, transfer_id: str) -> _Transfer:
         with self._lock:

@@ -2,14 +2,17 @@
 from any process with a NATS connection (a placer, a test, a benchmark):
 
     report = await multicast(nc, model_path, source="n0", destinations=["n1", "n2", "n3"])
+    report = await multicast(nc, model_path, source=["n0", "n1"], destinations=[...])  # k-way
 
 The steps, all over NATS request-reply to each endpoint:
-1. offer: the source puts the model in host memory and answers its manifest (blocks, CRCs).
+1. offer: each source puts the model in host memory and answers its manifest (blocks, CRCs);
+   a source that cannot, or whose manifest differs from the first one's, is left out.
 2. prepare: every destination takes buffers for it and answers its TCP address (a destination
    that cannot is left out, with its reason).
 3. plan + go: the binomial pipeline over the source and the prepared destinations
-   (`shared.core.multicast.binomial_schedule`: node 0 is the source, b + ceil(log2 n) - 1 steps),
-   each node told its own sends and receives; then everyone starts.
+   (`shared.core.multicast.binomial_schedule`: node 0 is the source, b + ceil(log2 n) - 1 steps);
+   with k sources, one pipeline per sub-group in Algorithm 1's shifted block order
+   (`kway_schedule`). Each node is told its own sends and receives; then everyone starts.
 4. events: each node reports every verified block and when it holds the whole model (registered
    in its loader's DRAM tier). A node that reports a peer lost (connection ended early, refused,
    never opened) ends the epoch: every survivor is told to abort (and answers what it holds), the
@@ -26,17 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from shared.core.multicast import (DEFAULT_BLOCKS, Transfer, binomial_schedule, repair_schedule,
+from shared.core.multicast import (DEFAULT_BLOCKS, Transfer, kway_schedule, repair_schedule,
                                    steps_of)
 from shared.subjects import multicast_events_subject, multicast_node_subject
 
+log = logging.getLogger("slinfer.multicast")
+
 
 class MulticastFailed(RuntimeError):
-    """The multicast could not start (the source cannot offer the model)."""
+    """The multicast could not start (no source can offer the model)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class NodeOutcome:
 class MulticastReport:
     transfer: str
     model_path: str
-    source: str
+    source: str  # the first source
     blocks: int
     bytes: int  # the checkpoint's bytes (what each destination receives)
     planned_steps: int  # steps of the first plan (the binomial pipeline)
@@ -62,6 +68,9 @@ class MulticastReport:
     prepare_seconds: float  # offer + prepare + first plan, before any byte moved
     seconds: float  # from the call's start until the last destination held the model or failed
     destinations: tuple[NodeOutcome, ...]
+    sources: tuple[str, ...] = ()  # the sources that took part (k-way: several)
+    epoch_seconds: tuple[float, ...] = ()  # when each epoch's go was answered by every node
+    source_errors: dict[str, str] = field(default_factory=dict)  # sources left out, why
 
     @property
     def ok(self) -> bool:
@@ -73,8 +82,10 @@ class MulticastReport:
 
     def to_dict(self) -> dict:
         return {"transfer": self.transfer, "model_path": self.model_path, "source": self.source,
+                "sources": list(self.sources), "source_errors": self.source_errors,
                 "blocks": self.blocks, "bytes": self.bytes, "planned_steps": self.planned_steps,
                 "epochs": self.epochs, "prepare_seconds": round(self.prepare_seconds, 4),
+                "epoch_seconds": [round(t, 4) for t in self.epoch_seconds],
                 "seconds": round(self.seconds, 4),
                 "destinations": [{"node": d.node, "ok": d.ok, "seconds": d.seconds,
                                   "registered": d.registered, "error": d.error,
@@ -83,39 +94,46 @@ class MulticastReport:
                                  for d in self.destinations]}
 
 
-async def multicast(nc, model_path: str, source: str, destinations: list[str], *,
+async def multicast(nc, model_path: str, source: str | list[str], destinations: list[str], *,
                     blocks: int = DEFAULT_BLOCKS, timeout_s: float = 600.0,
                     control_timeout_s: float = 30.0,
                     rate_bytes_per_s: float | None = None) -> MulticastReport:
-    """Send the model held by `source` to every node of `destinations` (see the module doc).
-    `rate_bytes_per_s` caps each sending connection (None: the endpoints' own setting, by
-    default unpaced). Raises MulticastFailed only when the source cannot offer it; a
-    destination's failure is in its NodeOutcome."""
-    if source in destinations or len(set(destinations)) != len(destinations):
-        raise ValueError("destinations must be distinct and exclude the source")
-    run = _Run(nc, str(model_path), source, list(destinations), blocks, timeout_s,
+    """Send the model held by `source` (one node, or several for λScale's k-way transfer) to
+    every node of `destinations` (see the module doc). `rate_bytes_per_s` caps each sending
+    connection (None: the endpoints' own setting, by default unpaced). Raises MulticastFailed
+    only when no source can offer it; a destination's failure is in its NodeOutcome."""
+    sources = [source] if isinstance(source, str) else list(source)
+    nodes = sources + list(destinations)
+    if not sources or len(set(nodes)) != len(nodes):
+        raise ValueError("need a source, and sources and destinations all distinct")
+    run = _Run(nc, str(model_path), sources, list(destinations), blocks, timeout_s,
                control_timeout_s, rate_bytes_per_s)
     return await run.execute()
 
 
 class _Run:
-    def __init__(self, nc, model_path: str, source: str, destinations: list[str], blocks: int,
+    def __init__(self, nc, model_path: str, sources: list[str], destinations: list[str],
+                 blocks: int,
                  timeout_s: float, control_timeout_s: float, rate_bytes_per_s: float | None
                  ) -> None:
         self.nc = nc
         self.model_path = model_path
-        self.source = source
+        self.sources = sources
+        self.source_errors: dict[str, str] = {}
         self.destinations = destinations
         self.requested_blocks = blocks
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self.rate_bytes_per_s = rate_bytes_per_s
+        # An endpoint forgets the transfer by itself this long after it joined (a coordinator
+        # that died never sends finish).
+        self.ttl_s = timeout_s + 2 * control_timeout_s
         self.id = uuid.uuid4().hex[:16]
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = 0.0
         self.deadline = 0.0
         self.addresses: dict[str, list] = {}
-        self.alive: list[str] = []  # source first (while it lives), then destinations
+        self.alive: list[str] = []  # sources first (while they live), then destinations
         self.have: dict[str, set[int]] = {}
         self.failed: dict[str, str] = {}
         self.done_at: dict[str, float] = {}
@@ -136,8 +154,9 @@ class _Run:
             return await self._execute()
         finally:
             await sub.unsubscribe()
-            await asyncio.gather(*(self._ask(n, {"op": "finish"}, quiet=True)
-                                   for n in self.participants))
+            live = [n for n in self.participants if n not in self.failed]
+            await asyncio.gather(*(self._ask(n, {"op": "finish"}, quiet=True) for n in live),
+                                 *(self._tell(n, {"op": "finish"}) for n in self.failed))
 
     async def _on_event(self, msg) -> None:
         try:
@@ -146,23 +165,32 @@ class _Run:
             pass
 
     async def _execute(self) -> MulticastReport:
-        self.participants.append(self.source)
-        offer = await self._ask(self.source, {"op": "offer", "model_path": self.model_path,
-                                              "blocks": self.requested_blocks},
-                                timeout=self.timeout_s)
-        if not offer.get("ok"):
-            raise MulticastFailed(f"source {self.source} cannot offer {self.model_path}: "
-                                  f"{offer.get('error')}")
-        manifest = offer["manifest"]
+        self.participants += self.sources
+        offers = await asyncio.gather(*(self._ask(
+            s, {"op": "offer", "model_path": self.model_path, "blocks": self.requested_blocks,
+                "ttl_s": self.ttl_s}, timeout=self.timeout_s) for s in self.sources))
+        manifest = None
+        for src, offer in zip(self.sources, offers):
+            if not offer.get("ok"):
+                self.source_errors[src] = f"cannot offer {self.model_path}: {offer.get('error')}"
+            elif manifest is not None and offer["manifest"] != manifest:
+                self.source_errors[src] = "holds another checkpoint than the first source"
+            else:
+                manifest = manifest or offer["manifest"]
+                self.addresses[src] = offer["address"]
+        self.sources = [s for s in self.sources if s not in self.source_errors]
+        if manifest is None:
+            raise MulticastFailed("; ".join(f"source {s} {e}"
+                                            for s, e in self.source_errors.items()))
         nblocks = len(manifest["blocks"])
         order = list(range(nblocks))
         self.nblocks = nblocks
         nbytes = sum(end - start for _, _, start, end, _, _ in manifest["blocks"])
-        self.addresses[self.source] = offer["address"]
         self.participants += self.destinations
-        replies = await asyncio.gather(*(self._ask(d, {"op": "prepare", "manifest": manifest})
+        replies = await asyncio.gather(*(self._ask(d, {"op": "prepare", "manifest": manifest,
+                                                       "ttl_s": self.ttl_s})
                                          for d in self.destinations))
-        self.alive = [self.source]
+        self.alive = list(self.sources)
         for dst, reply in zip(self.destinations, replies):
             if reply.get("ok"):
                 self.addresses[dst] = reply["address"]
@@ -170,13 +198,17 @@ class _Run:
             else:
                 self.failed[dst] = f"prepare failed: {reply.get('error')}"
         self.have = {n: set() for n in self.alive}
-        self.have[self.source] = set(order)
-        schedule = binomial_schedule(len(self.alive), order)
+        for src in self.sources:
+            self.have[src] = set(order)
+        schedule = kway_schedule(len(self.alive), min(len(self.sources), len(self.alive)),
+                                 nblocks)
         planned_steps = steps_of(schedule)
         epoch = 0
         prepare_seconds = None
+        epoch_seconds: list[float] = []
         while True:
             lost = await self._start_epoch(epoch, schedule)
+            epoch_seconds.append(self.now())
             if prepare_seconds is None:
                 prepare_seconds = self.now()
             if lost is None:
@@ -202,9 +234,10 @@ class _Run:
             self.failed.get(d) or (None if d in self.done_at else "did not complete"),
             dict(sorted(self.arrivals[d].items())), dict(sorted(self.senders[d].items())))
             for d in self.destinations)
-        return MulticastReport(self.id, self.model_path, self.source, nblocks, nbytes,
-                               planned_steps, epoch + 1, prepare_seconds or 0.0, self.now(),
-                               outcomes)
+        return MulticastReport(
+            self.id, self.model_path, self.sources[0], nblocks, nbytes, planned_steps, epoch + 1,
+            prepare_seconds or 0.0, self.now(), outcomes, sources=tuple(self.sources),
+            epoch_seconds=tuple(epoch_seconds), source_errors=dict(self.source_errors))
 
     async def _start_epoch(self, epoch: int, schedule: list[Transfer]
                            ) -> tuple[str, str] | None:
@@ -253,15 +286,16 @@ class _Run:
         """Stop the epoch on every live node (and on `also`, quietly); the live nodes' answers
         say what they hold."""
         nodes = list(self.alive)
-        replies = await asyncio.gather(
-            *(self._ask(n, {"op": "abort", "epoch": epoch}) for n in nodes),
-            *(self._ask(n, {"op": "abort", "epoch": epoch}, quiet=True) for n in also))
+        for n in also:
+            await self._tell(n, {"op": "abort", "epoch": epoch})
+        replies = await asyncio.gather(*(self._ask(n, {"op": "abort", "epoch": epoch})
+                                         for n in nodes))
         for n, reply in zip(nodes, replies):
             if not reply.get("ok"):
                 self._fail(n, f"did not answer the abort of epoch {epoch}: {reply.get('error')}")
                 continue
             self.have[n] = set(reply["have"])
-            if reply.get("complete") and n != self.source:
+            if reply.get("complete") and n not in self.sources:
                 self.done_at.setdefault(n, self.now())
                 self.registered[n] = bool(reply.get("registered"))
         while not self.events.empty():  # events of the stopped epoch: blocks and completions count
@@ -297,16 +331,29 @@ class _Run:
                               f"({', '.join(holders)})")
 
     def _incomplete(self) -> list[str]:
-        return [n for n in self.alive if n != self.source and n not in self.done_at]
+        return [n for n in self.alive if n not in self.sources and n not in self.done_at]
+
+    async def _tell(self, node: str, body: dict) -> None:
+        """A message that wants no answer: to a node that is lost, or only suspected. A request
+        could wait out its whole timeout (NATS may not have noticed yet that the node's
+        connection is gone, and routes the request to it)."""
+        try:
+            await self.nc.publish(multicast_node_subject(node),
+                                  json.dumps({**body, "transfer": self.id}).encode())
+        except Exception as exc:
+            log.info("multicast %s: %s to %s not sent: %r", self.id, body["op"], node, exc)
 
     async def _ask(self, node: str, body: dict, timeout: float | None = None,
                    quiet: bool = False) -> dict:
         body = {**body, "transfer": self.id}
+        asked = time.perf_counter()
         try:
             msg = await self.nc.request(multicast_node_subject(node), json.dumps(body).encode(),
                                         timeout=timeout or self.control_timeout_s)
             return json.loads(msg.data)
         except Exception as exc:  # no endpoint (gone), a timeout, a broken reply
+            log.info("multicast %s: %s to %s failed after %.2f s: %r", self.id, body["op"],
+                     node, time.perf_counter() - asked, exc)
             if quiet:
                 return {"ok": False}
             return {"ok": False, "error": f"no answer from {node}'s multicast endpoint "

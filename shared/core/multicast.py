@@ -8,7 +8,8 @@ in what order the blocks travel, and which nodes can form execution pipelines me
   more otherwise) instead of the n - 1 full transfers of sending the model to each node in turn.
 - `kway_orders` (Algorithm 1): with k sources, the nodes split into k sub-groups, one source
   each; the blocks are cut into k chunks and sub-group i sends them starting from chunk i, so
-  different sub-groups hold different parts early and can serve together.
+  different sub-groups hold different parts early and can serve together. `kway_schedule` is
+  the whole plan: one binomial pipeline per sub-group in its order.
 - `execution_pipelines` (Algorithm 2): pipelines take one node from every sub-group that still
   has unassigned nodes (a full model across them), the last sub-group's leftovers one pipeline.
 - `multicast_seconds`: steps x (block bytes / link bandwidth + per-step latency).
@@ -117,6 +118,18 @@ def kway_orders(blocks: int, k: int) -> list[list[int]]:
     size = math.ceil(blocks / k)
     chunks = [list(range(size * i, min(size * (i + 1), blocks))) for i in range(k)]
     return [[b for j in range(k) for b in chunks[(i + j) % k]] for i in range(k)]
+
+
+def kway_schedule(n: int, k: int, blocks: int) -> list[Transfer]:
+    """k sources (nodes 0..k-1) to the other n - k nodes: one binomial pipeline per sub-group
+    (`subgroups`), sub-group i sending the blocks in `kway_orders(blocks, k)[i]`, all at once
+    (the sub-groups share no node, so a step still moves at most one block in and out of each
+    node). With k = 1 this is `binomial_schedule(n, range(blocks))`."""
+    out: list[Transfer] = []
+    for group, order in zip(subgroups(n, k), kway_orders(blocks, k)):
+        out += [Transfer(t.step, group[t.src], group[t.dst], t.block)
+                for t in binomial_schedule(len(group), order)]
+    return sorted(out, key=lambda t: (t.step, t.src))
 
 
 def subgroups(n: int, k: int) -> list[list[int]]:

@@ -67,7 +67,8 @@ async def ask(nc, node: str, body: dict, timeout: float = 60.0) -> dict:
 
 
 class Endpoints:
-    """Multicast endpoints, one process each, stopped (killed if need be) at teardown."""
+    """Multicast endpoints, one process each, stopped (killed if need be) at teardown. `ready`
+    starts any that is not running (never started, or killed by an earlier test)."""
 
     def __init__(self, nats_url: str, logs: Path) -> None:
         self.nats_url = nats_url
@@ -84,7 +85,9 @@ class Endpoints:
             log.close()
 
     async def ready(self, nc, names: list[str], timeout: float = 120.0) -> None:
-        """Every endpoint answers a ping (a generous bound for start-up on a busy machine)."""
+        """Every endpoint runs and answers a ping (a generous bound for start-up on a busy
+        machine)."""
+        self.start([n for n in names if n not in self.procs or self.procs[n].poll() is not None])
         deadline = time.monotonic() + timeout
         for name in names:
             while True:
@@ -116,9 +119,10 @@ class Endpoints:
                 proc.wait()
 
 
-@pytest.fixture
-def endpoints(nats_url, tmp_path) -> Iterator[Endpoints]:
-    group = Endpoints(nats_url, tmp_path)
+@pytest.fixture(scope="module")
+def endpoints(nats_url, tmp_path_factory) -> Iterator[Endpoints]:
+    """Shared by the tests of a module (each process imports torch: seconds of CPU apiece)."""
+    group = Endpoints(nats_url, tmp_path_factory.mktemp("endpoints"))
     try:
         yield group
     finally:

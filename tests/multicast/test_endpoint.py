@@ -131,3 +131,17 @@ async def test_unknown_transfers_and_ops_get_an_error_answer(endpoint, nc):
     assert not reply["ok"] and "no transfer nope" in reply["error"]
     reply = await ask(nc, "under-test", {"op": "explode"})
     assert not reply["ok"] and "unknown op" in reply["error"]
+
+
+async def test_a_transfer_whose_coordinator_never_finishes_it_is_forgotten(endpoint, nc, source):
+    _, manifest = source
+    got = await ask(nc, "under-test", {"op": "prepare", "transfer": "t-orphan", "ttl_s": 0.2,
+                                       "manifest": manifest.to_wire()})
+    assert got["ok"], got
+    reply = {"ok": True}
+    for _ in range(100):  # gone after its ttl (polled, no wall-clock bound asserted)
+        reply = await ask(nc, "under-test", {"op": "abort", "transfer": "t-orphan", "epoch": 0})
+        if not reply["ok"]:
+            break
+        await asyncio.sleep(0.1)
+    assert not reply["ok"] and "no transfer t-orphan" in reply["error"]

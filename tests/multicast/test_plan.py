@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from services.node.loader import CheckpointLoader, LoaderSettings
 from services.node.loader.checkpoint_format import read_index
 from services.node.multicast import Manifest, MulticastError, build_manifest
-from shared.core.multicast import (DEFAULT_BLOCKS, Block, binomial_schedule, cut_blocks,
-                                   repair_schedule, steps_of)
+from shared.core.multicast import (DEFAULT_BLOCKS, Block, binomial_schedule, binomial_steps,
+                                   cut_blocks, kway_orders, kway_schedule, repair_schedule,
+                                   steps_of, subgroups)
 
 ALIGN = 4096
 
@@ -132,6 +133,26 @@ def test_a_repair_after_a_lost_node_is_no_longer_than_starting_over():
     schedule = repair_schedule(survivors, order)
     assert all(h == set(order) for h in _replay(survivors, schedule))
     assert steps_of(schedule) <= steps_of(binomial_schedule(7, order))
+
+
+@pytest.mark.parametrize("n,k,blocks", [(5, 1, 16), (6, 2, 16), (8, 2, 4), (9, 3, 10),
+                                        (4, 4, 8)])
+def test_a_kway_plan_runs_one_binomial_pipeline_per_subgroup_in_its_shifted_order(n, k, blocks):
+    order = list(range(blocks))
+    schedule = kway_schedule(n, k, blocks)
+    if k == 1:
+        assert schedule == sorted(binomial_schedule(n, order), key=lambda t: (t.step, t.src))
+    start = [set(order) if i < k else set() for i in range(n)]
+    assert all(h == set(order) for h in _replay(start, schedule))
+    groups = subgroups(n, k)
+    assert steps_of(schedule) == max((binomial_steps(len(g), blocks) for g in groups), default=0)
+    for group, shifted in zip(groups, kway_orders(blocks, k)):
+        members = set(group)
+        assert all((t.src in members) == (t.dst in members) for t in schedule
+                   if t.src in members or t.dst in members)  # sub-groups exchange nothing
+        firsts = [t.block for t in schedule if t.src == group[0] and t.step == 0]
+        if len(group) > 1:
+            assert firsts == [shifted[0]]  # each source starts on its own chunk
 
 
 @pytest.fixture(scope="module")
