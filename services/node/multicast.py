@@ -237,12 +237,14 @@ class MulticastEndpoint:
     loader) or as its own process (`main`)."""
 
     def __init__(self, nc, node_id: str, loader: CheckpointLoader, host: str = "127.0.0.1",
-                 port: int = 0, *, connect_timeout_s: float = 10.0,
-                 rate_bytes_per_s: float | None = None) -> None:
+                 port: int = 0, *, advertise_host: str | None = None,
+                 connect_timeout_s: float = 10.0, rate_bytes_per_s: float | None = None) -> None:
         self.nc = nc
         self.node_id = node_id
         self.loader = loader
-        self.host = host
+        self.host = host  # what the TCP listener binds
+        self.advertise_host = advertise_host or host  # what peers connect to (bind 0.0.0.0:
+        # advertise the node's own address)
         self.port = port
         self.connect_timeout_s = connect_timeout_s
         self.rate_bytes_per_s = rate_bytes_per_s  # per sending connection; None: unpaced
@@ -263,7 +265,7 @@ class MulticastEndpoint:
         self._loop = asyncio.get_running_loop()
         listener = socket.create_server((self.host, self.port), backlog=128)
         self._listener = listener
-        self.address = (self.host, listener.getsockname()[1])
+        self.address = (self.advertise_host, listener.getsockname()[1])
         self._accepting = threading.Thread(target=self._accept_loop, daemon=True,
                                            name=f"multicast-accept-{self.node_id}")
         self._accepting.start()
@@ -650,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats", default=os.environ.get("SLINFER_NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--host", default="127.0.0.1", help="address the TCP listener binds")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
+    p.add_argument("--advertise-host", help="address peers connect to (default: --host)")
     p.add_argument("--dram-cache-bytes", type=int, default=16 << 30,
                    help="the loader's DRAM tier budget (received models are kept there)")
     p.add_argument("--loader-threads", type=int, default=LoaderSettings.threads)
@@ -668,6 +671,7 @@ async def _serve(args) -> int:
     loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=args.dram_cache_bytes,
                                              threads=args.loader_threads, dram_bytes_per_s=1e10))
     endpoint = MulticastEndpoint(nc, args.node_id, loader, args.host, args.port,
+                                 advertise_host=args.advertise_host,
                                  connect_timeout_s=args.connect_timeout_s,
                                  rate_bytes_per_s=args.rate_bytes_per_s)
     await endpoint.start()
