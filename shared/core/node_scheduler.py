@@ -29,11 +29,20 @@ from shared.core.evaluate import evaluate, load_seconds, without_instances
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
+from shared.core.lora import Artifact, offload_order
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.perf_model import PerfModel
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
+
+
+ADAPTER_RATE_USES = 32  # admissions per adapter its invocation rate is taken over
+ADAPTER_RATE_MIN_SPAN_S = 1.0  # a rate is never taken over less than this (one burst)
+# An adapter's reload time for the offloading order's value (load time x rate, per byte): its
+# bytes at this rate (ASSUMPTION: about what the torch engine measured reading one from the
+# page cache; only the ratio between adapters matters, so a constant is enough).
+ADAPTER_LOAD_BYTES_PER_S = 0.5e9
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class NodeScheduler:
         self.ledger = MemoryLedger(self.node.memory_bytes)
         self._next_instance = 1
         self._op_estimates: dict[int, float] = {}  # op id -> its estimated duration
+        self._adapter_of: dict[str, str] = {}  # request -> the adapter it runs through
+        self._adapter_uses: dict[str, list[float]] = {}  # adapter -> its recent admission times
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
@@ -77,20 +88,32 @@ class NodeScheduler:
         """Re-check the placer's decision against this node's own state, then commit it.
         `adapter`: the LoRA adapter the request runs through on this backbone instance."""
         need = self._adapter_need(instance_id, adapter)
-        admission = evaluate(self._with_adapter(self.view(), need), instance_id, request, model,
-                             self.perf, now, self.config)
-        if admission.ok and not self._adapter_fits(instance_id, model, admission, need):
-            admission = Admission(AdmitReason.MEMORY)
+
+        def check(freed: int = 0) -> Admission:
+            """The admission with `freed` more bytes of idle adapters offloaded first."""
+            view = self._with_adapter(self.view(), need)
+            view = replace(view, budget_bytes=view.budget_bytes - freed) if freed else view
+            admission = evaluate(view, instance_id, request, model, self.perf, now, self.config)
+            if admission.ok and not self._adapter_fits(instance_id, model, admission, need, freed):
+                return Admission(AdmitReason.MEMORY)
+            return admission
+
+        admission = check()
+        ops: list[MemOp] = []
+        if admission.reason is AdmitReason.MEMORY:
+            admission, ops = self._offload_for(check, adapter, now)
         if not admission.ok:
-            return AdmitResult(admission)
+            return AdmitResult(admission, start_ops=tuple(ops))
+        if adapter is not None:
+            self._note_use(request.request_id, adapter.name, now)
         if instance_id is None:
             result = self._admit_new(request, model, admission, now)
             inst = self._instance(result.instance_id)
-            return replace(result, start_ops=(*result.start_ops, *self._attach(inst, adapter, now)))
+            return replace(result, start_ops=(*ops, *result.start_ops,
+                                              *self._attach(inst, adapter, now)))
         inst = self._instance(instance_id)
-        ops: list[MemOp] = []
         if admission.kv_target_bytes is not None:
-            ops = self._resize(inst, admission.kv_target_bytes, now)
+            ops.extend(self._resize(inst, admission.kv_target_bytes, now))
         ops.extend(self._attach(inst, adapter, now))
         inst.requests.append(replace(request, grace_s=admission.grace_s))
         inst.last_active = now
@@ -110,12 +133,12 @@ class NodeScheduler:
         return replace(view, memory_bytes=view.memory_bytes - need) if need else view
 
     def _adapter_fits(self, instance_id: str | None, model: ModelSpec, admission: Admission,
-                      need: int) -> bool:
+                      need: int, freed: int = 0) -> bool:
         """The budget after the admission's KV change still has room for the adapter (an
         admission that needs no KV growth is not memory-checked by evaluate)."""
         if not need:
             return True
-        budget = self.ledger.budget
+        budget = self.ledger.budget - freed
         if instance_id is None:
             budget += model.weight_bytes + (admission.kv_target_bytes or 0)
         elif admission.kv_target_bytes is not None:
@@ -143,6 +166,56 @@ class NodeScheduler:
         _, ops = self.ledger.request(MemOpKind.UNLOAD, adapter_key(instance_id, adapter), 0, now)
         self._sync(now)
         return ops
+
+    # --- dynamic offloading (ServerlessLoRA §4.3) ----------------------------------------------
+    def _note_use(self, request_id: str, adapter: str, now: float) -> None:
+        live = {r.request_id for i in self.node.instances for r in i.requests}
+        self._adapter_of = {rid: a for rid, a in self._adapter_of.items() if rid in live}
+        self._adapter_of[request_id] = adapter
+        uses = self._adapter_uses.setdefault(adapter, [])
+        uses.append(now)
+        del uses[:-ADAPTER_RATE_USES]
+
+    def adapter_rate(self, adapter: str, now: float) -> float:
+        """Invocations per second of an adapter on this node: its recent admissions over the
+        time they span (to now); 0 for one never admitted here."""
+        uses = self._adapter_uses.get(adapter, [])
+        if not uses:
+            return 0.0
+        return len(uses) / max(now - uses[0], ADAPTER_RATE_MIN_SPAN_S)
+
+    def offloadable(self, now: float, keep: str | None = None) -> list[tuple[str, str, int]]:
+        """Attached adapters without a request in flight, least valuable first (`offload_order`:
+        value = load time saved x invocation rate, per byte): (instance, adapter, bytes)."""
+        busy: set[str] = set()
+        artifacts: list[Artifact] = []
+        for inst in self.node.instances:
+            running = {self._adapter_of.get(r.request_id) for r in inst.requests}
+            for name, nbytes in inst.adapters.items():
+                key = adapter_key(inst.instance_id, name)
+                if name in running or name == keep:
+                    busy.add(key)
+                artifacts.append(Artifact(key, nbytes, nbytes / ADAPTER_LOAD_BYTES_PER_S,
+                                          self.adapter_rate(name, now), inst.instance_id))
+        order = offload_order(artifacts, busy)
+        sizes = {a.name: a.bytes for a in artifacts}
+        return [(*adapter_owner(key), sizes[key]) for key in order]
+
+    def _offload_for(self, check, adapter: AdapterSpec | None,
+                     now: float) -> tuple[Admission, list[MemOp]]:
+        """A memory refusal: offload idle adapters, least valuable first, until the admission
+        passes; nothing is offloaded when even all of them would not make it pass."""
+        candidates = self.offloadable(now, keep=adapter.name if adapter else None)
+        if not candidates or not check(sum(c[2] for c in candidates)).ok:
+            return Admission(AdmitReason.MEMORY), []
+        ops: list[MemOp] = []
+        admission = Admission(AdmitReason.MEMORY)
+        for iid, name, _ in candidates:
+            ops.extend(self.detach_adapter(iid, name, now))
+            admission = check()
+            if admission.ok:
+                break
+        return admission, ops
 
     def _adapters_busy(self) -> set[str]:
         """Instances with an adapter op running or parked: they run nothing until it is done."""

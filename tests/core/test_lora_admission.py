@@ -118,3 +118,42 @@ def test_detach_frees_the_adapter_only():
     assert sched.ledger.budget == budget - 10 * MB
     assert sched.node.instances[0].adapters == {}
     assert sched.detach_adapter(iid, "a", 0.0) == []
+
+
+def test_memory_pressure_offloads_idle_adapters_least_valuable_first():
+    """§4.3: a request that does not fit makes room by offloading idle adapters, the least
+    valuable (rarely invoked) first; never one with a request in flight; and nothing at all when
+    offloading every idle adapter would not be enough."""
+    spec = model("m", weight_gb=1)
+    sched = node(memory_gb=1.2, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base", input_len=10, ttft=50), spec)
+    size = 40 * MB
+    now = 0.0
+    # "hot" is invoked 5 times, "cold" once, "busy" once and keeps its request.
+    for name, calls in (("hot", 5), ("cold", 1), ("busy", 1)):
+        for k in range(calls):
+            now += 0.1
+            rid = f"{name}-{k}"
+            res = sched.admit(request(rid, input_len=10, ttft=50, arrival=now), iid, spec, now,
+                              AdapterSpec(name, size))
+            assert res.admission.ok, (rid, res.admission)
+            done(sched, res.start_ops, now)
+            if name != "busy":
+                sched.cancel(rid, now)
+    assert set(sched.node.instances[0].adapters) == {"hot", "cold", "busy"}
+    assert [a for _, a, _ in sched.offloadable(now)] == ["cold", "hot"]
+    free = sched.ledger.capacity - sched.ledger.budget
+    # A new adapter that needs one idle adapter's room: "cold" goes, "hot" stays.
+    newcomer = AdapterSpec("new", free + size // 2)
+    res = sched.admit(request("n", input_len=10, ttft=50, arrival=now), iid, spec, now, newcomer)
+    assert res.admission.ok
+    unloads = [op for op in res.start_ops if op.kind is MemOpKind.UNLOAD]
+    assert [op.instance_id for op in unloads] == [adapter_key(iid, "cold")]
+    done(sched, res.start_ops, now)
+    assert set(sched.node.instances[0].adapters) == {"hot", "busy", "new"}
+    # More than every idle adapter could free: refused, and nothing is offloaded.
+    free = sched.ledger.capacity - sched.ledger.budget
+    huge = AdapterSpec("huge", free + 3 * size)
+    res = sched.admit(request("h", input_len=10, ttft=50, arrival=now), iid, spec, now, huge)
+    assert res.admission.reason is AdmitReason.MEMORY and res.start_ops == ()
+    assert set(sched.node.instances[0].adapters) == {"hot", "busy", "new"}
