@@ -37,7 +37,7 @@ from services.node.worker import NodeWorker  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
 from shared import wire  # noqa: E402
-from shared.cluster import save_profile  # noqa: E402
+from shared.cluster import profile_from_json, profile_to_json, save_profile  # noqa: E402
 from shared.core.config import CoreConfig  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
 from shared.registry import model_record_from_dir  # noqa: E402
@@ -71,6 +71,10 @@ async def _warm(nc, b: NodeWorker, record) -> str:
 
 
 async def _one(nc, a: NodeWorker, record, prompt_len: int, after: int, b_instance: str | None) -> dict:
+    # Onto A's instance once it has one: a second instance of a real-size model with its KV sized
+    # for the model's whole context does not fit beside the first (and is not what is measured).
+    a_instance = next((i.instance_id for i in a.sched.node.instances
+                       if i.model.name == record.name), None)
     rid = f"mig-{prompt_len}-{time.time_ns()}"
     max_tokens = min(4096, record.max_context - prompt_len - 1)  # cancelled well before that
     req = InferenceRequest(rid, "t", record.name, [5 + (i % 1000) for i in range(prompt_len)],
@@ -86,7 +90,7 @@ async def _one(nc, a: NodeWorker, record, prompt_len: int, after: int, b_instanc
             done.set()
 
     sub = await nc.subscribe(token_subject(rid), cb=on_token)
-    cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=None, model=record)
+    cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=a_instance, model=record)
     reply = wire.decode(NodeReply, (await nc.request(node_command_subject("mig-a"),
                                                      wire.encode(cmd), timeout=30)).data)
     assert reply.accepted, reply.reason
@@ -110,13 +114,20 @@ async def _one(nc, a: NodeWorker, record, prompt_len: int, after: int, b_instanc
             "a_median_token_gap_s": statistics.median(gaps) if gaps else None}
 
 
-async def run(shape: str, prompts: list[int], after: int, repeats: int, cold: bool) -> dict:
+async def run(shape: str, prompts: list[int], after: int, repeats: int, cold: bool,
+              profile_path: Path | None) -> dict:
     model_dir = ensure_model(ROOT / ".data", shape, shape)
     record = model_record_from_dir(shape, model_dir)
     started = time.perf_counter()
-    plan = ProfilePlan(max_len=min(max(prompts) + 512, record.max_context - 1), max_batch=1,
-                       repeats=1, passes=1)
-    profile = profile_model(model_dir, shape, plan=plan)[0]
+    if profile_path is not None and profile_path.exists():  # a 1B profile takes ~20 min here
+        profile = profile_from_json(profile_path.read_text())
+    else:
+        plan = ProfilePlan(max_len=min(max(prompts) + 512, record.max_context - 1), max_batch=1,
+                           repeats=1, passes=1)
+        profile = profile_model(model_dir, shape, plan=plan)[0]
+        if profile_path is not None:
+            profile_path.parent.mkdir(parents=True, exist_ok=True)
+            profile_path.write_text(profile_to_json(profile))
     profile_s = time.perf_counter() - started
     tmp = Path(tempfile.mkdtemp(prefix="slinfer-mig-"))
     nats_server, redis_server = start_nats(tmp / "nats"), start_redis(tmp / "redis")
@@ -167,10 +178,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cold", action="store_true", help="B loads the model for each migration")
     p.add_argument("--out", default=str(ROOT / "bench/results/migration.json"))
+    p.add_argument("--profile", type=Path, default=None,
+                   help="reuse the profile stored at this path (measured and stored there if absent)")
     args = p.parse_args()
     prompts = [int(x) for x in args.prompts.split(",")]
     load_before = os.getloadavg()
-    result = asyncio.run(run(args.shape, prompts, args.after, args.repeats, args.cold))
+    result = asyncio.run(run(args.shape, prompts, args.after, args.repeats, args.cold,
+                             args.profile))
     result["machine"] = {**machine(), "load_average_before": load_before,
                          "load_average_after": os.getloadavg()}
     result["command"] = "python bench/migration.py " + " ".join(sys.argv[1:])
