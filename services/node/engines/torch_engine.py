@@ -175,7 +175,7 @@ class TorchEngine(RequestBook):
             kv_capacity_bytes=cache.num_blocks * cache.block_bytes,
             kv_used_bytes=cache.used_blocks * cache.block_bytes,
             kv_bytes_per_token=cache.bytes_per_token,
-            adapter_bytes=sum(a.nbytes for a in self.adapters.values()),
+            adapter_bytes=sum(a.nbytes for a in list(self.adapters.values())),  # a snapshot
         )
 
     def resize_kv(self, capacity_bytes: int) -> None:
