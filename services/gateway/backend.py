@@ -12,7 +12,6 @@ that node is gone. Each resume is a new `attempt`; only the current attempt's me
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator

@@ -51,7 +51,6 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

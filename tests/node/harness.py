@@ -12,7 +12,7 @@ from shared import wire
 from shared.core.config import CoreConfig
 from shared.registry import model_record_from_dir
 from shared.schemas import CommandKind, InferenceRequest, NodeCommand, NodeReply, TokenMessage
-from shared.subjects import node_command_subject, token_subject
+from shared.subjects import REQUEST_SUBJECT, node_command_subject, token_subject
 
 MODELS = ("alpha", "beta")
 
@@ -24,6 +24,24 @@ async def until(condition, timeout: float = 60.0, what: str = "") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def submit(nc, model: str, prompt_len: int, max_tokens: int,
+                 finals: dict[str, TokenMessage], prefix: str = "req") -> str:
+    """Publish a greedy request on the placer's request stream (the gateway's part); its final
+    token message lands in `finals` under the returned request id."""
+    rid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+    async def on_token(msg) -> None:
+        m = wire.decode(TokenMessage, msg.data)
+        if m.finished:
+            finals[rid] = m
+
+    await nc.subscribe(token_subject(rid), cb=on_token)
+    req = InferenceRequest(rid, "t", model, [5 + i for i in range(prompt_len)], max_tokens,
+                           time.time(), 30.0, 0.5, temperature=0.0)
+    await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req), headers={"Nats-Msg-Id": rid})
+    return rid
 
 
 class Harness:

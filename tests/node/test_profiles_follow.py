@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-import uuid
 
 import nats
 import pytest
@@ -36,11 +35,11 @@ from shared.core.types import Hardware
 from shared.model_state import (ModelState, ProfileJob, ensure_job_stream, get_status,
                                 mark_ready, request_profiles, set_hardware_state)
 from shared.registry import ModelRegistry, model_record_from_dir
-from shared.schemas import InferenceRequest, ModelRecord, TokenMessage
+from shared.schemas import ModelRecord, TokenMessage
 from shared.servers import start_nats, start_redis
-from shared.subjects import JOB_STREAM, REQUEST_SUBJECT, job_subject, token_subject
+from shared.subjects import JOB_STREAM, job_subject
 
-from tests.node.harness import until
+from tests.node.harness import submit, until
 
 pytestmark = pytest.mark.integration
 
@@ -156,18 +155,7 @@ async def test_a_model_is_served_as_soon_as_the_profiler_says_ready(servers, mod
             await asyncio.sleep(0.05)
         assert node.sched.perf.get(record.name, Hardware.CPU) is None  # not read by the node yet
 
-        rid = f"ready-{uuid.uuid4().hex[:8]}"
-
-        async def on_token(msg) -> None:
-            m = wire.decode(TokenMessage, msg.data)
-            if m.finished:
-                finals[rid] = m
-
-        await nc.subscribe(token_subject(rid), cb=on_token)
-        req = InferenceRequest(rid, "t", record.name, [5 + i for i in range(16)], 4, time.time(),
-                               30.0, 0.5, temperature=0.0)
-        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
-                                     headers={"Nats-Msg-Id": rid})
+        rid = await submit(nc, record.name, 16, 4, finals, prefix="ready")
         await until(lambda: rid in finals, what="the request for the model just ready")
         assert finals[rid].error is None and finals[rid].node_id == "c-1", finals[rid].error
         assert len(finals[rid].output_token_ids) == 4

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import msgpack
@@ -39,11 +38,10 @@ from shared.core.evaluate import load_seconds
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware, NodeView, StorageView
 from shared.registry import ModelRegistry, model_record_from_dir
-from shared.schemas import InferenceRequest, ModelRecord, TokenMessage
+from shared.schemas import ModelRecord, TokenMessage
 from shared.servers import start_nats, start_redis
-from shared.subjects import REQUEST_SUBJECT, token_subject
 
-from tests.node.harness import until
+from tests.node.harness import submit, until
 
 MiB = 1 << 20
 
@@ -157,18 +155,7 @@ def _node_settings(node_id: str, nats_url: str, redis_url: str, disk: Path) -> N
 
 
 async def _serve(nc, model: str, finals: dict[str, TokenMessage]) -> str:
-    rid = f"tiers-{uuid.uuid4().hex[:8]}"
-
-    async def on_token(msg) -> None:
-        m = wire.decode(TokenMessage, msg.data)
-        if m.finished:
-            finals[rid] = m
-
-    await nc.subscribe(token_subject(rid), cb=on_token)
-    req = InferenceRequest(rid, "t", model, [5 + i for i in range(32)], 8, time.time(), 30.0, 0.5,
-                           temperature=0.0)
-    await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req), headers={"Nats-Msg-Id": rid})
-    return rid
+    return await submit(nc, model, 32, 8, finals, prefix="tiers")
 
 
 async def _published(redis, node_id: str) -> NodeView | None:
