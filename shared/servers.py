@@ -15,6 +15,7 @@ model registry and the profiles back.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,10 +34,31 @@ class ServerStartError(RuntimeError):
     pass
 
 
+# Ports handed out for servers come from below the kernel's ephemeral range (32768-60999 on
+# Linux by default): a port the OS picks for `bind(0)` is also what it gives the next outgoing
+# connection, so between handing it out and the server binding it, any client socket of any
+# process could take it ("address already in use": a node's metrics port once, in a full run).
+PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()  # never the same port twice from one process
+_port_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, outside the ephemeral range, not handed out before by
+    this process. Random, so concurrent processes (pytest workers, stacks) rarely pick alike."""
+    with _port_lock:
+        for _ in range(200):
+            port = random.randint(*PORT_RANGE)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise ServerStartError(f"no free port in {PORT_RANGE} on {host}")
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

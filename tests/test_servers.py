@@ -159,3 +159,14 @@ def test_fixture_servers_die_with_the_pytest_process(tmp_path, how) -> None:
             proc.kill()
             proc.wait()
         kill_all(pids)
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_repeat():
+    """Server ports from below the range the kernel gives outgoing connections (so no client
+    socket can take one before its server binds it), each handed out once per process."""
+    from shared.servers import PORT_RANGE, free_port
+
+    low, _high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORT_RANGE[0] <= p <= PORT_RANGE[1] < low for p in ports)
