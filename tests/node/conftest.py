@@ -1,5 +1,5 @@
-"""Fixtures of the node tests: the tiny demo model, its measured profile, and NATS + Redis
-connections with the profile stored for both test models."""
+"""Fixtures of the node tests: the tiny demo model, its measured profile, NATS + Redis
+connections with the profile stored for both test models, and a test's own servers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared.cluster import save_profile
 from shared.modelgen import ensure_demo_model
+from shared.servers import start_nats, start_redis
 
 from tests.node.harness import MODELS
 
@@ -38,3 +39,16 @@ async def connections(nats_url, redis_url, profile):
     await redis.aclose()
 
 
+
+
+@pytest.fixture
+def servers(tmp_path):
+    """This test's own nats-server and valkey (URLs), for a test whose placer, profiler or
+    registry must see only what it put there: the session's request stream may still hold
+    another test's handed-back requests."""
+    running = [start_nats(tmp_path / "nats"), start_redis(tmp_path / "redis")]
+    try:
+        yield running[0].url, running[1].url
+    finally:
+        for server in running:
+            server.stop()

@@ -14,16 +14,11 @@ from shared.registry import model_record_from_dir
 from shared.schemas import CommandKind, InferenceRequest, NodeCommand, NodeReply, TokenMessage
 from shared.subjects import REQUEST_SUBJECT, node_command_subject, token_subject
 
+from tests.polling import until
+
+__all__ = ["MODELS", "Harness", "submit", "until"]
+
 MODELS = ("alpha", "beta")
-
-
-async def until(condition, timeout: float = 60.0, what: str = "") -> None:
-    """Poll `condition()` until it holds; a generous deadline, not a measurement."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def submit(nc, model: str, prompt_len: int, max_tokens: int,

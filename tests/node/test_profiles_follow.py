@@ -36,24 +36,11 @@ from shared.model_state import (ModelState, ProfileJob, ensure_job_stream, get_s
                                 mark_ready, request_profiles, set_hardware_state)
 from shared.registry import ModelRegistry, model_record_from_dir
 from shared.schemas import ModelRecord, TokenMessage
-from shared.servers import start_nats, start_redis
 from shared.subjects import JOB_STREAM, job_subject
 
 from tests.node.harness import submit, until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def servers(tmp_path):
-    """This test's own nats-server and valkey: what is registered, profiled and queued is the
-    test's alone."""
-    running = [start_nats(tmp_path / "nats"), start_redis(tmp_path / "redis")]
-    try:
-        yield running[0].url, running[1].url
-    finally:
-        for server in running:
-            server.stop()
 
 
 def _settings(node_id: str, hardware: str, nats_url: str, redis_url: str,

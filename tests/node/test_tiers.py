@@ -39,7 +39,6 @@ from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware, NodeView, StorageView
 from shared.registry import ModelRegistry, model_record_from_dir
 from shared.schemas import ModelRecord, TokenMessage
-from shared.servers import start_nats, start_redis
 
 from tests.node.harness import submit, until
 
@@ -115,18 +114,6 @@ def test_a_node_view_with_tiers_round_trips_and_one_without_them_reads_as_none()
 
 
 # --- the real path ------------------------------------------------------------------------------
-
-@pytest.fixture
-def servers(tmp_path):
-    """This test's own nats-server and valkey: a placer runs, and the session's request stream
-    may still hold another test's handed-back requests."""
-    running = [start_nats(tmp_path / "nats"), start_redis(tmp_path / "redis")]
-    try:
-        yield running[0].url, running[1].url
-    finally:
-        for server in running:
-            server.stop()
-
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, model_dir) -> Path:

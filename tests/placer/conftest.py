@@ -33,6 +33,8 @@ from shared.schemas import (CancelNotice, InferenceRequest, ModelRecord, NodeCom
 from shared.servers import ServerProcess, start_nats, start_redis
 from shared.subjects import CANCEL_SUBJECT, REQUEST_SUBJECT, node_command_subject, token_subject
 
+from tests.polling import until
+
 GB = 1024**3
 MODEL = ModelRecord(name="m", path="/models/m", weight_bytes=1 * GB, kv_bytes_per_token=1024,
                     max_context=1024)
@@ -165,15 +167,6 @@ class Finals:
     async def wait(self, request_id: str, timeout_s: float = 60) -> TokenMessage:
         await until(lambda: request_id in self.got, timeout_s, f"the final message of {request_id}")
         return self.got[request_id]
-
-
-async def until(condition, timeout_s: float = 60, what: str = "") -> None:
-    """Poll for an event with a generous deadline (not a measurement of this box's speed)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def settings(servers, **kw) -> PlacerSettings:
