@@ -1,6 +1,5 @@
 """Hardware facts a node reports for the placer's CPU rule (SLINFER §V)."""
 
-import pytest
 
 from shared.hardware import NoGPU, cpu_flags, detect_cpu, detect_gpu
 

@@ -11,7 +11,7 @@ from shared.core.iteration import IterationKind
 from shared.core.memory import MemOpKind, MemoryLedger, watermark_target
 from shared.core.types import Hardware, InstanceView
 
-from tests.core.factories import linear_profile, loaded, model, node, perf_for, request
+from tests.core.factories import linear_profile, model, node, perf_for, request
 
 # --- memory: pessimistic <= capacity, and parked ops always drain ---------------------------
 ledger_actions = st.lists(

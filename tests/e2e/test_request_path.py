@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
@@ -14,6 +13,7 @@ import openai
 import pytest
 
 from services.gateway.tokenization import encode_chat, encode_text
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,15 +42,6 @@ def _reference(model_dir, max_tokens: int, *, prompt: str | None = None,
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
     new = out[0, len(ids):].tolist()
     return tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(new)
-
-
-async def _until(condition, timeout: float = 30.0, what: str = "") -> None:
-    """Wait for an event (a condition that becomes true), not for a guessed time."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @asynccontextmanager
@@ -129,7 +120,7 @@ async def test_the_serving_instance_is_visible_in_the_admin_api(stack):
             (node,) = [n for n in nodes if n["node_id"] == "node-0"]
             return inst["instance_id"] in {i["instance_id"] for i in node["instances"]}
 
-        await _until(shown, what="the request on its instance in /admin/instances and /admin/nodes")
+        await until(shown, 30.0, what="the request on its instance in /admin/instances and /admin/nodes")
 
 
 def test_bad_input_then_good_request(stack):
@@ -169,7 +160,7 @@ async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
         async def streaming_on_the_node() -> bool:
             return any(m.node_id == "node-0" and m.token_ids for m in messages)
 
-        await _until(streaming_on_the_node, what="a token from the node")
+        await until(streaming_on_the_node, 30.0, what="a token from the node")
     # leaving the block closed the connection mid-stream
     final = await asyncio.wait_for(finals.get(), timeout=30)
     await nc.close()
@@ -179,4 +170,4 @@ async def test_client_disconnect_cancels_on_the_node_and_frees_its_kv(stack):
     async def dropped() -> bool:  # with its KV blocks (the view is the node's heartbeat snapshot)
         return request_id not in _requests_on_node(stack)
 
-    await _until(dropped, what="the request to leave the node")
+    await until(dropped, 30.0, what="the request to leave the node")

@@ -30,7 +30,6 @@ from shared.registry import model_id
 from shared.schemas import FinishReason, TokenMessage
 from shared.subjects import job_subject
 from tests.gateway.conftest import copy_model
-from tests.gateway.responder import token_script
 
 pytestmark = pytest.mark.integration
 

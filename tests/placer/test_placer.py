@@ -19,7 +19,6 @@ import pytest
 from redis.asyncio import Redis
 
 from services.placer.placer import MAX_REFUSALS, Placer
-from shared import wire
 from shared.cluster import model_spec, save_profile
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import PerfModel

@@ -5,7 +5,6 @@ cannot be profiled ends `failed` with the reason; the service lives on."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 
 import nats
@@ -18,15 +17,9 @@ from shared.core.types import Hardware
 from shared.model_state import ModelState, get_status, request_profiles
 from shared.modelgen import ensure_demo_model
 from shared.registry import ModelRegistry, model_record_from_dir
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-async def _until(condition, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
 
 
 async def test_registration_makes_a_model_servable_and_a_broken_one_fails(nats_url, redis_url,
@@ -54,7 +47,7 @@ async def test_registration_makes_a_model_servable_and_a_broken_one_fails(nats_u
             s = await get_status(redis, "lifecycle-ok")
             seen.add(s.state.value)
             return s.state is ModelState.READY
-        await _until(ready)
+        await until(ready, 120.0, "the model to become ready")
         assert "profiling" in seen  # progress was reported on the way
         profile = (await load_perf(redis)).get("lifecycle-ok", Hardware.CPU)
         assert profile is not None and profile.prefill.lengths[-1] == 64
@@ -66,7 +59,7 @@ async def test_registration_makes_a_model_servable_and_a_broken_one_fails(nats_u
 
         async def failed() -> bool:
             return (await get_status(redis, "lifecycle-broken")).state is ModelState.FAILED
-        await _until(failed)
+        await until(failed, 120.0, "the broken model to fail")
         assert (await get_status(redis, "lifecycle-broken")).reason  # says why
         assert service.done == 2 and not runner.done()  # the service lives on
     finally:
