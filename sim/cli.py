@@ -53,6 +53,18 @@ def parser() -> argparse.ArgumentParser:
                         "DRAM + disk caches + registry, or the registry only")
     p.add_argument("--engine-startup", type=float, default=0.0,
                    help="seconds of engine start-up added to every cold start, for every system")
+    lora = p.add_argument_group("LoRA functions (sim/lora.py)")
+    lora.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                      help="every function is a LoRA adapter: N functions (replaces --models)")
+    lora.add_argument("--lora-backbones", type=int, default=1, metavar="B",
+                      help="backbones the adapters are spread over (round-robin; --model-size)")
+    lora.add_argument("--lora-rank", type=int, default=8, help="adapter rank (all 7 projections)")
+    lora.add_argument("--lora-serving", choices=["shared", "merged"], default="shared",
+                      help="shared: adapters on shared backbone instances (slinfer only); "
+                           "merged: one full model per function")
+    lora.add_argument("--lora-decode-overhead", type=float, metavar="X",
+                      help="relative cost of an unmerged LoRA decode step (default: the curve "
+                           "bench/lora.py measured)")
     p.add_argument("--out", help="write the JSON report here (default: stdout)")
     p.add_argument("--plot", metavar="DIR", help="write TTFT CDF and nodes-used timeline PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -68,7 +80,10 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         no_cpu=args.no_cpu, no_sharing=args.no_sharing, no_consolidation=args.no_consolidation,
         no_packing=args.no_packing,
         watermark=args.watermark, keep_alive=args.keep_alive, profiles=args.profiles,
-        noise=args.noise, engine_startup=args.engine_startup, storage=args.storage)
+        noise=args.noise, engine_startup=args.engine_startup, storage=args.storage,
+        lora_adapters=args.lora_adapters, lora_backbones=args.lora_backbones,
+        lora_rank=args.lora_rank, lora_serving=args.lora_serving,
+        lora_decode_overhead=args.lora_decode_overhead)
 
 
 def _progress(total: float, enabled: bool):
@@ -113,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
     if args.plot:
         from sim.plots import write_plots
-        write_plots(outcome, Path(args.plot), title=f"{cfg.system} {cfg.models}x{cfg.model_size}")
+        lora = (f" LoRA {cfg.lora_serving} over {cfg.lora_backbones}" if cfg.lora_adapters else "")
+        write_plots(outcome, Path(args.plot), title=f"{cfg.system} {cfg.models}x{cfg.model_size}{lora}")
     # wall time goes to stderr only: the report stays byte-identical across runs
     print(f"simulated {outcome.report['sim_seconds']:.0f} s in {wall:.1f} s wall "
           f"({outcome.report['sim_seconds'] / max(wall, 1e-9):.0f} sim-s per wall-s)", file=sys.stderr)

@@ -58,6 +58,14 @@ class SimConfig:
     storage: str = "dram"
     engine_startup: float = 0.0  # seconds an engine takes to start, added to every cold start
     extra: dict[str, Any] = field(default_factory=dict)
+    # LoRA functions (sim/lora.py; ServerlessLoRA): > 0 makes every function a LoRA adapter over
+    # one of `lora_backbones` backbones (the function count; `models` follows it). "shared": one
+    # backbone instance serves many adapters (SLINFER only); "merged": one full model per function.
+    lora_adapters: int = 0
+    lora_backbones: int = 1
+    lora_rank: int = 8
+    lora_serving: str = "shared"
+    lora_decode_overhead: float | None = None  # None: the curve bench/lora.py measured
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -83,6 +91,10 @@ class SimConfig:
             raise ValueError("engine_startup must be >= 0")
         if self.storage not in STORAGE_MODES:
             raise ValueError(f"storage must be one of {STORAGE_MODES}, got {self.storage!r}")
+        if self.lora_adapters:
+            from sim.lora import check_config
+            check_config(self)
+            object.__setattr__(self, "models", self.lora_adapters)  # the functions are adapters
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
@@ -131,7 +143,7 @@ def node_views(cfg: SimConfig):
             + [prof.node_view(f"gpu{i}", Hardware.GPU) for i in range(cfg.gpu_nodes)])
 
 
-def build_system(cfg: SimConfig, cluster: Cluster):
+def build_system(cfg: SimConfig, cluster: Cluster, slinfer_cls: type[SlinferSystem] = SlinferSystem):
     perf = cluster.book.perf_model({m: prof.SHAPES[s].name for m, s in cluster.sizes.items()})
     # Every system's cold start pays the engine start-up, and SLINFER's core knows it: in the
     # profile's load time, or, with tiers, beside the tier's n/b.
@@ -148,7 +160,7 @@ def build_system(cfg: SimConfig, cluster: Cluster):
         spec = TierSpec(caching=cfg.storage == "tiered")
         storage = {v.node_id: NodeStorage(spec) for v in views}
     if cfg.system == "slinfer":
-        return SlinferSystem(views, perf, cluster.specs, cfg.core_config(), noise, storage)
+        return slinfer_cls(views, perf, cluster.specs, cfg.core_config(), noise, storage)
     deps = {m: Deployment(m, cluster.sizes[m], spec.weight_bytes, spec.kv_bytes_per_token,
                           {hw: perf.get(m, hw) for hw in Hardware if perf.get(m, hw) is not None})
             for m, spec in cluster.specs.items()}
@@ -173,6 +185,8 @@ def params_of(cfg: SimConfig) -> dict[str, Any]:
         out["arrivals"] = Path(cfg.arrivals).name
     if cfg.profiles:
         out["profiles"] = Path(cfg.profiles).name
+    if not cfg.lora_adapters:  # a run without LoRA reports what it always did
+        out = {k: v for k, v in out.items() if not k.startswith("lora_")}
     return out
 
 
@@ -184,6 +198,9 @@ class SimOutcome:
 
 
 def simulate(cfg: SimConfig, on_progress: Callable[[float], None] | None = None) -> SimOutcome:
+    if cfg.lora_adapters:
+        from sim.lora import simulate_lora
+        return simulate_lora(cfg, on_progress)
     cluster = build_cluster(cfg)
     system = build_system(cfg, cluster)
     requests = build_requests(cfg, cluster)

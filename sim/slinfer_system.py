@@ -27,7 +27,8 @@ from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
 from shared.core.node_scheduler import AdmitResult, NodeScheduler
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
-from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
+from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec, NodeView,
+                               RequestView)
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 from sim.report import ADMIT_PREFIX
 from sim.storage import NodeStorage
@@ -132,6 +133,12 @@ class SlinferSystem:
             return self._preempt_and_admit(plan, view)
         return self._admit(plan.node_id, plan.instance_id, view)
 
+    def _adapter(self, view: RequestView) -> AdapterSpec | None:
+        """The LoRA adapter the request runs through on its backbone's instance (sim/lora.py
+        overrides this; here every model is served whole)."""
+        del view
+        return None
+
     def _enqueue(self, view: RequestView) -> None:
         """Wait for the next change in the cluster; dropped once its next token is due (a request
         evicted or moved late in its life may be due already: then at once)."""
@@ -144,7 +151,7 @@ class SlinferSystem:
         sn = self.nodes[node_id]
         now = self.loop.now
         self._sync_storage(sn)
-        result = sn.sched.admit(view, instance_id, self.models[view.model], now)
+        result = sn.sched.admit(view, instance_id, self.models[view.model], now, self._adapter(view))
         return self._admitted(sn, view, instance_id is None, result)
 
     def _admitted(self, sn: SimNode, view: RequestView, cold: bool, result: AdmitResult) -> bool:
@@ -168,7 +175,7 @@ class SlinferSystem:
         sn = self.nodes[plan.node_id]
         now = self.loop.now
         result = sn.sched.preempt_and_admit(list(plan.preempt), view, plan.instance_id,
-                                            self.models[view.model], now)
+                                            self.models[view.model], now, self._adapter(view))
         if result.admission.ok:
             self.rec.count("preemptions", len(plan.preempt))
             for iid in plan.preempt:
@@ -187,7 +194,8 @@ class SlinferSystem:
         """A displaced request at the destination the plan validated; False if it refuses now."""
         sn = self.nodes[node_id]
         self._sync_storage(sn)
-        result = sn.sched.admit(view, instance_id, self.models[view.model], self.loop.now)
+        result = sn.sched.admit(view, instance_id, self.models[view.model], self.loop.now,
+                                self._adapter(view))
         if not result.admission.ok:
             self.rec.count("migration_refusals")
             return False
