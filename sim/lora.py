@@ -284,6 +284,8 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
     cold = [r for r in result.requests if r.grace_s > 0 or r.rid in waited]
     cold_ttft = [r.ttft for r in cold if r.ttft is not None and r.finished_at is not None
                  and not r.dropped]
+    served = [r.ttft for r in result.requests
+              if r.ttft is not None and r.finished_at is not None and not r.dropped]
     span = max(result.end_time, 1e-9)
     gib = 2**30
     adapter_sizes = {lay.size_of[f]: a.bytes for f, a in lay.adapters.items()}
@@ -309,6 +311,7 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
         "ttft_waiting_for_a_load_p50": percentile(cold_ttft, 50),
         "ttft_waiting_for_a_load_p99": percentile(cold_ttft, 99),
         "ttft_waiting_for_a_load_mean": (sum(cold_ttft) / len(cold_ttft)) if cold_ttft else None,
+        "ttft_mean": (sum(served) / len(served)) if served else None,  # every served request
         "weights_gib_avg": m.weight_byte_s / span / gib,
         "weights_gib_peak": m.weight_peak / gib,
         "memory_held_gib_avg": m.held_byte_s / span / gib,
