@@ -140,6 +140,30 @@ class PagedKVCache:
     def set_length(self, request_id: str, length: int) -> None:
         self.lengths[request_id] = length
 
+    # -- layers (a split instance's layers move between processes, services/node/stages.py) --
+
+    def add_layers(self, count: int) -> list[int]:
+        """`count` more layers' pools, empty, sized like the others; returns their indices.
+        Block tables are per request across all layers, so the new layers' slots of every live
+        request already exist (their contents are written by the caller)."""
+        first = self.num_layers
+        for _ in range(count):
+            self.k.append(self._new_layer(self.num_blocks))
+            self.v.append(self._new_layer(self.num_blocks))
+        self.num_layers += count
+        return list(range(first, first + count))
+
+    def remove_layers(self, layers: list[int]) -> dict[int, int]:
+        """Drop these layers' pools (their memory goes back); returns old -> new index of the
+        layers kept."""
+        gone = set(layers)
+        kept = [i for i in range(self.num_layers) if i not in gone]
+        self.k = [self.k[i] for i in kept]
+        self.v = [self.v[i] for i in kept]
+        self.num_layers = len(kept)
+        self.release_memory()
+        return {old: new for new, old in enumerate(kept)}
+
     # -- resize --------------------------------------------------------------------------------
 
     def resize(self, new_num_blocks: int) -> None:

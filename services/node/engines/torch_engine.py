@@ -65,7 +65,14 @@ class TorchEngine(RequestBook):
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE,
-                 loader: CheckpointLoader | None = None) -> None:
+                 loader: CheckpointLoader | None = None,
+                 remote_layers: list[str] | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        """`remote_layers`: addresses (host:port) of layer stages (services/node/stages.py)
+        that run some of the decoder layers; this process then loads only the others (plus
+        embeddings, final norm and head), from `weights` when given (tensors by checkpoint
+        name, e.g. views of a partly received host checkpoint), else from the checkpoint's
+        files (those tensors' bytes only)."""
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, not {dtype!r}")
         self.model_dir = Path(model_dir)
@@ -79,6 +86,9 @@ class TorchEngine(RequestBook):
         self.requests: dict[str, _Request] = {}
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters loaded, by name
         self.load_info: dict[str, object] = {}  # how the weights came: source, tier, s, bytes
+        self._remote_layers = list(remote_layers or [])
+        self._weights = weights
+        self.split = None  # a stages.Split once some layers run elsewhere (or have replicas)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -92,6 +102,9 @@ class TorchEngine(RequestBook):
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         _check_supported(config)
         started = time.perf_counter()
+        if self._remote_layers:
+            self._load_split(config, started)
+            return
         loader = self._loader or CheckpointLoader(LoaderSettings(dram_bytes_per_s=1e10))
         try:
             if loader.has_checkpoint(self.model_dir):
@@ -109,6 +122,116 @@ class TorchEngine(RequestBook):
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache = self._new_cache(config)
         self._workspace = _Workspace(self.cache, DECODE_WORKSPACE_BYTES)
+
+    def _load_split(self, config, started: float) -> None:
+        """Only the layers no stage runs, then the stages attached (their pools sized to ours)."""
+        from ..stages import Split, StageClient, layer_of, partial_model, read_tensors, weight_bytes
+
+        clients = [StageClient(address) for address in self._remote_layers]
+        try:
+            remote = [i for c in clients for i in range(c.start, c.end)]
+            if len(set(remote)) != len(remote):
+                raise ValueError("remote layer stages overlap")
+            if len(remote) >= config.num_hidden_layers:
+                raise ValueError("an instance keeps at least one decoder layer in its own process")
+            held = set(remote)
+            local = lambda n: layer_of(n) not in held  # noqa: E731 - None (not a layer) is local
+            if self._weights is not None:
+                tensors = {k: t for k, t in self._weights.items() if local(k)}
+                self.load_info = {"source": "weights"}
+            else:
+                tensors = read_tensors(self.model_dir, local)
+                self.load_info = {"source": "checkpoint-files"}
+            dtype = DTYPES[self.dtype_name] if self.dtype_name else None
+            self.model = partial_model(config, tensors, dtype, self.device, local)
+            self.config = config
+            self.dtype = next(self.model.parameters()).dtype
+            self.cache = self._new_cache(config, config.num_hidden_layers - len(held))
+            self._workspace = _Workspace(self.cache, DECODE_WORKSPACE_BYTES)
+            split = Split(self, config.num_hidden_layers)
+            for client in clients:
+                split.attach(client)
+            split.compact()
+        except BaseException:
+            for client in clients:
+                client.close()
+            self.model = self.cache = None
+            raise
+        self.split = split
+        self._weight_bytes = weight_bytes(self.model)
+        self.load_info["seconds"] = time.perf_counter() - started
+        self.load_info["bytes"] = self._weight_bytes
+
+    # -- layers across processes (services/node/stages.py) -------------------------------------
+
+    def _split(self):
+        from ..stages import Split
+
+        self._loaded()
+        if self.adapters:
+            raise ValueError("an instance with LoRA adapters loaded runs all its layers here")
+        if self.split is None:
+            self.split = Split(self, self.config.num_hidden_layers)
+        return self.split
+
+    def _moved(self) -> None:
+        from ..stages import weight_bytes
+
+        self._weight_bytes = weight_bytes(self.model)
+        gc.collect()
+
+    def shed_layers(self, address: str) -> None:
+        """Migrate the layers the stage at `address` has loaded (local ones) to it, with the
+        K/V of every request: this process stops running them and frees their weights and
+        K/V pools (CoCoServe's module migration). Call between iterations."""
+        from ..stages import StageClient
+
+        split = self._split()
+        client = StageClient(address)
+        try:
+            split.shed(client)
+        except BaseException:
+            client.close()
+            raise
+        self._moved()
+
+    def take_layers(self, start: int, end: int,
+                    tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Run remote layers [start, end) here again (λScale's mode switch once this node has
+        the whole model): their weights from `tensors` (else the checkpoint's files), their
+        K/V received from the stages, which are let go. Call between iterations."""
+        from ..stages import layer_of, read_tensors
+
+        split = self._split()
+        if tensors is None:
+            tensors = read_tensors(self.model_dir, lambda n: (i := layer_of(n)) is not None
+                                   and start <= i < end)
+        split.take(start, end, tensors)
+        self._moved()
+
+    def replicate_layers(self, address: str) -> None:
+        """The stage at `address` holds a copy of some local layers: requests computed from now
+        on are spread between this process and it for those layers (CoCoServe replication)."""
+        from ..stages import StageClient
+
+        split = self._split()
+        client = StageClient(address)
+        try:
+            split.replicate(client)
+        except BaseException:
+            client.close()
+            raise
+
+    def drop_replica(self, address: str) -> None:
+        """Stop using a replica; its requests' K/V of those layers comes back here first."""
+        self._split().drop_replica(address)
+
+    def layout(self):
+        """Where the layers run (a stages.Layout); all local for an unsplit instance."""
+        from ..stages import Split
+
+        self._loaded()
+        return (self.split or Split(self, self.config.num_hidden_layers)).layout()
 
     def _model_from_hf(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -145,6 +268,9 @@ class TorchEngine(RequestBook):
 
     def unload(self) -> None:
         """Drop weights, KV pool and all requests; device memory is handed back."""
+        if self.split is not None:
+            self.split.close()
+            self.split = None
         self.model = None
         self.cache = None
         self._workspace = None
@@ -154,10 +280,11 @@ class TorchEngine(RequestBook):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _new_cache(self, config) -> PagedKVCache:
+    def _new_cache(self, config, layers: int | None = None) -> PagedKVCache:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
-        cache = PagedKVCache(config.num_hidden_layers, 0, self.block_size,
+        layers = config.num_hidden_layers if layers is None else layers
+        cache = PagedKVCache(layers, 0, self.block_size,
                              config.num_key_value_heads, head_dim, self.dtype, self.device)
         capacity = self._initial_kv_bytes
         if capacity is None:
@@ -185,6 +312,8 @@ class TorchEngine(RequestBook):
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         cache.resize(capacity_bytes // cache.block_bytes)
+        if self.split is not None:  # the stages' pools mirror ours, block for block
+            self.split.resize(cache.num_blocks)
 
     # -- protocol: requests --------------------------------------------------------------------
 
@@ -193,6 +322,8 @@ class TorchEngine(RequestBook):
         self.check_new(request_id, token_ids, params, self.config.max_position_embeddings,
                        self.config.vocab_size)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        if params.adapter is not None and self.split is not None:
+            raise ValueError("LoRA adapters are not served by an instance split across stages")
         adapter = None if params.adapter is None else self.adapters[params.adapter]
         self.requests[request_id] = _Request(list(token_ids), params, seed, adapter=adapter)
 
@@ -204,6 +335,8 @@ class TorchEngine(RequestBook):
         adapter, which only an adapter without requests may be (ValueError otherwise, as for a
         directory that is not an adapter of this backbone)."""
         self._loaded()
+        if self.split is not None:
+            raise ValueError("LoRA adapters are not served by an instance split across stages")
         path = Path(path)
         old = self.adapters.get(name)
         if old is not None:
@@ -230,6 +363,8 @@ class TorchEngine(RequestBook):
         self.requests.pop(request_id, None)
         if self.cache is not None:
             self.cache.free(request_id)
+        if self.split is not None:
+            self.split.release(request_id)
 
     # -- protocol: iterations ------------------------------------------------------------------
 
@@ -241,18 +376,17 @@ class TorchEngine(RequestBook):
         if request.computed:
             raise ValueError(f"request {request_id!r} is already prefilled")
         n = len(request.tokens)
-        cache.reserve({request_id: n})  # KVCacheFull here leaves everything untouched
+        spec = StepSpec("prefill", (request_id,), (0,), (n,))
+        reserve_step(cache, spec)  # KVCacheFull here leaves everything untouched
         try:
             ids = torch.tensor([request.tokens], device=self.device)
             positions = torch.arange(n, device=self.device)[None]
-            slots = cache.slots(request_id, 0, n)
-            logits = self._forward(ids, positions, _PrefillAttention(cache, slots),
-                                   LoraBatch.of_rows([request.adapter]))
+            logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
             token = self._sample(logits[:, -1], [request])[0]
         except BaseException:
-            cache.free(request_id)
+            abort_step(cache, spec)
             raise
-        cache.set_length(request_id, n)
+        finish_step(cache, spec)
         self._append(request, token, computed=n)
         return StepResult({request_id: token})
 
@@ -272,20 +406,19 @@ class TorchEngine(RequestBook):
             request_ids = [request_ids[i] for i in order]
             requests = [requests[i] for i in order]
         lengths = [r.computed for r in requests]  # also each new token's position
-        cache.reserve({rid: n + 1 for rid, n in zip(request_ids, lengths)})  # all or nothing
+        spec = StepSpec("decode", tuple(request_ids), tuple(lengths), (1,) * len(lengths))
+        reserve_step(cache, spec)  # all or nothing
         try:
             ids = torch.tensor([[r.tokens[-1]] for r in requests], device=self.device)
             positions = torch.tensor(lengths, device=self.device)[:, None]
-            attention = _DecodeAttention(cache, request_ids, lengths, self._workspace)
             lora = LoraBatch.of_rows([r.adapter for r in requests])
-            logits = self._forward(ids, positions, attention, lora)
+            logits = self._forward(ids, positions, spec, lora)
             tokens = self._sample(logits[:, -1], requests)
         except BaseException:
-            for rid, n in zip(request_ids, lengths):
-                cache.trim(rid, n)
+            abort_step(cache, spec)
             raise
-        for rid, request, n, token in zip(request_ids, requests, lengths, tokens):
-            cache.set_length(rid, n + 1)
+        finish_step(cache, spec)
+        for request, n, token in zip(requests, lengths, tokens):
             self._append(request, token, computed=n + 1)
         return StepResult(dict(zip(request_ids, tokens)))
 
@@ -303,53 +436,42 @@ class TorchEngine(RequestBook):
             raise ValueError("extend needs at least one token")
         n, m = request.computed, len(token_ids)
         old = request.tokens
-        cache.reserve({request_id: n + m})
+        spec = StepSpec("extend", (request_id,), (n,), (m,))
+        reserve_step(cache, spec)
         try:
             request.tokens = [*old[:n], *token_ids]  # penalties and draws see the true sequence
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(n, n + m, device=self.device)[None]
-            attention = _ExtendAttention(cache, request_id, n, m)
-            logits = self._forward(ids, positions, attention, LoraBatch.of_rows([request.adapter]))
+            logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
             token = self._sample(logits[:, -1], [request])[0]
         except BaseException:
             request.tokens = old
-            cache.trim(request_id, n)
+            abort_step(cache, spec)
             raise
-        cache.set_length(request_id, n + m)
+        finish_step(cache, spec)
         request.generated += m - (len(old) - n)
         self._append(request, token, computed=n + m)
         return StepResult({request_id: token})
 
     # -- model ---------------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attention,
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, spec: StepSpec,
                  lora: LoraBatch | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] of the last position only ([batch, 1, vocab]); `lora`:
-        the adapters of the batch's rows (None: every row runs the plain base)."""
+        the adapters of the batch's rows (None: every row runs the plain base). The step's KV
+        blocks are reserved by the caller; an instance split across stages (`split`) runs each
+        run of layers where the layout puts it."""
         base = self.model.model
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, positions)
-        for index, layer in enumerate(base.layers):
-            hidden = hidden + self._attention_block(index, layer, hidden, cos, sin, attention,
-                                                    lora)
-            x = layer.post_attention_layernorm(hidden)
-            hidden = hidden + (layer.mlp(x) if lora is None else _lora_mlp(index, layer.mlp, x, lora))
+        attention = open_attention(self.cache, spec, self._workspace)
+        if self.split is None:
+            for index, layer in enumerate(base.layers):
+                hidden = decoder_layer(index, index, layer, hidden, cos, sin, attention, lora)
+        else:
+            hidden = self.split.forward(base.layers, spec, hidden, cos, sin, attention)
         # Only the last position is sampled: skip the vocab projection for the others.
         return self.model.lm_head(base.norm(hidden[:, -1:]))
-
-    def _attention_block(self, index: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, attention, lora: LoraBatch | None = None
-                         ) -> torch.Tensor:
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        batch, seq, _ = x.shape
-        head_dim = attn.head_dim
-        q = _project(index, "q_proj", attn.q_proj, x, lora).view(batch, seq, -1, head_dim)
-        k = _project(index, "k_proj", attn.k_proj, x, lora).view(batch, seq, -1, head_dim)
-        v = _project(index, "v_proj", attn.v_proj, x, lora).view(batch, seq, -1, head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # heads are dim 2 here
-        out = attention(index, q, k, v)  # [batch, seq, heads, head_dim]
-        return _project(index, "o_proj", attn.o_proj, out.reshape(batch, seq, -1), lora)
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -419,6 +541,93 @@ def _lora_mlp(layer: int, mlp: torch.nn.Module, x: torch.Tensor, lora: LoraBatch
     h = mlp.act_fn(_project(layer, "gate_proj", gate, x, lora)) * \
         _project(layer, "up_proj", up, x, lora)
     return _project(layer, "down_proj", down, h, lora)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One iteration as the KV cache sees it: which requests, how many tokens each had cached
+    before (`starts`, also the first new token's position) and how many it adds (`counts`).
+    Prefill and extend carry one request; decode one new token for each of its rows. A stage
+    in another process (services/node/stages.py) gets the same spec with the hidden states."""
+
+    kind: str  # "prefill" | "decode" | "extend"
+    request_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefill", "decode", "extend"):
+            raise ValueError(f"unknown step kind {self.kind!r}")
+        if not len(self.request_ids) == len(self.starts) == len(self.counts):
+            raise ValueError("request_ids, starts and counts must have one entry per row")
+        if self.kind != "decode" and len(self.request_ids) != 1:
+            raise ValueError(f"a {self.kind} step runs one request")
+        if self.kind == "decode" and any(c != 1 for c in self.counts):
+            raise ValueError("a decode step adds one token per row")
+        if self.kind == "prefill" and any(self.starts):
+            raise ValueError("a prefill starts from an empty cache")
+        if any(s < 0 for s in self.starts) or any(c <= 0 for c in self.counts):
+            raise ValueError("starts must be >= 0 and counts > 0")
+
+    def rows(self, rows: list[int]) -> StepSpec:
+        """The same step for a subset of the batch's rows (a replica's share)."""
+        return StepSpec(self.kind, tuple(self.request_ids[i] for i in rows),
+                        tuple(self.starts[i] for i in rows), tuple(self.counts[i] for i in rows))
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Token positions as the model takes them: [1, m] for one request, [batch, 1] decode."""
+        if self.kind == "decode":
+            return torch.tensor(self.starts, device=device)[:, None]
+        return torch.arange(self.starts[0], self.starts[0] + self.counts[0], device=device)[None]
+
+
+def reserve_step(cache: PagedKVCache, spec: StepSpec) -> None:
+    """The blocks the step writes, all or none (KVCacheFull)."""
+    cache.reserve({rid: s + c for rid, s, c in zip(spec.request_ids, spec.starts, spec.counts)})
+
+
+def abort_step(cache: PagedKVCache, spec: StepSpec) -> None:
+    """Undo `reserve_step` after a failed step (a failed prefill frees the request)."""
+    for rid, start in zip(spec.request_ids, spec.starts):
+        cache.trim(rid, start)
+
+
+def finish_step(cache: PagedKVCache, spec: StepSpec) -> None:
+    for rid, start, count in zip(spec.request_ids, spec.starts, spec.counts):
+        cache.set_length(rid, start + count)
+
+
+def open_attention(cache: PagedKVCache, spec: StepSpec, workspace: _Workspace):
+    """The attention of the step's rows over `cache` (its blocks already reserved)."""
+    if spec.kind == "prefill":
+        rid, n = spec.request_ids[0], spec.counts[0]
+        return _PrefillAttention(cache, cache.slots(rid, 0, n))
+    if spec.kind == "extend":
+        return _ExtendAttention(cache, spec.request_ids[0], spec.starts[0], spec.counts[0])
+    return _DecodeAttention(cache, list(spec.request_ids), list(spec.starts), workspace)
+
+
+def decoder_layer(index: int, kv: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, attention, lora: LoraBatch | None = None) -> torch.Tensor:
+    """One decoder layer (pre-norm attention + MLP, residuals): `index` is the model's layer
+    (LoRA weights are per model layer), `kv` the layer's slot in the cache `attention` writes."""
+    hidden = hidden + _attention_block(index, kv, layer, hidden, cos, sin, attention, lora)
+    x = layer.post_attention_layernorm(hidden)
+    return hidden + (layer.mlp(x) if lora is None else _lora_mlp(index, layer.mlp, x, lora))
+
+
+def _attention_block(index: int, kv: int, layer, hidden: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, attention, lora: LoraBatch | None) -> torch.Tensor:
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    batch, seq, _ = x.shape
+    head_dim = attn.head_dim
+    q = _project(index, "q_proj", attn.q_proj, x, lora).view(batch, seq, -1, head_dim)
+    k = _project(index, "k_proj", attn.k_proj, x, lora).view(batch, seq, -1, head_dim)
+    v = _project(index, "v_proj", attn.v_proj, x, lora).view(batch, seq, -1, head_dim)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # heads are dim 2 here
+    out = attention(kv, q, k, v)  # [batch, seq, heads, head_dim]
+    return _project(index, "o_proj", attn.o_proj, out.reshape(batch, seq, -1), lora)
 
 
 class _PrefillAttention:
