@@ -18,6 +18,14 @@ class CoreConfig:
     # New instances by bin-packing (§V) after the startup check; False: the node that can start
     # it soonest (what slinfer did before; kept as an ablation to show what packing saves).
     pack_new_instances: bool = True
+    # λScale locality-driven startup (shared/core/startup.py): a new instance may receive its
+    # model by multicast from nodes holding it in DRAM when that is quicker than its own tiers.
+    enable_multicast: bool = True
+    multicast_blocks: int = 16  # blocks a multicast cuts the model into (λScale §7.6)
+    # The control round trips before the first byte (offer, prepare, plan, go over NATS):
+    # 0.01-0.04 s measured on loopback (bench/scaleout.py --measure, prepare_s).
+    multicast_setup_s: float = 0.05
+    multicast_step_latency_s: float = 0.0  # per pipeline step beyond the block's bytes
 
     def __post_init__(self) -> None:
         if self.watermark < 0:
@@ -26,5 +34,8 @@ class CoreConfig:
             raise ValueError(f"overestimate must be >= 0, got {self.overestimate}")
         if self.keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
+        if self.multicast_blocks < 1 or self.multicast_setup_s < 0 \
+                or self.multicast_step_latency_s < 0:
+            raise ValueError("multicast_blocks must be >= 1 and its latencies >= 0")
         if self.shadow_max_steps < 1:
             raise ValueError("shadow_max_steps must be >= 1")

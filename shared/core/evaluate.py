@@ -80,14 +80,18 @@ def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
     time q + n/b, §6): its weights over the bandwidth of the fastest tier holding its checkpoint
     there (the registry if none does), plus the engine's own start-up. A node that reports no
     tiers, or a model its engine loads by itself (`ModelSpec.tiered`): the load time its profile
-    measured. This is a cold start's TTFT grace (§IX-A)."""
+    measured. A model on its way to the node's DRAM tier by multicast (`StorageView.arriving`)
+    counts as there once it arrives. This is a cold start's TTFT grace (§IX-A)."""
     storage = node.storage
     if storage is None or not model.tiered:
         return profile.load_s
     bandwidth = storage.bytes_per_s.get(storage.holds.get(model.name, "registry"), 0.0)
-    if bandwidth <= 0:
-        return profile.load_s
-    return model.weight_bytes / bandwidth + profile.engine_init_s
+    own = model.weight_bytes / bandwidth + profile.engine_init_s if bandwidth > 0 else profile.load_s
+    dram = storage.bytes_per_s.get("dram", 0.0)
+    if model.name in storage.arriving and dram > 0:  # a multicast brings it to the DRAM tier
+        return min(own, storage.arriving[model.name] + model.weight_bytes / dram
+                   + profile.engine_init_s)
+    return own
 
 
 def cold_start_ready_at(node: NodeView, load_bytes: int, load_s: float, now: float) -> float:

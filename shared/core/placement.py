@@ -18,6 +18,7 @@ from shared.core.consolidation import Migration, binpack_order, plan_preemption
 from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
+from shared.core.startup import StartupChoice, StartupMethod, choose_startup, with_arrival
 from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
 
 
@@ -48,37 +49,48 @@ class PlacementPlan:
     preempt: tuple[str, ...] = ()  # instances on node_id to unload first
     migrations: tuple[Migration, ...] = ()  # where the preempted requests go
     attempts: tuple[Attempt, ...] = ()  # every candidate tried, with the core's answer
+    # NEW_INSTANCE: how the instance gets its weights (λScale §5): from the node's own tiers,
+    # or by a multicast from the nodes that hold the model (the placer starts it).
+    startup: StartupChoice | None = None
 
 
 @dataclass(frozen=True)
 class NewInstanceSpot:
     """One node as a home for a new instance, with what orders it (see `new_instance_order`)."""
 
-    node: NodeView
+    node: NodeView  # as the admission sees it: with the model arriving if `startup` multicasts
     startup_s: float  # until the instance can run: a parked load's wait + the load itself
     meets_ttft: bool  # that startup plus the prefill still meets the TTFT SLO
     free_bytes: int  # optimistic budget left on the node now
+    startup: StartupChoice | None = None  # own tiers or multicast, whichever is quicker
 
 
 def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[NodeView],
-                       perf: PerfModel, now: float, config: CoreConfig) -> list[NewInstanceSpot]:
+                       perf: PerfModel, now: float, config: CoreConfig,
+                       nodes: list[NodeView] | None = None) -> list[NewInstanceSpot]:
     """Where a new instance goes first: CPU nodes first (§V); then nodes whose startup still lets
     the first token meet the TTFT SLO (the load itself is covered by the cold-start grace, a wait
     for memory is not); then bin-packing (§V): the node with the least free memory first, so used
     nodes fill up and empty ones stay empty (and can be given back). The shadow validation that
-    follows decides whether the packed node can take the interference."""
+    follows decides whether the packed node can take the interference. Each node's load is
+    the quicker of its own tiers and a multicast from the nodes of `nodes` holding the model
+    (`shared.core.startup`)."""
     spots = []
     need = model.weight_bytes + kv_demand(model, [request])
     for node in eligible:
         profile = perf.get(model.name, node.hardware)
         if profile is None:
             continue
+        choice = choose_startup(node, model, profile, nodes if nodes is not None else eligible,
+                                config)
+        if choice.method is StartupMethod.MULTICAST:
+            node = with_arrival(node, model.name, choice.arrive_s)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
         first_token = now + startup + profile.prefill_s(request.context_len()) * (1 + config.overestimate)
         deadline = request.deadline() - request.grace_s + max(request.grace_s, load)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
-                                     node.memory_bytes - node.budget_bytes))
+                                     node.memory_bytes - node.budget_bytes, choice))
     if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)
         return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU,
                                             s.startup_s + max(0.0, s.node.busy_until - now),
@@ -120,26 +132,27 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts))
 
     # A new instance preempts nobody: it has no batch, and only strictly smaller ones may go.
-    for spot in new_instance_order(request, model, eligible, perf, now, config):
+    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
         adm = evaluate(spot.node, None, request, model, perf, now, config)
         attempts.append(Attempt(spot.node.node_id, None, adm.reason, spot.startup_s, spot.free_bytes))
         if adm.ok:
             return PlacementPlan(PlaceAction.NEW_INSTANCE, spot.node.node_id, None, adm,
-                                 attempts=tuple(attempts))
+                                 attempts=tuple(attempts), startup=spot.startup)
 
     if not nodes:  # no node has reported yet (a stack starting up): wait for one
         late = now > request.deadline()
         return PlacementPlan(PlaceAction.DROP if late else PlaceAction.QUEUE)
-    drop = queueing_breaks_ttft(request, eligible, model, perf, now, config)
+    drop = queueing_breaks_ttft(request, eligible, model, perf, now, config, nodes)
     return PlacementPlan(PlaceAction.DROP if drop else PlaceAction.QUEUE, attempts=tuple(attempts))
 
 
 def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: ModelSpec,
-                         perf: PerfModel, now: float, config: CoreConfig) -> bool:
+                         perf: PerfModel, now: float, config: CoreConfig,
+                         nodes: list[NodeView] | None = None) -> bool:
     """True when no eligible node could give the request its next token in time even if it
     started now, each judged with its own hardware's numbers and the shadow's 10% margin: on an
     instance of the model already on a node of that kind (the request's own grace), or by a cold
-    start there (its load as grace, §IX-A)."""
+    start there (its load as grace, §IX-A; by multicast from `nodes` where that is quicker)."""
     warm = {n.hardware for n in eligible
             if any(i.model.name == model.name and i.status is not InstanceStatus.UNLOADING
                    for i in n.instances)}
@@ -151,7 +164,8 @@ def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: 
         prefill = p.prefill_s(request.context_len()) * (1 + config.overestimate)
         if node.hardware in warm and now + prefill <= request.deadline():
             return False
-        load = load_seconds(node, model, p)
+        load = choose_startup(node, model, p, nodes if nodes is not None else eligible,
+                              config).load_s
         if now + load + prefill <= no_grace + max(request.grace_s, load):
             return False
     return True

@@ -169,6 +169,12 @@ class StorageView:
     bytes_per_s: dict[str, float]  # tier -> read bandwidth measured on real loads
     holds: dict[str, str] = field(default_factory=dict)  # model -> the fastest tier holding it
     pending_s: float = 0.0  # q of §6: seconds of loads queued or running on the node's I/O
+    # λScale multicast (shared/core/startup.py): model -> seconds until a multicast under way
+    # puts it in this node's DRAM tier (relative to the snapshot, like pending_s).
+    arriving: dict[str, float] = field(default_factory=dict)
+    # The node's multicast link (bytes/s per connection, measured on received blocks, else
+    # declared); 0: the node runs no multicast endpoint (it neither sends nor receives).
+    multicast_bytes_per_s: float = 0.0
 
 
 @dataclass
