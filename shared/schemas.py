@@ -160,6 +160,9 @@ class NodeCommand:
     attempt: int = 0  # STATUS: the attempt the asker reads
     tokens: list[int] = field(default_factory=list)  # MIGRATE_EXTEND / MIGRATE_COMMIT: the delta
     seq: int = 0  # MIGRATE_EXTEND / MIGRATE_COMMIT: output index of tokens[0]
+    # ADMIT into a new instance (λScale §5): the placer multicasts the model to this node, into
+    # its DRAM tier, in about this many seconds; the load waits for it (None: load from the tiers).
+    multicast_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,8 @@ class _Transfer:
         self.have = set(have)
         self.epoch: _Epoch | None = None
         self.registered = False
+        self.receiving = not have  # this node is a destination (a source starts with all)
+        self.outcome_told = False
 
     @property
     def complete(self) -> bool:
@@ -257,6 +259,14 @@ class MulticastEndpoint:
         self._sub = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Received blocks: bytes and the seconds from a block's header to its last byte (the
+        # link's own rate, without the waits of the pipeline), for `link_bytes_per_s`.
+        self._rx_bytes = 0
+        self._rx_seconds = 0.0
+        # model path -> (monotonic time, whether it arrived whole and went into the DRAM tier)
+        # of the last transfer this node received it by (`wait_for_model`).
+        self._outcomes: dict[str, tuple[float, bool]] = {}
+        self._outcome_cond = threading.Condition()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -287,6 +297,39 @@ class MulticastEndpoint:
             await asyncio.to_thread(self._stop_epoch, t)
         if self._accepting is not None:
             await asyncio.to_thread(self._accepting.join, 5.0)
+
+    # -- what the node worker asks ---------------------------------------------------------------
+
+    def link_bytes_per_s(self) -> float | None:
+        """The rate received blocks came in at, over every block so far (None: none yet)."""
+        with self._lock:
+            return self._rx_bytes / self._rx_seconds if self._rx_seconds > 0 else None
+
+    def wait_for_model(self, model_path: str, since: float, timeout_s: float) -> bool | None:
+        """Block until a transfer of `model_path` to this node ends after `since` (monotonic):
+        True when the model arrived whole and is in the DRAM tier, False when the transfer ended
+        without it; None when none ended within `timeout_s` (it never started, or is late)."""
+        key = _key(model_path)
+        deadline = time.monotonic() + timeout_s
+        with self._outcome_cond:
+            while True:
+                at, ok = self._outcomes.get(key, (0.0, False))
+                if at >= since:
+                    return ok
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._outcome_cond.wait(min(left, 0.5))
+
+    def _ended(self, t: _Transfer) -> None:
+        """A transfer this node received by is over (complete or not): tell `wait_for_model`."""
+        if t.outcome_told:
+            return
+        t.outcome_told = True
+        with self._outcome_cond:
+            self._outcomes[_key(t.manifest.model_path)] = (time.monotonic(),
+                                                           t.complete and t.registered)
+            self._outcome_cond.notify_all()
 
     # -- control: NATS request-reply -------------------------------------------------------------
 
@@ -385,6 +428,8 @@ class MulticastEndpoint:
         if t is None:
             return {"known": False}
         await asyncio.to_thread(self._stop_epoch, t)
+        if t.receiving:
+            self._ended(t)
         return {"known": True, "complete": t.complete, "registered": t.registered}
 
     async def _op_digest(self, body: dict) -> dict:
@@ -426,6 +471,8 @@ class MulticastEndpoint:
                 return  # finished
             del self._transfers[t.id]
         log.warning("multicast %s on %s expired before its finish", t.id, self.node_id)
+        if t.receiving:
+            self._ended(t)
         task = asyncio.create_task(asyncio.to_thread(self._stop_epoch, t))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -510,6 +557,7 @@ class MulticastEndpoint:
             _tune(sock)
             while expected:
                 header = _recv_exact(sock, FRAME.size, eof_ok=True)
+                began = time.perf_counter()
                 if header is None:
                     raise ConnectionError(f"connection from {src} closed after {got} of "
                                           f"{total} blocks")
@@ -524,6 +572,9 @@ class MulticastEndpoint:
                 view = t.views[block.file][block.start:block.end]
                 if _recv_into(sock, view, block.crc_start) != block.crc_end:
                     raise MulticastError(f"block {index} from {src} failed its checksum")
+                with self._lock:
+                    self._rx_bytes += block.size
+                    self._rx_seconds += time.perf_counter() - began
                 expected.discard(index)
                 got += 1
                 completed = t.add(index)
@@ -531,6 +582,7 @@ class MulticastEndpoint:
                 if completed:
                     t.registered = self.loader.admit_host(t.manifest.model_path, t.host)
                     self._emit(t, ep, "complete", registered=t.registered)
+                    self._ended(t)
         except (OSError, ConnectionError, MulticastError) as exc:
             self._suspect(t, ep, src, f"{self.node_id} receiving from {src}: {exc}")
         finally:
@@ -590,6 +642,10 @@ class MulticastEndpoint:
         sock.settimeout(None)
         return sock
 
+
+
+def _key(model_path: str) -> str:
+    return str(os.path.normpath(str(model_path)))
 
 
 def _send_bytes(sock: socket.socket, view: memoryview, rate: float | None, clock: float

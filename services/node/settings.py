@@ -36,6 +36,15 @@ class NodeSettings:
     # Profiles (and the registry's model names, for the tiers report) are re-read this often; a
     # request for a model the node has no profile of re-reads them at once before refusing it.
     profile_refresh_s: float = 5.0
+    # λScale model multicast (services/node/multicast.py): the endpoint's TCP listener (port 0:
+    # any free one) and the address peers connect to (default: the bind address; set it when
+    # binding 0.0.0.0). The link bandwidth is what the placer plans with until received blocks
+    # measured one. Off: the node neither sends nor receives models.
+    multicast: bool = True
+    multicast_host: str = "127.0.0.1"
+    multicast_port: int = 0
+    multicast_advertise_host: str | None = None
+    multicast_link_bytes_per_s: float = 1.25e9  # a 10 Gb/s link
 
     @classmethod
     def from_env(cls) -> NodeSettings:
@@ -65,6 +74,12 @@ class NodeSettings:
             accel_flags=tuple(info.flags),
             loader=LoaderSettings.from_env(),
             profile_refresh_s=env_float("SLINFER_PROFILE_REFRESH_S", 5.0, minimum=0.1),
+            multicast=env_bool("SLINFER_MULTICAST", True),
+            multicast_host=env_str("SLINFER_MULTICAST_HOST", "127.0.0.1"),
+            multicast_port=env_int("SLINFER_MULTICAST_PORT", 0, minimum=0),
+            multicast_advertise_host=env_str("SLINFER_MULTICAST_ADVERTISE_HOST", "") or None,
+            multicast_link_bytes_per_s=env_float("SLINFER_MULTICAST_LINK_BYTES_PER_S", 1.25e9,
+                                                 minimum=1.0),
         )
 
 

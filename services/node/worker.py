@@ -56,12 +56,26 @@ from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
 
 if TYPE_CHECKING:
     from services.node.loader import CheckpointLoader
+    from services.node.multicast import MulticastEndpoint
 
 log = logging.getLogger("slinfer.node")
 HISTORY_LEN = 4096
 RECENT_LEN = 4096  # finished or handed-back requests remembered for STATUS and redeliveries
 REDIS_TIMEOUT_S = 5.0  # one heartbeat's Redis work; a hung Redis must not hang the heartbeat
 MEMOP_HEARTBEAT_S = 1.0  # the memory-op consumer's idle heartbeat: re-created ~2 s after a restart
+# A load waiting for its model to arrive by multicast gives up (and reads its tiers) after
+# this many times the expected arrival, and never sooner than ARRIVAL_MIN_WAIT_S.
+ARRIVAL_PATIENCE = 3.0
+ARRIVAL_MIN_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A model the placer is multicasting to this node (λScale §5), until a load took it."""
+
+    model_path: str
+    expected_at: float  # wall clock: when the core expects it in the DRAM tier
+    since: float  # monotonic: when the node was told (an outcome before this is another transfer)
 
 
 @dataclass(frozen=True)
@@ -208,12 +222,15 @@ class NodeWorker:
         self.loads: deque[LoadRecord] = deque(maxlen=HISTORY_LEN)
         self._loading: dict[str, LoadRecord] = {}  # instance id -> its load, until it ends
         self._joined = False  # queued the profiling jobs this node's hardware kind lacks
+        self.multicast: MulticastEndpoint | None = None  # sends and receives models (λScale)
+        self.arriving: dict[str, Arrival] = {}  # model name -> its multicast to this node
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         # Import the engine stack now, not inside the first cold start (it takes seconds).
         await asyncio.to_thread(warm_imports)
         self.loader = await asyncio.to_thread(self._new_loader)
+        await self._start_multicast()
         await ensure_streams(self.js)
         await self._load_profiles()
         await self._read_registry()
@@ -250,6 +267,8 @@ class NodeWorker:
         for live in list(self.live.values()):
             await self._finish(live, FinishReason.ERROR, "node shutting down")
         await self.obs.close()
+        if self.multicast is not None:
+            await self.multicast.stop()
         if self.loader is not None:  # loads still running in threads fail; the node is going
             await asyncio.to_thread(self.loader.close)
         try:
@@ -274,6 +293,27 @@ class NodeWorker:
         from services.node.loader import CheckpointLoader
 
         return CheckpointLoader(self.s.loader)
+
+    async def _start_multicast(self) -> None:
+        """The node's multicast endpoint (services/node/multicast.py) on the node's NATS
+        connection and loader: it sends what the DRAM tier holds and receives into it."""
+        if not self.s.multicast:
+            return
+        from services.node.multicast import MulticastEndpoint
+
+        endpoint = MulticastEndpoint(self.nc, self.s.node_id, self.loader, self.s.multicast_host,
+                                     self.s.multicast_port,
+                                     advertise_host=self.s.multicast_advertise_host)
+        await endpoint.start()
+        self.multicast = endpoint
+        log.info("node %s: multicast endpoint at %s:%d", self.s.node_id, *endpoint.address)
+
+    def _multicast_link(self) -> float:
+        """The link the core plans multicasts to and from this node with: measured on received
+        blocks, else declared; 0 without an endpoint or a DRAM tier to hold a model in."""
+        if self.multicast is None or self.s.loader.dram_cache_bytes <= 0:
+            return 0.0
+        return self.multicast.link_bytes_per_s() or self.s.multicast_link_bytes_per_s
 
     async def _heartbeat(self) -> None:
         """Publish the node's view; pick up new profiles (and the registry's model names) every
@@ -353,8 +393,11 @@ class NodeWorker:
         """The loader's tiers into the node's view: the core's cold starts on this node and the
         placers' (through the published view) take q + n/b from them."""
         if self.loader is not None:
-            self.sched.node.storage = storage_view(self.loader.tiers_report(),
-                                                   self.model_names.names)
+            now = time.time()
+            self.sched.node.storage = replace(
+                storage_view(self.loader.tiers_report(), self.model_names.names),
+                arriving={m: max(0.0, a.expected_at - now) for m, a in self.arriving.items()},
+                multicast_bytes_per_s=self._multicast_link())
 
     def _view(self):
         self._refresh_storage()
@@ -444,9 +487,24 @@ class NodeWorker:
         adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
         if isinstance(adapter, NodeReply):
             return adapter
+        expected = self._expect_arrival(cmd, record)
         result = self.sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time(),
                                   adapter)
+        if expected and not result.admission.ok:
+            self.arriving.pop(record.name, None)  # refused: the placer sends it no multicast
         return self._commit(req, record, result, cold=cmd.instance_id is None)
+
+    def _expect_arrival(self, cmd: NodeCommand, record: ModelRecord) -> bool:
+        """A new instance whose model the placer multicasts here (λScale §5): the core's load
+        estimate counts the arrival (`StorageView.arriving`), and the load waits for it. True
+        when this command announced it (a refusal withdraws it)."""
+        if cmd.multicast_s is None or cmd.instance_id is not None or self.multicast is None \
+                or record.name in self.arriving:
+            return False
+        self.arriving[record.name] = Arrival(record.path, time.time() + max(0.0, cmd.multicast_s),
+                                             time.monotonic())
+        self._refresh_storage()
+        return True
 
     async def _preempt_admit(self, cmd: NodeCommand) -> NodeReply:
         """§VIII-A: the core re-checks the admission without the victims first; a refusal leaves
@@ -459,9 +517,12 @@ class NodeWorker:
         adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
         if isinstance(adapter, NodeReply):
             return adapter
+        expected = self._expect_arrival(cmd, record)
         result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
                                               cmd.instance_id, model_spec(record), time.time(),
                                               adapter)
+        if expected and not result.admission.ok:
+            self.arriving.pop(record.name, None)
         targets = {m.request_id: m for m in cmd.migrations}
         moved = []
         for view in result.evicted:
@@ -954,8 +1015,10 @@ class NodeWorker:
         storage = self.sched.node.storage
         profile = self.sched.perf.get(record.name, self.sched.node.hardware)
         expected = load_seconds(self.sched.node, model_spec(record), profile) if profile else 0.0
-        load = LoadRecord(instance_id, record.name, time.time(),
-                          storage.holds.get(record.name, "registry") if storage else None, expected)
+        tier = storage.holds.get(record.name, "registry") if storage else None
+        if storage is not None and record.name in storage.arriving and tier != "dram":
+            tier = "multicast"  # then its DRAM tier
+        load = LoadRecord(instance_id, record.name, time.time(), tier, expected)
         self._loading[instance_id] = load
         self.loads.append(load)
 
@@ -967,6 +1030,7 @@ class NodeWorker:
         kv_bytes = max(0, op.bytes_after - record.weight_bytes)
         if op.kind is MemOpKind.LOAD:
             load = self._loading.pop(op.instance_id, None)
+            self._await_arrival(record)
             engine = create_engine(record.engine, record.path, device=self.s.device,
                                    kv_capacity_bytes=kv_bytes, loader=self.loader)
             started = time.perf_counter()
@@ -988,6 +1052,24 @@ class NodeWorker:
             engine = self.engines.pop(op.instance_id, None)
             if engine is not None:
                 engine.unload()
+
+    def _await_arrival(self, record: ModelRecord) -> None:
+        """(Load thread) A model on its way here by multicast: wait until it is in the DRAM tier,
+        or its transfer ended without it, or it is long overdue; then the load reads the
+        fastest tier that holds it (the DRAM tier, or the storage tiers as a fallback)."""
+        arrival = self.arriving.get(record.name)
+        if arrival is None or self.multicast is None:
+            return
+        expected = max(0.0, arrival.expected_at - time.time())
+        outcome = self.multicast.wait_for_model(
+            arrival.model_path, arrival.since,
+            max(ARRIVAL_MIN_WAIT_S, ARRIVAL_PATIENCE * (time.monotonic() - arrival.since + expected)))
+        if self.arriving.get(record.name) is arrival:
+            del self.arriving[record.name]
+        if not outcome:
+            log.warning("node %s: %s did not arrive by multicast (%s); loading it from the tiers",
+                        self.s.node_id, record.name, "transfer failed" if outcome is False
+                        else "no transfer ended in time")
 
     async def _on_memop_done(self, msg: Msg) -> None:
         try:

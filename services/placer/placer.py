@@ -31,6 +31,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -52,6 +53,7 @@ from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
+from shared.core.startup import StartupMethod
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -66,6 +68,7 @@ KEEPER_CHECK_S = 1.0  # how often the registry/profile copy is refreshed (and Re
 MAX_REFUSALS = 8  # a request refused this often is failed with the nodes' reason, not retried forever
 MAX_BACKOFF_S = 2.0  # the run loop's back-off while Redis or NATS fails
 CANCEL_REPLAY_S = 5.0  # at start, wait at most this long for the cancel stream's replay
+MULTICAST_TIMEOUT_S = 600.0  # one multicast's bound (its incomplete nodes then load from storage)
 
 
 @dataclass
@@ -106,6 +109,11 @@ class Placer:
         self._failing = False
         self.started_at = time.time()
         tel = telemetry or tm.local("placer")
+        # λScale §5: new instances admitted this turn that receive their model by multicast,
+        # (model path, sources) -> destination nodes; one multicast each, started after the turn.
+        self._scaleout: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+        self._multicasts: set[asyncio.Task] = set()
+        self.multicast_reports: deque = deque(maxlen=256)  # MulticastReport, newest last
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
             tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
 
@@ -251,6 +259,31 @@ class Placer:
                 await self._forget(pending, why)
                 continue
             nodes = await self._place_one(pending, nodes, records)
+        self._start_multicasts()
+
+    def _start_multicasts(self) -> None:
+        """One multicast per model (and set of sources) to the nodes admitted this turn with a
+        multicast startup (λScale §4.2: the binomial pipeline, k-way with several sources).
+        It runs on its own: a node whose copy does not arrive loads from its tiers."""
+        batches, self._scaleout = self._scaleout, {}
+        for (path, sources), dests in batches.items():
+            task = asyncio.create_task(self._multicast(path, list(sources), dests),
+                                       name=f"multicast-{path}")
+            self._multicasts.add(task)
+            task.add_done_callback(self._multicasts.discard)
+
+    async def _multicast(self, path: str, sources: list[str], dests: list[str]) -> None:
+        from services.node.multicast_coordinator import multicast
+
+        try:
+            report = await multicast(self.nc, path, sources, dests, timeout_s=MULTICAST_TIMEOUT_S)
+        except Exception as exc:  # no source could offer it: every destination reads its tiers
+            log.warning("multicast of %s from %s to %s failed: %r", path, sources, dests, exc)
+            return
+        self.multicast_reports.append(report)
+        log.info("multicast of %s from %s to %s: %.2f s%s", path, ",".join(report.sources),
+                 ",".join(dests), report.seconds,
+                 f"; failed {report.failed}" if not report.ok else "")
 
     async def _forget(self, p: Pending, why: str) -> None:
         """Ack without placing: nobody waits for it (no message: nobody would read it)."""
@@ -356,6 +389,11 @@ class Placer:
         else:
             cmd = NodeCommand(CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
                               model=record if new else None)
+        startup = plan.startup if new else None
+        by_multicast = startup is not None and startup.method is StartupMethod.MULTICAST
+        if by_multicast:
+            cmd = replace(cmd, multicast_s=startup.arrive_s)
+            outcome["slinfer.placement.startup"] = f"multicast from {','.join(startup.sources)}"
         reply = await self._command(plan.node_id, cmd)
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
         outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
@@ -363,6 +401,10 @@ class Placer:
             outcome["slinfer.placement.instance_id"] = reply.instance_id
         if reply is not None and reply.accepted:
             outcome["slinfer.placement.moved"] = [r.request_id for r in reply.evicted]
+            if by_multicast and reply.reason == "admitted":
+                dests = self._scaleout.setdefault((record.path, startup.sources), [])
+                if plan.node_id not in dests:
+                    dests.append(plan.node_id)
             await self._placed(p, plan, reply)
         else:
             await self._refused(p, plan.node_id, reply.reason if reply else "no reply")

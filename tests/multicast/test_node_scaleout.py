@@ -1,0 +1,142 @@
+"""λScale's locality-driven startup through the real services: node workers (each with its
+multicast endpoint, its loader and the torch engine) and a real placer on a real nats-server and
+valkey, the `small` demo model.
+
+A burst of four requests, each needing an instance of its own (every destination node has
+memory for one instance holding one such request), arrives while one node (a memory node with
+no room for an instance) holds the model in its DRAM tier and the others would read it from a
+slow registry. The placer starts four new instances, chooses a multicast for each by the
+startup estimate, and sends the model in one binomial pipeline from the holder; every
+destination's load waits for its copy and loads it from its DRAM tier (byte-identical to the
+model's safetensors), and each serves its request (the same greedy output everywhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import nats
+import pytest
+from redis.asyncio import Redis
+
+from services.node.loader import LoaderSettings
+from services.node.settings import NodeSettings
+from services.node.worker import NodeWorker
+from services.placer.placer import Placer
+from services.placer.settings import PlacerSettings
+from shared.bus import ensure_streams
+from shared.cluster import read_nodes, save_profile
+from shared.core.config import CoreConfig
+from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.types import Hardware
+from shared.registry import ModelRegistry, model_record_from_dir
+from shared.schemas import TokenMessage
+
+from tests.multicast.conftest import ask
+from tests.node.harness import submit
+from tests.polling import until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MiB = 1 << 20
+SOURCE = "mc-src"
+DESTS = ["mc-d1", "mc-d2", "mc-d3", "mc-d4"]
+CONTEXT = 256  # the record's context: one request of PROMPT + MAX_TOKENS tokens is over half
+PROMPT, MAX_TOKENS = 150, 8
+
+
+def _profile() -> Profile:
+    """A stand-in profile (startup is under test, not iteration timing): the registry read
+    takes 20 s here (a model store behind a slow link), so multicast is the quicker startup."""
+    return Profile("small", Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
+                   DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]),
+                   load_s=20.0, engine_init_s=0.05)
+
+
+def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
+    return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
+                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url,
+                        core=CoreConfig(keep_alive_s=120.0), heartbeat_s=0.05, calibrate=False,
+                        loader=LoaderSettings(dram_cache_bytes=512 * MiB))
+
+
+async def test_a_burst_scales_small_out_to_four_nodes_by_multicast_and_each_serves(
+        own_servers, small_model, small_digests):
+    nats_url, redis_url = own_servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=CONTEXT)
+    await ModelRegistry(redis).register(record)
+    await save_profile(redis, _profile())
+    kv_token = record.kv_bytes_per_token
+    # One instance with one request (its KV: the 256-token floor) fits; a second request (2 x 160
+    # tokens in 16-token blocks) does not: each request of the burst needs its own node.
+    one_instance = record.weight_bytes + 300 * kv_token
+    workers = {SOURCE: NodeWorker(_settings(SOURCE, record.weight_bytes // 2, nats_url, redis_url),
+                                  nc, redis)}
+    workers |= {d: NodeWorker(_settings(d, one_instance, nats_url, redis_url), nc, redis)
+                for d in DESTS}
+    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(keep_alive_s=120.0)), nc, redis)
+    stop = asyncio.Event()
+    runner = None
+    try:
+        for w in workers.values():
+            await w.start()
+        # The memory node holds the model in its DRAM tier (read once from the registry).
+        await asyncio.to_thread(workers[SOURCE].loader.load, record.path)
+
+        async def holder_published() -> bool:
+            views = {n.node_id: n for n in await read_nodes(redis)}
+            return len(views) == 5 and \
+                views[SOURCE].storage.holds.get("small") == "dram" and \
+                all(v.storage.multicast_bytes_per_s > 0 for v in views.values())
+
+        await until(holder_published, what="the holder's DRAM tier in the cluster view")
+        finals: dict[str, TokenMessage] = {}
+        # The whole burst is in the stream before the placer starts: one turn places it.
+        rids = [await submit(nc, "small", PROMPT, MAX_TOKENS, finals, prefix="burst")
+                for _ in DESTS]
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+        await until(lambda: all(r in finals for r in rids), timeout_s=240,
+                    what="the burst's four requests")
+
+        for rid in rids:
+            assert finals[rid].error is None, finals[rid].error
+            assert len(finals[rid].output_token_ids) == MAX_TOKENS
+        assert {finals[r].node_id for r in rids} == set(DESTS)  # one instance on each
+        outputs = {tuple(finals[r].output_token_ids) for r in rids}
+        assert len(outputs) == 1  # same weights, same prompt, greedy: the same tokens
+
+        # One multicast from the holder to the four nodes, every copy whole and in a DRAM tier.
+        reports = list(placer.multicast_reports)
+        assert len(reports) == 1, [r.to_dict() for r in reports]
+        report = reports[0]
+        assert report.ok and report.sources == (SOURCE,)
+        assert sorted(d.node for d in report.destinations) == DESTS
+        assert all(d.registered for d in report.destinations)
+        assert placer.decisions.get("new_instance") == 4
+
+        # Every destination's one load waited for its copy and read it from the DRAM tier.
+        for d in DESTS:
+            loads = list(workers[d].loads)
+            assert len(loads) == 1
+            load = loads[0]
+            assert (load.expected_tier, load.tier, load.ok) == ("multicast", "dram", True), load
+            assert not workers[d].arriving
+            got = await ask(nc, d, {"op": "digest", "model_path": record.path}, timeout=120)
+            assert got["ok"] and got["tier"] == "dram", got
+            assert got["tensors"] == small_digests, f"{d} holds different tensors"
+        assert not workers[SOURCE].loads  # the holder ran no instance
+    finally:
+        stop.set()
+        if runner is not None:
+            await runner
+        for w in workers.values():
+            if not w._stopping:
+                await w.stop()
+        await nc.close()
+        await redis.aclose()
