@@ -297,6 +297,278 @@ async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) ->
     return result
 
 
+# -- served: the burst through real node workers and the placer ---------------------------------
+
+SERVE_CONTEXT = 256  # the record's context: one request of the burst needs over half of it
+SERVE_PROMPT, SERVE_MAX_TOKENS = 150, 8
+SERVE_PROCESS_BYTES = 700 << 20  # a node worker process besides its model (torch, engine, KV)
+
+
+def served_model_dir(shape: str) -> Path:
+    """A model directory whose loading-optimized checkpoint is where the node's loader looks
+    (its own `slinfer-checkpoint/`): the shape's directory when it has one, else a private
+    copy (links to its files) converted once."""
+    from services.node.loader import convert_checkpoint, default_checkpoint_dir, read_index
+    from services.node.loader.checkpoint_format import source_fingerprint
+    from shared.modelgen import ensure_model
+
+    model_dir = ensure_model(ROOT / ".data", shape, shape)
+    index = read_index(default_checkpoint_dir(model_dir))
+    if index is not None and index.fingerprint == source_fingerprint(model_dir):
+        return model_dir
+    copy = ROOT / ".data" / "bench-scaleout" / f"{shape}-model"
+    copy.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not (copy / f.name).exists():
+            os.symlink(f.resolve(), copy / f.name)
+    convert_checkpoint(copy)
+    return copy
+
+
+def stand_in_profile(name: str):
+    """Placement needs a profile of the model; the iteration estimates do not matter here (the
+    burst's SLOs are loose) and the startup estimate is bypassed (each method is forced)."""
+    from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+    from shared.core.types import Hardware
+
+    return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
+                   DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]),
+                   load_s=60.0, engine_init_s=0.05)
+
+
+async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
+    """The burst of k requests through node workers (one process each) and a placer: k + 1
+    nodes, node n0 a memory node holding the model in its DRAM tier (no room for an instance),
+    n1..nk with room for one instance holding one request each. Per run, one method forced on
+    the placer: multicast from n0, or every node loading from the registry (page cache
+    dropped)."""
+    import dataclasses
+
+    import nats
+    from redis.asyncio import Redis
+
+    from services.node.loader import read_index
+    from services.node.loader.direct_io import drop_page_cache
+    from services.placer.placer import Placer
+    from services.placer.settings import PlacerSettings
+    from shared import wire
+    from shared.bus import ensure_streams
+    from shared.cluster import read_nodes, save_profile
+    from shared.core.config import CoreConfig
+    from shared.core.types import InstanceStatus
+    from shared.registry import ModelRegistry, model_record_from_dir
+    from shared.schemas import InferenceRequest, TokenMessage
+    from shared.servers import popen_tied, start_nats, start_redis
+    from shared.subjects import REQUEST_SUBJECT, multicast_node_subject, token_subject
+
+    model_dir = served_model_dir(shape)
+    record = dataclasses.replace(model_record_from_dir(shape, model_dir),
+                                 max_context=SERVE_CONTEXT)
+    index = read_index(model_dir / "slinfer-checkpoint")
+    files = [model_dir / "slinfer-checkpoint" / p.file for p in index.partitions]
+    size = index.file_bytes
+    per_node = size + SERVE_PROCESS_BYTES
+    fits = [k for k in ks if (k + 1) * per_node + MEMORY_MARGIN <= available_bytes()]
+    result = {"shape": shape, "model_bytes": size, "repeats": repeats,
+              "skipped_k": {k: f"{k + 1} node workers x {per_node / 1e9:.2f} GB + "
+                               f"{MEMORY_MARGIN / 1e9:.0f} GB margin > "
+                               f"{available_bytes() / 1e9:.1f} GB available"
+                            for k in ks if k not in fits},
+              "profile": "stand-in (placement only; startup method forced per run)",
+              "rows": []}
+    if not fits:
+        return result
+    names = [f"n{i}" for i in range(max(fits) + 1)]
+    tmp = Path(tempfile.mkdtemp(prefix="scaleout-serve-"))
+    servers = [start_nats(tmp / "nats"), start_redis(tmp / "redis")]
+    nats_url, redis_url = servers[0].url, servers[1].url
+    procs, logs = [], []
+    nc = await nats.connect(nats_url)
+    redis = Redis.from_url(redis_url)
+    stop = asyncio.Event()
+    runner = None
+    try:
+        await ensure_streams(nc.jetstream())
+        await ModelRegistry(redis).register(record)
+        await save_profile(redis, stand_in_profile(record.name))
+        one_instance = record.weight_bytes + 300 * record.kv_bytes_per_token
+        for name in names:
+            env = {**os.environ, "SLINFER_NATS_URL": nats_url, "SLINFER_REDIS_URL": redis_url,
+                   "SLINFER_NODE_ID": name, "SLINFER_NODE_HARDWARE": "cpu",
+                   "SLINFER_NODE_MEMORY_BYTES": str(record.weight_bytes // 2 if name == "n0"
+                                                    else one_instance),
+                   "SLINFER_NODE_DRAM_CACHE_BYTES": str(size + (256 << 20)),
+                   "SLINFER_NODE_DISK_CACHE_BYTES": "0", "SLINFER_DATA_DIR": str(tmp),
+                   "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "1",
+                   "SLINFER_HEARTBEAT_S": "0.05", "SLINFER_CALIBRATION": "false",
+                   "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                   "SLINFER_MULTICAST_HOST": "127.0.0.1", "SLINFER_MULTICAST_PORT": "0"}
+            log = open(tmp / f"{name}.log", "wb")
+            logs.append(log)
+            procs.append(popen_tied([sys.executable, "-m", "services.node"], env=env, cwd=ROOT,
+                                    stdout=log, stderr=log))
+
+        async def views() -> dict:
+            return {n.node_id: n for n in await read_nodes(redis)}
+
+        async def wait(condition, what: str, timeout: float = 300.0) -> None:
+            deadline = time.monotonic() + timeout
+            while not await condition():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out waiting for {what}")
+                await asyncio.sleep(0.05)
+
+        async def all_up() -> bool:
+            return set(names) <= set(await views())
+
+        await wait(all_up, "the node workers", 600)
+
+        async def ask(node: str, body: dict, timeout: float = 600.0) -> dict:
+            msg = await nc.request(multicast_node_subject(node), json.dumps(body).encode(),
+                                   timeout=timeout)
+            reply = json.loads(msg.data)
+            if not reply.get("ok"):
+                raise RuntimeError(f"{node}: {reply.get('error')}")
+            return reply
+
+        await ask("n0", {"op": "load", "model_path": record.path})  # the holder's DRAM tier
+        placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+
+        async def burst(dests: list[str], method: str) -> dict:
+            placer.s = dataclasses.replace(placer.s, core=CoreConfig(
+                enable_multicast=method == "multicast", force_multicast=method == "multicast"))
+
+            async def unloaded() -> bool:
+                v = await views()
+                return all(not v[d].instances and not v[d].storage.arriving for d in names[1:])
+
+            async def dropped() -> bool:
+                v = await views()
+                return all(v[d].storage.holds.get(record.name) != "dram" for d in names[1:]) \
+                    and v["n0"].storage.holds.get(record.name) == "dram"
+
+            await wait(unloaded, "the last burst's instances unloaded (keep-alive)")
+            await asyncio.gather(*(ask(d, {"op": "drop", "model_path": record.path})
+                                   for d in names[1:]))
+            await wait(dropped, "the destinations' DRAM tiers without the model")
+            for f in files:
+                drop_page_cache(f)
+            reports_before = len(placer.multicast_reports)
+            first: dict[str, float] = {}
+            finals: dict[str, TokenMessage] = {}
+            ready: dict[str, float] = {}
+            t0 = time.time()
+
+            def on_token(rid):
+                async def cb(msg):
+                    m = wire.decode(TokenMessage, msg.data)
+                    if m.token_ids and rid not in first:
+                        first[rid] = time.time() - t0
+                    if m.finished:
+                        finals[rid] = m
+                return cb
+
+            rids = [f"burst-{method}-{len(dests)}-{uuid_hex()}" for _ in dests]
+            for rid in rids:
+                await nc.subscribe(token_subject(rid), cb=on_token(rid))
+            for rid in rids:
+                req = InferenceRequest(rid, "bench", record.name,
+                                       [5 + i for i in range(SERVE_PROMPT)], SERVE_MAX_TOKENS,
+                                       t0, 600.0, 5.0, temperature=0.0)
+                await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
+                                             headers={"Nats-Msg-Id": rid})
+            deadline = time.monotonic() + 900
+            while len(finals) < len(rids):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"burst {method} k={len(dests)}: {len(finals)} finished")
+                for d, v in (await views()).items():
+                    if d in dests and d not in ready and any(
+                            i.model.name == record.name and i.status is InstanceStatus.READY
+                            for i in v.instances):
+                        ready[d] = time.time() - t0
+                await asyncio.sleep(0.02)
+            errors = [f.error for f in finals.values() if f.error]
+            if errors:
+                raise RuntimeError(f"burst {method} k={len(dests)}: {errors}")
+            served_on = sorted(f.node_id for f in finals.values())
+            reports = list(placer.multicast_reports)[reports_before:]
+            if method == "multicast" and (len(reports) != 1 or not reports[0].ok):
+                raise RuntimeError(f"expected one multicast: {[r.to_dict() for r in reports]}")
+            if method == "storage" and reports:
+                raise RuntimeError("a storage run multicast")
+            return {"ready_s": [round(ready.get(d, float("nan")), 4) for d in dests],
+                    "all_ready_s": max(ready.values()) if len(ready) == len(dests) else None,
+                    "ttft_s": [round(first[r], 4) for r in rids],
+                    "served_on": served_on,
+                    "multicast_s": reports[0].seconds if reports else None}
+
+        # One untimed burst each way (first-use costs: pool buffers, code paths).
+        for method in ("multicast", "storage"):
+            await burst(names[1:2], method)
+        for k in sorted(fits):
+            dests = names[1:k + 1]
+            runs = {"multicast": [], "storage": []}
+            for _ in range(repeats):
+                for method in ("multicast", "storage"):
+                    runs[method].append(await burst(dests, method))
+            row = {"k": k}
+            for method, rs in runs.items():
+                if any(r["all_ready_s"] is None for r in rs):
+                    raise RuntimeError(f"k={k} {method}: a node's READY was not seen: {rs}")
+                row[f"{method}_all_ready_s"] = median([r["all_ready_s"] for r in rs])
+                row[f"{method}_ttft_max_s"] = median([max(r["ttft_s"]) for r in rs])
+                row[f"{method}_ttft_median_s"] = median([statistics.median(r["ttft_s"])
+                                                         for r in rs])
+                row[f"{method}_runs"] = rs
+            row["storage_over_multicast_ready"] = round(row["storage_all_ready_s"]
+                                                        / row["multicast_all_ready_s"], 3)
+            print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_runs")}),
+                  flush=True)
+            result["rows"].append(row)
+    finally:
+        stop.set()
+        if runner is not None:
+            await runner
+        await nc.close()
+        await redis.aclose()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except Exception:
+                proc.kill()
+        for log in logs:
+            log.close()
+        for server in servers:
+            server.stop()
+    result["load_average_after"] = os.getloadavg()
+    return result
+
+
+def uuid_hex() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:8]
+
+
+def served(args, argv: list[str] | None) -> int:
+    for shape in args.serve.split(","):
+        ks = [int(k) for k in args.ks.split(",")] if args.ks else list(SHAPE_KS.get(shape,
+                                                                                (2, 4, 8)))
+        result = {"command": "flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/scaleout.py "
+                             + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "network": "loopback TCP between node worker processes of this machine",
+                  **asyncio.run(serve_shape(shape, ks, args.repeats))}
+        out = Path(args.results) / f"scaleout_served_{shape}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
 def measured(args, argv: list[str] | None) -> int:
     for shape in args.measure.split(","):
         ks = [int(k) for k in args.ks.split(",")] if args.ks else list(SHAPE_KS.get(shape,
@@ -318,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=32, help="model blocks (λScale's elbow: tens)")
     p.add_argument("--measure", metavar="SHAPES",
                    help="measure on real endpoints instead, e.g. small,llama-3.2-1b")
+    p.add_argument("--serve", metavar="SHAPES",
+                   help="the burst through node workers and the placer, multicast vs storage, "
+                        "e.g. small,llama-3.2-1b")
     p.add_argument("--ks", help="destination counts to measure (default 2,4,8; those that do "
                                 "not fit in memory are skipped and recorded)")
     p.add_argument("--repeats", type=int, default=3)
@@ -325,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks of a measured multicast (λScale §7.6: 16)")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
+    if args.serve:
+        return served(args, argv)
     return measured(args, argv) if args.measure else modelled(args, argv)
 
 

@@ -128,4 +128,5 @@ def core_config_from_env(env: Mapping[str, str] | None = None):
         enable_sharing=env_bool("SLINFER_ENABLE_SHARING", True, env=env),
         enable_consolidation=env_bool("SLINFER_ENABLE_CONSOLIDATION", True, env=env),
         require_matrix_accel=env_bool("SLINFER_REQUIRE_MATRIX_ACCEL", True, env=env),
+        enable_multicast=env_bool("SLINFER_ENABLE_MULTICAST", True, env=env),
     )

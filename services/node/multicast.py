@@ -267,6 +267,7 @@ class MulticastEndpoint:
         # of the last transfer this node received it by (`wait_for_model`).
         self._outcomes: dict[str, tuple[float, bool]] = {}
         self._outcome_cond = threading.Condition()
+        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -282,6 +283,9 @@ class MulticastEndpoint:
                                             cb=self._on_command)
 
     async def stop(self) -> None:
+        with self._outcome_cond:  # loads waiting for a model stop waiting
+            self._closed = True
+            self._outcome_cond.notify_all()
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
@@ -308,7 +312,8 @@ class MulticastEndpoint:
     def wait_for_model(self, model_path: str, since: float, timeout_s: float) -> bool | None:
         """Block until a transfer of `model_path` to this node ends after `since` (monotonic):
         True when the model arrived whole and is in the DRAM tier, False when the transfer ended
-        without it; None when none ended within `timeout_s` (it never started, or is late)."""
+        without it; None when none ended within `timeout_s` (it never started, or is late) or
+        the endpoint stopped."""
         key = _key(model_path)
         deadline = time.monotonic() + timeout_s
         with self._outcome_cond:
@@ -317,7 +322,7 @@ class MulticastEndpoint:
                 if at >= since:
                     return ok
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     return None
                 self._outcome_cond.wait(min(left, 0.5))
 
@@ -431,6 +436,15 @@ class MulticastEndpoint:
         if t.receiving:
             self._ended(t)
         return {"known": True, "complete": t.complete, "registered": t.registered}
+
+    async def _op_abandon(self, body: dict) -> dict:
+        """The coordinator will not bring `model_path` here after all (no source could offer it,
+        or this node failed out of the transfer before it began): a load waiting for it stops
+        waiting and reads the node's tiers."""
+        with self._outcome_cond:
+            self._outcomes[_key(body["model_path"])] = (time.monotonic(), False)
+            self._outcome_cond.notify_all()
+        return {}
 
     async def _op_digest(self, body: dict) -> dict:
         """SHA-256 of every tensor as `loader.load` gives it to an engine now, and the tier it

@@ -28,6 +28,7 @@ request is re-planned every few tens of ms); the final span counts them.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -59,7 +60,7 @@ from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
                             MigrationTarget, ModelRecord, NodeCommand, NodeReply, TokenMessage)
 from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT,
-                             node_command_subject, token_subject)
+                             multicast_node_subject, node_command_subject, token_subject)
 
 log = logging.getLogger("slinfer.placer")
 _tracer = trace.get_tracer("slinfer.placer")
@@ -279,11 +280,23 @@ class Placer:
             report = await multicast(self.nc, path, sources, dests, timeout_s=MULTICAST_TIMEOUT_S)
         except Exception as exc:  # no source could offer it: every destination reads its tiers
             log.warning("multicast of %s from %s to %s failed: %r", path, sources, dests, exc)
+            await self._abandon(path, dests)
             return
         self.multicast_reports.append(report)
         log.info("multicast of %s from %s to %s: %.2f s%s", path, ",".join(report.sources),
                  ",".join(dests), report.seconds,
                  f"; failed {report.failed}" if not report.ok else "")
+        await self._abandon(path, list(report.failed))
+
+    async def _abandon(self, path: str, nodes: list[str]) -> None:
+        """Nodes the model will not reach by this multicast: their loads stop waiting for it
+        (an endpoint that took part knows already; one that never heard of it learns here)."""
+        for node in nodes:
+            try:
+                await self.nc.publish(multicast_node_subject(node), json.dumps(
+                    {"op": "abandon", "model_path": path}).encode())
+            except Exception as exc:  # NATS down: the node gives up waiting on its own
+                log.warning("could not tell %s that %s is not coming: %r", node, path, exc)
 
     async def _forget(self, p: Pending, why: str) -> None:
         """Ack without placing: nobody waits for it (no message: nobody would read it)."""

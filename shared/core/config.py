@@ -21,6 +21,9 @@ class CoreConfig:
     # λScale locality-driven startup (shared/core/startup.py): a new instance may receive its
     # model by multicast from nodes holding it in DRAM when that is quicker than its own tiers.
     enable_multicast: bool = True
+    # Ablation / benchmark: multicast to every new instance that has a holder to receive from,
+    # whatever the estimate says (bench/scaleout.py measures both ways on the node workers).
+    force_multicast: bool = False
     multicast_blocks: int = 16  # blocks a multicast cuts the model into (λScale §7.6)
     # The control round trips before the first byte (offer, prepare, plan, go over NATS):
     # 0.01-0.04 s measured on loopback (bench/scaleout.py --measure, prepare_s).

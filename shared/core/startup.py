@@ -95,7 +95,7 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     receivers = 1 + receivers_on_the_way(model, nodes, exclude=node.node_id)
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
     via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
-    if via >= tier:
+    if via >= tier and not config.force_multicast:
         return keep
     return StartupChoice(StartupMethod.MULTICAST, via, tier, arrive,
                          tuple(sorted(n.node_id for n in sources)))

@@ -63,6 +63,8 @@ def test_loading_from_its_own_tier_wins_when_it_is_quicker():
     slow = [gpu("g0", {"m": "dram"}, link=1 * GB), gpu("g1", {"m": "disk"}, link=1 * GB)]
     choice = choose_startup(slow[1], SPEC, PROFILE, slow, CFG)
     assert choice.method is StartupMethod.TIER and choice.load_s == pytest.approx(8 / 2 + 0.5)
+    forced = choose_startup(slow[1], SPEC, PROFILE, slow, replace(CFG, force_multicast=True))
+    assert forced.method is StartupMethod.MULTICAST and forced.load_s > choice.tier_s
 
 
 def test_nodes_without_an_endpoint_neither_send_nor_receive():

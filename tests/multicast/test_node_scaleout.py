@@ -9,13 +9,15 @@ slow registry. The placer starts four new instances, chooses a multicast for eac
 startup estimate, and sends the model in one binomial pipeline from the holder; every
 destination's load waits for its copy and loads it from its DRAM tier (byte-identical to the
 model's safetensors), and each serves its request (the same greedy output everywhere).
+
+A multicast that cannot start (its source cannot offer the model) does not strand the node that
+waits for it: the placer tells it, and its load reads the node's own tiers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 
 import nats
@@ -33,7 +35,9 @@ from shared.core.config import CoreConfig
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware
 from shared.registry import ModelRegistry, model_record_from_dir
-from shared.schemas import TokenMessage
+from shared.schemas import CommandKind, InferenceRequest, NodeCommand, NodeReply, TokenMessage
+from shared.subjects import node_command_subject, token_subject
+from shared import wire
 
 from tests.multicast.conftest import ask
 from tests.node.harness import submit
@@ -138,5 +142,50 @@ async def test_a_burst_scales_small_out_to_four_nodes_by_multicast_and_each_serv
         for w in workers.values():
             if not w._stopping:
                 await w.stop()
+        await nc.close()
+        await redis.aclose()
+
+
+async def test_a_node_whose_multicast_never_starts_loads_from_its_tiers(
+        own_servers, small_model):
+    nats_url, redis_url = own_servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=CONTEXT)
+    await ModelRegistry(redis).register(record)
+    await save_profile(redis, _profile())
+    worker = NodeWorker(_settings("fb-d1", 1 << 30, nats_url, redis_url), nc, redis)
+    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
+    try:
+        await worker.start()
+        finals: dict[str, TokenMessage] = {}
+        req = InferenceRequest("fallback-1", "t", "small", [5 + i for i in range(PROMPT)],
+                               MAX_TOKENS, time.time(), 60.0, 0.5, temperature=0.0)
+
+        async def on_token(msg) -> None:
+            m = wire.decode(TokenMessage, msg.data)
+            if m.finished:
+                finals[m.request_id] = m
+
+        await nc.subscribe(token_subject(req.request_id), cb=on_token)
+        # Admitted as the placer admits a multicast startup: the node expects the model.
+        reply = wire.decode(NodeReply, (await nc.request(node_command_subject("fb-d1"), wire.encode(
+            NodeCommand(CommandKind.ADMIT, request=req, model=record, multicast_s=0.5)),
+            timeout=30)).data)
+        assert reply.accepted, reply.reason
+        assert reply.node.storage.arriving.get("small") is not None
+        # The placer's multicast finds no source that can offer it.
+        await placer._multicast(record.path, ["no-such-node"], ["fb-d1"])
+        assert not placer.multicast_reports
+        await until(lambda: req.request_id in finals, timeout_s=120, what="the request")
+        assert finals[req.request_id].error is None
+        assert len(finals[req.request_id].output_token_ids) == MAX_TOKENS
+        # The node was told the model is not coming (it did not wait out its own patience).
+        assert worker.multicast.wait_for_model(record.path, 0.0, 0.0) is False
+        load = worker.loads[0]
+        assert (load.expected_tier, load.tier, load.ok) == ("multicast", "registry", True)
+        assert not worker.arriving
+    finally:
+        await worker.stop()
         await nc.close()
         await redis.aclose()
