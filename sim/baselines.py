@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from shared.core.perf_model import Profile
 from shared.core.types import Hardware
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
+from sim.scaleout import Multicaster, start_load
 from sim.storage import NodeStorage
 
 HALF_NODE_SLOWDOWN = 2.0
@@ -126,8 +127,9 @@ class BaselineSystem:
     """ServerlessLLM-style serving: concurrency-limited instances on exclusive (or half) nodes."""
 
     def __init__(self, config: BaselineConfig, nodes: list[BNode], deployments: dict[str, Deployment],
-                 noise: IterationNoise | None = None):
+                 noise: IterationNoise | None = None, scaleout: Multicaster | None = None):
         self.config = config
+        self.scaleout = scaleout  # λScale's multicast and execute-while-load (sim/scaleout.py)
         self.noise = noise or IterationNoise(0.0, 0)
         self.name = config.name
         self.nodes = nodes
@@ -210,12 +212,17 @@ class BaselineSystem:
         kv_tokens = max(0, (mem - dep.weight_bytes) // dep.kv_bytes_per_token)
         profile = dep.profiles[node.hardware]
         load_s = profile.load_s
+        iid = f"{self.name}-i{self._next_iid}"
         if node.storage is not None:
-            tier, seconds = node.storage.load(dep.name, dep.weight_bytes, now)
+            if self.scaleout is not None:
+                tier, seconds = start_load(self.scaleout, node.storage, dep.name, dep.weight_bytes,
+                                           node.node_id, self._holders(dep.name), now, iid)
+            else:
+                tier, seconds = node.storage.load(dep.name, dep.weight_bytes, now)
             load_s = seconds + profile.engine_init_s
             self.rec.count(f"loads:{tier}")
         inst = BInstance(
-            iid=f"{self.name}-i{self._next_iid}", dep=dep, node=node, slots=slots,
+            iid=iid, dep=dep, node=node, slots=slots,
             limit=self.config.limit(node.hardware, dep.size),
             kv_capacity_tokens=int(kv_tokens), ready_at=now + load_s, created_at=now)
         self._next_iid += 1
@@ -225,6 +232,22 @@ class BaselineSystem:
         self.rec.count("cold_starts")
         self.loop.schedule(inst.ready_at, "ready", inst)
         return inst
+
+    def _holders(self, model: str) -> list[str]:
+        """Nodes with a loaded instance of the model or its checkpoint in their DRAM tier."""
+        now = self.loop.now
+        return [n.node_id for n in self.nodes if self.scaleout.is_holder(
+            n.node_id, model, [i.iid for i in n.instances if i.dep.name == model and i.ready_at <= now],
+            n.storage is not None and model in n.storage.dram, now)]
+
+    def _pipeline_extra(self, inst: BInstance, tokens: int) -> float:
+        """An iteration's cost beyond the profile in an execute-while-load pipeline, or once at
+        the mode switch (sim/scaleout.py)."""
+        if self.scaleout is None:
+            return 0.0
+        context = sum(r.input_len + r.generated for r in inst.running)
+        return self.scaleout.iteration_extra(inst.iid, inst.dep.name, tokens, context,
+                                             inst.dep.kv_bytes_per_token, inst.profile, self.loop.now)
 
     def _unload(self, inst: BInstance) -> None:
         inst.node.instances.remove(inst)
@@ -259,6 +282,7 @@ class BaselineSystem:
         if inst.waiting and self._prompt_fits(inst, inst.waiting[0]):
             req = inst.waiting[0]
             seconds = inst.profile.prefill_s(req.input_len + req.generated) * self._slowdown(inst)
+            seconds += self._pipeline_extra(inst, req.input_len + req.generated)
             self._start(inst, ("prefill", req), seconds)
         elif inst.running:
             batch = len(inst.running)
@@ -267,6 +291,7 @@ class BaselineSystem:
                 return self._kick(inst)
             avg = inst.kv_used_tokens() / batch
             seconds = inst.profile.decode_s(batch, avg) * self._slowdown(inst)
+            seconds += self._pipeline_extra(inst, batch)
             self._start(inst, ("decode", None), seconds)
         elif inst.waiting:  # alone and still too long for this slot's KV cache: never fits
             self._drop(inst.waiting.popleft())

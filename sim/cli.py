@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from sim import scaleout
 from sim.report import dumps
 from sim.simulate import SIZES, SYSTEMS, SimConfig, load_mix, simulate
 from sim.workload import DEFAULT_LENGTHS_CSV
@@ -65,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-decode-overhead", type=float, metavar="X",
                       help="relative cost of an unmerged LoRA decode step (default: the curve "
                            "bench/lora.py measured)")
+    scaleout.add_arguments(p)
     p.add_argument("--out", help="write the JSON report here (default: stdout)")
     p.add_argument("--plot", metavar="DIR", help="write TTFT CDF and nodes-used timeline PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -83,7 +85,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         noise=args.noise, engine_startup=args.engine_startup, storage=args.storage,
         lora_adapters=args.lora_adapters, lora_backbones=args.lora_backbones,
         lora_rank=args.lora_rank, lora_serving=args.lora_serving,
-        lora_decode_overhead=args.lora_decode_overhead)
+        lora_decode_overhead=args.lora_decode_overhead,
+        extra=scaleout.extra_from(args))
 
 
 def _progress(total: float, enabled: bool):

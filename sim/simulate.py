@@ -14,6 +14,7 @@ from shared.core.config import CoreConfig
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, ModelSpec, slo_for_input
 from sim import profiles as prof
+from sim import scaleout
 from sim.baselines import BaselineConfig, BaselineSystem, BNode, Deployment
 from sim.engine import IterationNoise, RunResult, SimRequest, run
 from sim.metrics import Metrics
@@ -91,6 +92,7 @@ class SimConfig:
             raise ValueError("engine_startup must be >= 0")
         if self.storage not in STORAGE_MODES:
             raise ValueError(f"storage must be one of {STORAGE_MODES}, got {self.storage!r}")
+        scaleout.check(self)
         if self.lora_adapters:
             from sim.lora import check_config
             check_config(self)
@@ -159,14 +161,15 @@ def build_system(cfg: SimConfig, cluster: Cluster, slinfer_cls: type[SlinferSyst
     if cfg.storage != "dram":
         spec = TierSpec(caching=cfg.storage == "tiered")
         storage = {v.node_id: NodeStorage(spec) for v in views}
+    mc = scaleout.multicaster(cfg, cluster, storage)  # None unless --link-gbps / --spikes
     if cfg.system == "slinfer":
-        return slinfer_cls(views, perf, cluster.specs, cfg.core_config(), noise, storage)
+        return slinfer_cls(views, perf, cluster.specs, cfg.core_config(), noise, storage, mc)
     deps = {m: Deployment(m, cluster.sizes[m], spec.weight_bytes, spec.kv_bytes_per_token,
                           {hw: perf.get(m, hw) for hw in Hardware if perf.get(m, hw) is not None})
             for m, spec in cluster.specs.items()}
     nodes = [BNode(v.node_id, v.hardware, v.memory_bytes,
                    storage=storage[v.node_id] if storage else None) for v in views]
-    return BaselineSystem(BaselineConfig.named(cfg.system, cfg.keep_alive), nodes, deps, noise)
+    return BaselineSystem(BaselineConfig.named(cfg.system, cfg.keep_alive), nodes, deps, noise, mc)
 
 
 def build_requests(cfg: SimConfig, cluster: Cluster) -> list[SimRequest]:
@@ -174,6 +177,9 @@ def build_requests(cfg: SimConfig, cluster: Cluster) -> list[SimRequest]:
     names = sorted(cluster.specs)
     ctx = {m: s.max_context for m, s in cluster.specs.items()}
     arrivals = build_workload(names, ctx, cfg.duration, cfg.rps, cfg.seed, lengths, cfg.arrivals, cfg.cv)
+    spikes = scaleout.spikes_of(cfg.extra)
+    if spikes is not None:
+        arrivals = scaleout.spike_arrivals(spikes, arrivals, names, cfg.duration, cfg.seed, lengths, ctx)
     return [SimRequest(f"r{i}", a.model, a.input_len, a.output_len, a.time, slo_for_input(a.input_len))
             for i, a in enumerate(arrivals)]
 

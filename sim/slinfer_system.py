@@ -31,6 +31,7 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec,
                                RequestView)
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 from sim.report import ADMIT_PREFIX
+from sim.scaleout import Multicaster, annotate, start_load
 from sim.storage import NodeStorage
 
 
@@ -53,8 +54,10 @@ class SlinferSystem:
 
     def __init__(self, nodes: list[NodeView], perf: PerfModel, models: dict[str, ModelSpec],
                  config: CoreConfig, noise: IterationNoise | None = None,
-                 storage: dict[str, NodeStorage] | None = None):
+                 storage: dict[str, NodeStorage] | None = None,
+                 scaleout: Multicaster | None = None):
         self.config = config
+        self.scaleout = scaleout  # λScale's multicast and execute-while-load (sim/scaleout.py)
         self.noise = noise or IterationNoise(0.0, 0)
         self.perf = perf
         self.models = models
@@ -100,26 +103,39 @@ class SlinferSystem:
                 self.rec.add_instance_lifetime(now - self._born.pop(inst.instance_id, now))
 
     # --- placement ----------------------------------------------------------------------------
-    def _views(self) -> list[NodeView]:
+    def _views(self, model: str | None = None) -> list[NodeView]:
         """The nodes' state for `place()`. The service publishes copies; here the schedulers'
         own views are passed as they are, because `place()` only reads its inputs
         (tests/core/test_placement.py checks it) and copying every request of every node on
         every placement was most of a run's time."""
         for sn in self.nodes.values():
-            self._sync_storage(sn)
+            self._sync_storage(sn, model)
         return [sn.sched.node for sn in self.nodes.values()]
 
-    def _sync_storage(self, sn: SimNode) -> None:
-        """The node reports its tiers as they are now (its loader's report, in the service)."""
+    def _sync_storage(self, sn: SimNode, model: str | None = None) -> None:
+        """The node reports its tiers as they are now (its loader's report, in the service); with
+        multicast, a model it would receive sooner than it reads it is in the multicast tier."""
         if sn.storage is not None:
-            sn.sched.node.storage = sn.storage.view(self.loop.now)
+            view = sn.storage.view(self.loop.now)
+            if self.scaleout is not None and model is not None:
+                view = annotate(view, self.scaleout, sn.storage, model,
+                                self.models[model].weight_bytes, sn.node_id,
+                                self._holders(model), self.loop.now)
+            sn.sched.node.storage = view
+
+    def _holders(self, model: str) -> list[str]:
+        """Nodes with a loaded instance of the model or its checkpoint in their DRAM tier."""
+        return [sn.node_id for sn in self.nodes.values() if self.scaleout.is_holder(
+            sn.node_id, model, [i.instance_id for i in sn.sched.node.instances
+                                if i.model.name == model and i.status is InstanceStatus.READY],
+            sn.storage is not None and model in sn.storage.dram, self.loop.now)]
 
     def _place(self, view: RequestView, from_queue: bool = False) -> bool:
         """Ask the core where the request goes and carry the plan out. True if it went somewhere
         (or was dropped); False if it stays queued."""
         now = self.loop.now
         model = self.models[view.model]
-        plan = place(view, model, self._views(), self.perf, now, self.config, self.models)
+        plan = place(view, model, self._views(view.model), self.perf, now, self.config, self.models)
         for attempt in plan.attempts:
             self.rec.count(ADMIT_PREFIX + attempt.reason.value)
         if plan.action is PlaceAction.DROP:
@@ -150,7 +166,7 @@ class SlinferSystem:
     def _admit(self, node_id: str, instance_id: str | None, view: RequestView) -> bool:
         sn = self.nodes[node_id]
         now = self.loop.now
-        self._sync_storage(sn)
+        self._sync_storage(sn, view.model)
         result = sn.sched.admit(view, instance_id, self.models[view.model], now, self._adapter(view))
         return self._admitted(sn, view, instance_id is None, result)
 
@@ -193,7 +209,7 @@ class SlinferSystem:
     def _offer(self, node_id: str, instance_id: str, view: RequestView) -> bool:
         """A displaced request at the destination the plan validated; False if it refuses now."""
         sn = self.nodes[node_id]
-        self._sync_storage(sn)
+        self._sync_storage(sn, view.model)
         result = sn.sched.admit(view, instance_id, self.models[view.model], self.loop.now,
                                 self._adapter(view))
         if not result.admission.ok:
@@ -238,6 +254,8 @@ class SlinferSystem:
         if plan.iteration is not None:
             sn.busy = True
             actual = plan.predicted_s * self.noise()
+            if self.scaleout is not None:
+                actual += self._pipeline_extra(sn, plan.iteration)
             self.loop.schedule(now + actual, "iter_done", (sn.node_id, plan.iteration, actual))
         self._schedule_reclaim(sn)
 
@@ -281,7 +299,13 @@ class SlinferSystem:
         profile = self.perf.get(inst.model.name, sn.sched.node.hardware)
         load_s = None
         if op.kind is MemOpKind.LOAD and sn.storage is not None:
-            tier, seconds = sn.storage.load(inst.model.name, inst.model.weight_bytes, self.loop.now)
+            if self.scaleout is not None:
+                tier, seconds = start_load(self.scaleout, sn.storage, inst.model.name,
+                                           inst.model.weight_bytes, sn.node_id,
+                                           self._holders(inst.model.name), self.loop.now,
+                                           inst.instance_id)
+            else:
+                tier, seconds = sn.storage.load(inst.model.name, inst.model.weight_bytes, self.loop.now)
             load_s = seconds + profile.engine_init_s
             self.rec.count(f"loads:{tier}")
         seconds = memop_seconds(op, profile, inst.model.weight_bytes, load_s)
@@ -289,6 +313,24 @@ class SlinferSystem:
             self.rec.add_scaling(seconds)
             self.rec.count("kv_scalings")
         return seconds
+
+    def _pipeline_extra(self, sn: SimNode, choice: IterationChoice) -> float:
+        """What an iteration costs beyond the profile while its instance serves in an
+        execute-while-load pipeline, or once at its mode switch (sim/scaleout.py)."""
+        inst = sn.sched.node.instance(choice.instance_id)
+        if inst is None:
+            return 0.0
+        ids = set(choice.request_ids)
+        reqs = [r for r in inst.requests if r.request_id in ids]
+        prefill = choice.kind is IterationKind.PREFILL
+        tokens = sum(r.context_len() for r in reqs) if prefill else len(reqs)
+        context = sum(r.context_len() for r in inst.requests if r.prefilled)
+        return self.scaleout.iteration_extra(inst.instance_id, inst.model.name, tokens, context,
+                                             inst.model.kv_bytes_per_token, self._profile_of(sn, inst),
+                                             self.loop.now)
+
+    def _profile_of(self, sn: SimNode, inst):
+        return self.perf.get(inst.model.name, sn.sched.node.hardware)
 
     def _on_memop_done(self, data: tuple[str, MemOp]) -> None:
         node_id, op = data

@@ -71,19 +71,27 @@ class NodeStorage:
         holds.update({m: "disk" for m in self.disk.items if m not in holds})
         return StorageView(dict(self.spec.bytes_per_s), holds, max(0.0, self.io_free_at - now))
 
-    def load(self, model: str, nbytes: int, now: float) -> tuple[str, float]:
-        """Start a load now: (the tier that serves it, seconds until the weights are in)."""
+    def estimate(self, model: str, nbytes: int, now: float) -> tuple[str, float]:
+        """What `load` would answer now, without starting it (a node choosing between its own
+        tier and a multicast, sim/scaleout.py)."""
         tier = self.tier_of(model)
         transfer = nbytes / self.spec.bytes_per_s[tier]
         if tier == "dram":
-            seconds = transfer
-        else:
-            start = max(now, self.io_free_at)
-            self.io_free_at = start + transfer
-            seconds = self.io_free_at - now
+            return tier, transfer
+        return tier, (max(now, self.io_free_at) + transfer) - now
+
+    def load(self, model: str, nbytes: int, now: float) -> tuple[str, float]:
+        """Start a load now: (the tier that serves it, seconds until the weights are in)."""
+        tier, seconds = self.estimate(model, nbytes, now)
+        if tier != "dram":  # the same sum `estimate` took, so the queue's end is exact
+            self.io_free_at = max(now, self.io_free_at) + nbytes / self.spec.bytes_per_s[tier]
+        self.cache(model, nbytes)
+        return tier, seconds
+
+    def cache(self, model: str, nbytes: int) -> None:
+        """The checkpoint is in both caches once loaded (also when it came over the network)."""
         self.dram.touch(model, nbytes)
         self.disk.touch(model, nbytes)
-        return tier, seconds
 
 
 assert TIERS == ("dram", "disk", "registry")  # the order `tier_of` prefers
