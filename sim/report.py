@@ -101,6 +101,10 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
         "admission_answers": {k.removeprefix(ADMIT_PREFIX): v for k, v in sorted(m.counters.items())
                               if k.startswith(ADMIT_PREFIX)},
     }
+    coco = {k.removeprefix("cocoserve_"): v for k, v in sorted(m.counters.items())
+            if k.startswith("cocoserve_")}
+    if coco:  # only runs with --cocoserve have these (sim/cocoserve.py)
+        report["cocoserve"] = coco
     return _round(report)
 
 

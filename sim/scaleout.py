@@ -392,3 +392,14 @@ def multicaster(cfg: Any, cluster: Any, storage: dict[str, Any] | None) -> Multi
     if config is None:
         return None
     return Multicaster(config, {m: SHAPES[size].hidden for m, size in cluster.sizes.items()})
+
+
+def cocoserve_settings(cfg: Any, cluster: Any) -> tuple[float, dict[str, int], dict[str, int]] | None:
+    """CoCoServe's (link Gb/s, model -> layers, model -> hidden size); None without --cocoserve."""
+    from sim.profiles import SHAPES
+
+    if "cocoserve" not in cfg.extra:
+        return None
+    shapes = {m: SHAPES[size] for m, size in cluster.sizes.items()}
+    return (float(cfg.extra["cocoserve"].get("link_gbps", 100.0)),
+            {m: s.layers for m, s in shapes.items()}, {m: s.hidden for m, s in shapes.items()})

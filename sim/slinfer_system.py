@@ -30,6 +30,7 @@ from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec, NodeView,
                                RequestView)
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
+from sim.cocoserve import CoCoServe, node_perf
 from sim.report import ADMIT_PREFIX
 from sim.scaleout import Multicaster, annotate, start_load
 from sim.storage import NodeStorage
@@ -55,14 +56,17 @@ class SlinferSystem:
     def __init__(self, nodes: list[NodeView], perf: PerfModel, models: dict[str, ModelSpec],
                  config: CoreConfig, noise: IterationNoise | None = None,
                  storage: dict[str, NodeStorage] | None = None,
-                 scaleout: Multicaster | None = None):
+                 scaleout: Multicaster | None = None,
+                 cocoserve: tuple[float, dict[str, int], dict[str, int]] | None = None):
         self.config = config
         self.scaleout = scaleout  # λScale's multicast and execute-while-load (sim/scaleout.py)
         self.noise = noise or IterationNoise(0.0, 0)
         self.perf = perf
         self.models = models
-        self.nodes = {n.node_id: SimNode(NodeScheduler(n, perf, config),
+        # CoCoServe (sim/cocoserve.py): each node decides with its own copy of the profiles
+        self.nodes = {n.node_id: SimNode(NodeScheduler(n, node_perf(perf) if cocoserve else perf, config),
                                          storage=(storage or {}).get(n.node_id)) for n in nodes}
+        self.cocoserve = CoCoServe(self, *cocoserve) if cocoserve else None
         self.reqs: dict[str, SimRequest] = {}  # every request the system has seen, by id
         self.queue: list[RequestView] = []  # placed nowhere yet (QUEUE), FIFO
         self._born: dict[str, float] = {}  # instance id -> creation time (lifetime accounting)
@@ -88,7 +92,7 @@ class SlinferSystem:
         alloc = held = 0
         for sn in self.nodes.values():
             node = sn.sched.node
-            if node.instances:
+            if node.instances or (self.cocoserve is not None and sn.node_id in self.cocoserve.hosts()):
                 used[node.hardware] += 1
             for inst in node.instances:
                 alloc += sn.sched.kv_capacity_bytes(inst.instance_id)
@@ -138,6 +142,17 @@ class SlinferSystem:
         plan = place(view, model, self._views(view.model), self.perf, now, self.config, self.models)
         for attempt in plan.attempts:
             self.rec.count(ADMIT_PREFIX + attempt.reason.value)
+        if self.cocoserve is not None and plan.action in (
+                PlaceAction.NEW_INSTANCE, PlaceAction.QUEUE, PlaceAction.DROP):
+            outcome = self.cocoserve.offer(view)  # module-level scale-up, not a new instance
+            if outcome == "admitted":
+                return True
+            if outcome == "wait":  # for replicas in transfer: retried when one is in place
+                if not from_queue:
+                    self._enqueue(view)
+                return False
+            if plan.action is not PlaceAction.NEW_INSTANCE and self.cocoserve.memory_pressure(view):
+                plan = place(view, model, self._views(view.model), self.perf, now, self.config, self.models)
         if plan.action is PlaceAction.DROP:
             self._drop(view.request_id)
             return True
@@ -254,6 +269,8 @@ class SlinferSystem:
         if plan.iteration is not None:
             sn.busy = True
             actual = plan.predicted_s * self.noise()
+            if self.cocoserve is not None:  # a host first does the replica work queued on it
+                actual += self.cocoserve.host_delay(sn.node_id, now)
             if self.scaleout is not None:
                 actual += self._pipeline_extra(sn, plan.iteration)
             self.loop.schedule(now + actual, "iter_done", (sn.node_id, plan.iteration, actual))
@@ -268,6 +285,7 @@ class SlinferSystem:
         prefill = choice.kind is IterationKind.PREFILL
         self.rec.iteration(now, hw, prefill, len(choice.request_ids), seconds)
         finished: set[str] = set()
+        late = sum(self.reqs[rid].late_tokens for rid in choice.request_ids)
         for rid in choice.request_ids:
             req = self.reqs[rid]
             if req.done:  # dropped meanwhile (cannot happen for placed requests; defensive)
@@ -282,6 +300,10 @@ class SlinferSystem:
                 finished.add(rid)
         ops = sn.sched.finish_iteration(choice, now, finished)
         self._start_ops(sn, ops)
+        if self.cocoserve is not None:
+            self.cocoserve.iteration_ran(choice.instance_id, seconds, now)
+            if sum(self.reqs[rid].late_tokens for rid in choice.request_ids) > late:
+                self.cocoserve.host_violated(node_id)  # module reduction on an SLO violation
         if finished:
             self._retry_queue()
         self._kick(sn)
@@ -293,6 +315,8 @@ class SlinferSystem:
             self.loop.schedule(self.loop.now + seconds, "memop_done", (sn.node_id, op))
 
     def _op_seconds(self, sn: SimNode, op: MemOp) -> float:
+        if self.cocoserve is not None and self.cocoserve.owns(op):
+            return self.cocoserve.op_seconds(op)
         inst = sn.sched.node.instance(op.instance_id)
         if op.kind is MemOpKind.UNLOAD or inst is None:
             return UNLOAD_S
@@ -337,6 +361,12 @@ class SlinferSystem:
         sn = self.nodes[node_id]
         sn.ops_running.pop(op.op_id, None)
         started = sn.sched.memop_done(op, self.loop.now)
+        if self.cocoserve is not None:
+            if self.cocoserve.owns(op):
+                if self.cocoserve.op_done(node_id, op):
+                    self._retry_queue()
+            elif op.kind is MemOpKind.UNLOAD:
+                self.cocoserve.instance_gone(op.instance_id)
         self._start_ops(sn, started)
         if op.kind is MemOpKind.UNLOAD or not op.grows:
             self._retry_queue()

@@ -417,6 +417,16 @@ class NodeScheduler:
         self._sync(now)
         return ops
 
+    def hold(self, key: str, nbytes: int, now: float) -> tuple[bool, list[MemOp]]:
+        """Hold `nbytes` on this node under `key` (0: release them) for something that is not an
+        instance of the node: a layer replica of another node's instance (CoCoServe). The budget,
+        pessimistic tracking and the reservation station account it like an instance's bytes;
+        the ops returned are executed and completed (`memop_done`) like any other."""
+        kind = MemOpKind.LOAD if nbytes else MemOpKind.UNLOAD
+        ok, ops = self.ledger.request(kind, key, nbytes, now)
+        self._sync(now)
+        return ok, ops
+
     # --- views and helpers ------------------------------------------------------------------
     def view(self) -> NodeView:
         """A snapshot for the placer (and for evaluate()): copies, safe to publish."""
