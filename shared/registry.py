@@ -168,13 +168,17 @@ def model_record_from_dir(
     if base is not None:
         if not (directory / "adapter_config.json").is_file():
             raise ModelDirError(f"{str(directory)!r} has no adapter_config.json (LoRA adapter expected)")
-        _read_json(directory / "adapter_config.json")  # must at least parse
+        adapter_config = _read_json(directory / "adapter_config.json")
+        rank = adapter_config.get("r", 0)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ModelDirError(f"{str(directory)!r}: adapter_config.json's r must be a rank, "
+                                f"not {rank!r}")
         return ModelRecord(
             name=name, path=str(directory.resolve()), engine=engine, slo_class=slo_class,
             owner=owner, base_model=base.name, max_context=base.max_context,
             weight_bytes=_weight_bytes_from_files(directory) or 0,
             kv_bytes_per_token=base.kv_bytes_per_token,
-            eos_token_ids=list(base.eos_token_ids), created_at=created,
+            eos_token_ids=list(base.eos_token_ids), created_at=created, lora_rank=rank,
         )
 
     config_path = directory / "config.json"

@@ -27,6 +27,7 @@ class ModelRecord:
     kv_bytes_per_token: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     created_at: float = 0.0
+    lora_rank: int = 0  # a LoRA adapter's rank (adapter_config.json's r; 0: not known)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class InferenceRequest:
     # A LoRA adapter's registry id: the request runs through that adapter on an instance of its
     # backbone, which `model` then names (the gateway resolves an adapter's name to both).
     adapter: str | None = None
+    # That adapter's rank: its iterations cost what the backbone's profile measured for it.
+    adapter_rank: int = 0
 
 
 class FinishReason(str, enum.Enum):

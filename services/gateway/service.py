@@ -136,6 +136,9 @@ class GatewayService:
         return InferenceRequest(
             request_id=request_id, tenant=tenant, model=record.base_model or record.name,
             adapter=adapter,
+            # A record without its rank (registered before ranks were read) counts as the
+            # smallest rank the profile measured (1 is below every measured rank).
+            adapter_rank=max(1, record.lora_rank) if adapter else 0,
             prompt_token_ids=prepared.prompt_ids, max_tokens=prepared.max_tokens,
             arrival=arrival, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
             # After this nobody waits: placers do not place it, nodes stop it (an orphan of a

@@ -45,6 +45,9 @@ class NodeSettings:
     multicast_port: int = 0
     multicast_advertise_host: str | None = None
     multicast_link_bytes_per_s: float = 1.25e9  # a 10 Gb/s link
+    # Artifact pre-loading (ServerlessLoRA §4.1, services/node/preload.py): re-planned this
+    # often from the rates the node sees; 0 = off.
+    preload_interval_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> NodeSettings:
@@ -80,6 +83,7 @@ class NodeSettings:
             multicast_advertise_host=env_str("SLINFER_MULTICAST_ADVERTISE_HOST", "") or None,
             multicast_link_bytes_per_s=env_float("SLINFER_MULTICAST_LINK_BYTES_PER_S", 1.25e9,
                                                  minimum=1.0),
+            preload_interval_s=env_float("SLINFER_PRELOAD_INTERVAL_S", 5.0, minimum=0.0),
         )
 
 

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from services.node.engines import KVCacheFull, SamplingParams, create_engine
 from services.node.engines.base import Engine
 from services.node.observe import NodeObserver
+from services.node.preload import PreloadRecord, preload_loop
 from services.node.settings import NodeSettings
 from services.node.tiers import ModelNames, model_key, storage_view
 from shared import telemetry as tm
@@ -193,6 +194,10 @@ class NodeWorker:
         self._published_seen: dict[str, dict[str, float]] = {}  # model -> `seen` as published
         self.records: dict[str, ModelRecord] = {}
         self.adapter_records: dict[str, ModelRecord] = {}  # LoRA (issue 12): adapters by id
+        # Backbones (models that are not adapters) this node was asked for, by name, while the
+        # registry holds them: what pre-loading plans over (services/node/preload.py).
+        self.backbones: dict[str, ModelRecord] = {}
+        self.preloads: deque[PreloadRecord] = deque(maxlen=HISTORY_LEN)
         self.live: dict[str, Live] = {}
         self.ops: dict[int, MemOp] = {}
         self.wake = asyncio.Event()
@@ -247,6 +252,8 @@ class NodeWorker:
         await self.obs.start(self, self.s.metrics_port)
         self._tasks = [asyncio.create_task(self._token_loop(), name="token-loop"),
                        asyncio.create_task(self._heartbeat(), name="heartbeat")]
+        if self.s.preload_interval_s > 0:
+            self._tasks.append(asyncio.create_task(preload_loop(self), name="preload"))
         for task in self._tasks:
             task.add_done_callback(self._task_ended)
         log.info("node %s (%s, %s) ready: %.1f GiB, matrix accel %s", self.s.node_id,
@@ -363,6 +370,8 @@ class NodeWorker:
         local disk tier kept from an earlier run is known by its key only: those keys are
         computed (file metadata) when the disk tier holds such a checkpoint."""
         records = await ModelRegistry(self.redis).list()
+        registered = {r.name: r for r in records}
+        self.backbones = {n: registered[n] for n in self.backbones if n in registered}
         loader = self.loader
         stray = False
         if loader is not None:
@@ -570,6 +579,8 @@ class NodeWorker:
             # soon as it stored it): read them again once before the core may say no_profile.
             await self._load_profiles()
         self.model_names.learn(record)
+        if record.base_model is None:
+            self.backbones[record.name] = record
         self._refresh_storage()
         return req, record
 

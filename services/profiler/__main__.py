@@ -24,6 +24,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--passes", type=int, default=2,
                    help="separate sweeps of the decode grid (samples of a point spread in time)")
+    p.add_argument("--lora-ranks", default="8,32",
+                   help="adapter ranks whose unmerged-LoRA cost is measured (torch engine; "
+                        "comma-separated, empty: none)")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="replay N random workloads and report the mean relative error")
     p.add_argument("--out", type=Path, help="write the tables (and check errors) as JSON here")
@@ -49,8 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"error: {args.model} is not a Hugging Face model directory", file=sys.stderr)
         return 2
+    try:
+        ranks = tuple(sorted({int(r) for r in args.lora_ranks.split(",") if r.strip()}))
+    except ValueError:
+        print(f"error: --lora-ranks must be comma-separated integers, not {args.lora_ranks!r}",
+              file=sys.stderr)
+        return 2
+    if any(r < 1 for r in ranks):
+        print("error: --lora-ranks must be positive", file=sys.stderr)
+        return 2
     plan = ProfilePlan(max_len=args.max_len, max_batch=args.max_batch, repeats=args.repeats,
-                       warmup=args.warmup, passes=args.passes)
+                       warmup=args.warmup, passes=args.passes, lora_ranks=ranks)
     name = args.name or args.model.name
     try:
         profile, result = profile_model(args.model, name, args.engine, args.device, plan,

@@ -11,21 +11,30 @@ the median of all its samples. Every timed iteration is preceded by untimed ones
 shape (as in service, where an instance's iterations follow each other). `check` then replays
 random workloads, measured the same way, and reports the mean relative error of the
 interpolated predictions.
+
+Unmerged LoRA (ServerlessLoRA §4.4) is measured on engines that serve adapters (`measure_lora`):
+per adapter rank, a decode step of a batch whose rows run through random adapters of that rank
+against the same batch without them, and a prefill through one against a plain one; stored as
+the fractions they add (`Profile.lora`), which the core charges to batches with adapter requests.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from services.node.engines.base import Engine, SamplingParams
-from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.perf_model import DecodeTable, LoraCost, PrefillTable, Profile
 from shared.core.types import Hardware
 
 GREEDY_ONE = SamplingParams(max_tokens=1 << 30, temperature=0.0)
+LORA_CONTEXT = 128  # tokens of context in the LoRA measurement (see ProfilePlan.lora_len)
+LORA_ADAPTERS = 4  # distinct adapters a measured decode batch is spread over (a mixed batch)
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -44,6 +53,9 @@ class ProfilePlan:
     warmup: int = 1  # untimed iterations before them
     min_len: int = 16
     passes: int = 2  # separate sweeps of the decode grid (prefill: repeats * passes rounds)
+    # Adapter ranks whose unmerged-LoRA cost is measured (engines that serve adapters only);
+    # empty: not measured.
+    lora_ranks: tuple[int, ...] = (8, 32)
 
     @property
     def lengths(self) -> list[int]:
@@ -58,8 +70,16 @@ class ProfilePlan:
     def batches(self) -> list[int]:
         return powers_of_two(1, self.max_batch)
 
-    def points(self) -> int:
-        return len(self.prefill_lengths) + self.passes * len(self.lengths) * len(self.batches)
+    @property
+    def lora_len(self) -> int:
+        """The context the LoRA overhead is measured at: a short one, where the backbone's own
+        attention is cheapest and the adapters' share of a step largest (conservative)."""
+        return max(self.min_len, min(self.max_len, LORA_CONTEXT))
+
+    def points(self, lora: bool = False) -> int:
+        grid = len(self.prefill_lengths) + self.passes * len(self.lengths) * len(self.batches)
+        return grid + (len(self.lora_ranks) * (len(self.batches) + 1) if lora else 0)
+
 
 
 class _Ids:
@@ -156,7 +176,10 @@ def decode_samples(engine: Engine, ids: _Ids, points: list[tuple[int, int]], pas
 
 
 def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, vocab: int,
-            load_s: float, seed: int = 0, tick: Callable[[], None] = lambda: None) -> Profile:
+            load_s: float, seed: int = 0, tick: Callable[[], None] = lambda: None,
+            model_dir: Path | None = None) -> Profile:
+    """The profile's tables; with `model_dir` (random adapters are built for it) and an engine
+    that serves adapters, also what unmerged LoRA costs per rank."""
     ids = _Ids(vocab, seed)
     block_slack = 64  # paged blocks round each request up
     ensure_kv(engine, plan.max_batch * (plan.max_len + plan.repeats + plan.warmup + block_slack))
@@ -169,13 +192,109 @@ def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, v
     grid = [monotone(flat[i * width:(i + 1) * width]) for i in range(len(plan.batches))]
     columns = [monotone([row[j] for row in grid]) for j in range(width)]
     grid = [[columns[j][i] for j in range(width)] for i in range(len(plan.batches))]
+    lora = None
+    if model_dir is not None and serves_adapters(engine) and plan.lora_ranks:
+        lora = measure_lora(engine, Path(model_dir), _Ids(vocab, seed + 11), plan, tick)
     scale_fixed, scale_rate = measure_kv_scaling(engine, _Ids(vocab, seed + 7),
                                                  max_len=plan.max_len)
     return Profile(model, hardware, PrefillTable(plan.prefill_lengths, monotone(prefill)),
                    DecodeTable(plan.batches, plan.lengths, grid), load_s=load_s,
-                   kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate,
+                   kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate, lora=lora,
                    source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats}, "
                           f"passes={plan.passes})")
+
+
+def serves_adapters(engine: Engine) -> bool:
+    return hasattr(engine, "load_adapter") and hasattr(engine, "unload_adapter")
+
+
+def measure_lora(engine: Engine, model_dir: Path, ids: _Ids, plan: ProfilePlan,
+                 tick: Callable[[], None] = lambda: None) -> LoraCost:
+    """Unmerged LoRA's extra cost per rank in `plan.lora_ranks`, on random adapters built for
+    `model_dir` (loaded under `profile-lora-*` and unloaded afterwards).
+
+    Decode: at each batch size, the batch's rows spread round-robin over `LORA_ADAPTERS`
+    adapters of the rank, timed step for step against as many plain requests of the same context
+    (the two alternate, so a neighbour's burst hits both); the overhead is the ratio of the
+    medians, less one. Prefill: one request through an adapter against a plain one, alternating.
+    Overheads are kept non-negative and non-decreasing in the rank (more rank, more work: a dip
+    is noise)."""
+    from shared.adaptergen import build_adapter
+
+    ensure_kv(engine, 2 * plan.max_batch * (plan.lora_len + plan.passes * (plan.warmup + plan.repeats) + 64))
+    decode: list[list[float]] = []
+    prefill: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="slinfer-lora-profile-") as tmp:
+        for rank in plan.lora_ranks:
+            names = [f"profile-lora-r{rank}-{k}" for k in range(LORA_ADAPTERS)]
+            try:
+                for k, name in enumerate(names):
+                    engine.load_adapter(name, build_adapter(model_dir, Path(tmp) / name, rank=rank,
+                                                            seed=k + 1))
+                decode.append(_lora_decode_overheads(engine, ids, plan, names, tick))
+                prefill.append(_lora_prefill_overhead(engine, ids, plan, names[0]))
+                tick()
+            finally:
+                for name in names:
+                    engine.unload_adapter(name)
+    return LoraCost(list(plan.lora_ranks), list(plan.batches), _rising(decode),
+                    [row[0] for row in _rising([[p] for p in prefill])], adapters=LORA_ADAPTERS)
+
+
+def _rising(rows: list[list[float]]) -> list[list[float]]:
+    """Each column non-negative and non-decreasing down the rows (the ranks)."""
+    out = [[max(0.0, v) for v in row] for row in rows]
+    for i in range(1, len(out)):
+        out[i] = [max(a, b) for a, b in zip(out[i], out[i - 1])]
+    return out
+
+
+def _lora_decode_overheads(engine: Engine, ids: _Ids, plan: ProfilePlan, adapters: list[str],
+                           tick: Callable[[], None]) -> list[float]:
+    plain_t: dict[int, list[float]] = {b: [] for b in plan.batches}
+    lora_t: dict[int, list[float]] = {b: [] for b in plan.batches}
+    for _ in range(plan.passes):
+        plain = [ids.new() for _ in range(plan.max_batch)]
+        through = [ids.new() for _ in range(plan.max_batch)]
+        try:
+            for k, (a, b) in enumerate(zip(plain, through)):
+                engine.add_request(a, ids.prompt(plan.lora_len), GREEDY_ONE)
+                engine.add_request(b, ids.prompt(plan.lora_len),
+                                   replace(GREEDY_ONE, adapter=adapters[k % len(adapters)]))
+                engine.prefill(a)
+                engine.prefill(b)
+            for batch in plan.batches:
+                for step in range(plan.warmup + plan.repeats):
+                    t_plain = _time(lambda: engine.decode(plain[:batch]))
+                    t_lora = _time(lambda: engine.decode(through[:batch]))
+                    if step >= plan.warmup:
+                        plain_t[batch].append(t_plain)
+                        lora_t[batch].append(t_lora)
+        finally:
+            for rid in (*plain, *through):
+                engine.release(rid)
+    for _ in plan.batches:
+        tick()
+    return [statistics.median(lora_t[b]) / statistics.median(plain_t[b]) - 1 for b in plan.batches]
+
+
+def _lora_prefill_overhead(engine: Engine, ids: _Ids, plan: ProfilePlan, adapter: str) -> float:
+    through = replace(GREEDY_ONE, adapter=adapter)
+    plain_t: list[float] = []
+    lora_t: list[float] = []
+    for round_ in range(plan.warmup + plan.repeats * plan.passes):
+        times = []
+        for params in (GREEDY_ONE, through):
+            rid = ids.new()
+            engine.add_request(rid, ids.prompt(plan.lora_len), params)
+            try:
+                times.append(_time(lambda: engine.prefill(rid)))
+            finally:
+                engine.release(rid)
+        if round_ >= plan.warmup:
+            plain_t.append(times[0])
+            lora_t.append(times[1])
+    return statistics.median(lora_t) / statistics.median(plain_t) - 1
 
 
 def measure_kv_scaling(engine: Engine, ids: _Ids, rounds: int = 3,

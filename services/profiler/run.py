@@ -28,7 +28,7 @@ def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device
     engine.load()
     load_s = time.perf_counter() - start
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    total = plan.points() + check_n
+    total = plan.points(lora=engine_name == "torch") + check_n
     bar = _bar(total, progress, f"profiling {name}")
 
     def tick() -> None:
@@ -37,7 +37,8 @@ def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device
             on_progress(min(1.0, bar.n / total))
 
     try:
-        profile = measure(engine, name, hardware, plan, vocab, load_s, tick=tick)
+        profile = measure(engine, name, hardware, plan, vocab, load_s, tick=tick,
+                          model_dir=Path(model_dir))
         profile = replace(profile, engine_init_s=engine_init_s(engine, load_s))
         result = check(engine, profile, plan, vocab, check_n, tick=tick) if check_n else None
     finally:

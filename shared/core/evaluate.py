@@ -33,8 +33,13 @@ def slo_check(profile: Profile | None, request: RequestView, config: CoreConfig,
     if profile is None:
         return AdmitReason.NO_PROFILE
     grace = request.grace_s if grace_s is None else grace_s
-    alone_ttft = profile.prefill_s(request.context_len()) * (1 + config.overestimate)
-    alone_tpot = profile.decode_s(1, request.context_len()) * (1 + config.overestimate)
+    prefill = profile.prefill_s(request.context_len())
+    decode = profile.decode_s(1, request.context_len())
+    if request.lora_rank:  # through its adapter, at the cost measured for its rank
+        prefill *= profile.lora_prefill_factor(request.lora_rank)
+        decode *= profile.lora_decode_factor(request.lora_rank, 1)
+    alone_ttft = prefill * (1 + config.overestimate)
+    alone_tpot = decode * (1 + config.overestimate)
     if alone_ttft > request.slo.ttft_s + grace or alone_tpot > request.slo.tpot_s:
         return AdmitReason.SLO_INFEASIBLE
     return None

@@ -66,11 +66,21 @@ def decode_shape(requests: Collection[RequestView]) -> tuple[int, float]:
     return batch, (sum(r.context_len() for r in requests) / batch if batch else 0.0)
 
 
+def lora_rank(requests: Collection[RequestView]) -> int:
+    """The largest adapter rank in a batch (0: no request runs through an adapter)."""
+    return max((r.lora_rank for r in requests), default=0)
+
+
 def predict_seconds(choice: IterationChoice, instance: InstanceView, profile: Profile) -> float:
+    """The profile's time for the iteration; one through LoRA adapters costs what the profile
+    measured for their rank on top (a batch without adapters: the plain table, untouched)."""
     if choice.kind is IterationKind.PREFILL:
         req = next(r for r in instance.requests if r.request_id == choice.request_ids[0])
-        return profile.prefill_s(req.context_len())
-    return profile.decode_s(*decode_shape(instance.requests))
+        return profile.prefill_through(req.context_len(), req.lora_rank)
+    batch, avg_len = decode_shape(instance.requests)
+    seconds = profile.decode_s(batch, avg_len)
+    rank = lora_rank(instance.requests)
+    return seconds * profile.lora_decode_factor(rank, batch) if rank else seconds
 
 
 def apply_iteration(choice: IterationChoice, instance: InstanceView) -> None:

@@ -6,6 +6,11 @@
   knapsack over node memory whose items are worth (load time saved x invocation rate); the
   paper's greedy by value density, with the precedence that an adapter goes only where its
   backbone is (`preload_plan`). Re-planned as rates change.
+- On one node (`plan_node_preload`): the node worker re-plans every few seconds from the rates
+  its own admissions show: which backbones' checkpoints to keep in its DRAM tier (a knapsack over
+  the tier's bytes, a backbone worth the calls of its adapters too) and which adapters to attach
+  to a backbone instance it holds before any request asks for them (a knapsack over the node's
+  free memory budget).
 - Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
   first, never an adapter with requests in flight nor a backbone an active adapter uses
   (`offload_order`).
@@ -16,7 +21,7 @@ Pure: rates and sizes come in, plans go out.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,50 @@ def preload_plan(artifacts: Iterable[Artifact], free_bytes: dict[str, int],
                 or any(by_name[x].backbone == n for x in resident[node] if x in by_name)]
         plan[node] = kept
     return plan
+
+
+@dataclass(frozen=True)
+class NodePreload:
+    """What one node pre-loads now (`plan_node_preload`)."""
+
+    # Backbones whose checkpoints the DRAM tier should hold, least valuable first: touching them
+    # in this order leaves the most valuable the most recently used, and what the plan left out
+    # is what the tier's LRU gives up first.
+    checkpoints: tuple[str, ...] = ()
+    adapters: tuple[tuple[str, str], ...] = ()  # (backbone instance id, adapter) to attach
+
+
+def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact],
+                      dram_bytes: int, instances: dict[str, str],
+                      attached: dict[str, set[str]], free_bytes: int) -> NodePreload:
+    """One node's pre-loading (§4.1) from the rates it sees.
+
+    `backbones`: their rate counts the calls through their adapters too; `adapters`: each with
+    its backbone. `dram_bytes`: the DRAM tier's capacity (checkpoints are planned from scratch
+    over all of it, so a backbone that became hot displaces one that cooled). `instances`:
+    backbone -> a ready instance of it on the node, which adapters can be attached to;
+    `attached`: instance id -> adapters on it; `free_bytes`: the node's memory budget left,
+    which attached adapters take (and give back first under pressure, §4.3). Only artifacts
+    with calls are planned: a backbone or adapter nobody called is worth nothing."""
+    backbones, adapters = list(backbones), list(adapters)
+    through: dict[str, float] = {}
+    for a in adapters:
+        through[a.backbone] = through.get(a.backbone, 0.0) + a.rate
+    # A backbone's checkpoint serves its adapters' calls too (a caller that counts them in its
+    # rate already loses nothing: the larger of the two is taken).
+    checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
+    dram = preload_plan([b for b in checkpoints if b.value > 0], {"dram": dram_bytes})["dram"]
+    on_node = {name: iid for name, iid in instances.items()}
+    resident = {name for name in on_node}
+    resident |= {a for name, iid in on_node.items() for a in attached.get(iid, set())}
+    wanted = [a for a in adapters if a.backbone in on_node and a.value > 0]
+    by_name = {b.name: b for b in backbones}
+    held = [by_name[name] for name in on_node if name in by_name]
+    attach = preload_plan([*held, *wanted], {"memory": free_bytes}, {"memory": resident})["memory"]
+    adapter_names = {a.name: a for a in wanted}
+    return NodePreload(tuple(reversed(dram)),
+                       tuple((on_node[adapter_names[n].backbone], n) for n in attach
+                             if n in adapter_names))
 
 
 def offload_order(resident: Iterable[Artifact], in_flight: set[str]) -> list[str]:

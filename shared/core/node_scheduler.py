@@ -80,7 +80,10 @@ class NodeScheduler:
         self._next_instance = 1
         self._op_estimates: dict[int, float] = {}  # op id -> its estimated duration
         self._adapter_of: dict[str, str] = {}  # request -> the adapter it runs through
-        self._adapter_uses: dict[str, list[float]] = {}  # adapter -> its recent admission times
+        # Model or adapter -> its recent admission times (a request through an adapter counts
+        # for the adapter and for its backbone): the invocation rates offloading and
+        # pre-loading weigh artifacts by (ServerlessLoRA §4.1, §4.3).
+        self._uses: dict[str, list[float]] = {}
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
@@ -104,8 +107,7 @@ class NodeScheduler:
             admission, ops = self._offload_for(check, adapter, now)
         if not admission.ok:
             return AdmitResult(admission, start_ops=tuple(ops))
-        if adapter is not None:
-            self._note_use(request.request_id, adapter.name, now)
+        self._note_use(request.request_id, model.name, adapter, now)
         if instance_id is None:
             result = self._admit_new(request, model, admission, now)
             inst = self._instance(result.instance_id)
@@ -168,21 +170,43 @@ class NodeScheduler:
         return ops
 
     # --- dynamic offloading (ServerlessLoRA §4.3) ----------------------------------------------
-    def _note_use(self, request_id: str, adapter: str, now: float) -> None:
-        live = {r.request_id for i in self.node.instances for r in i.requests}
-        self._adapter_of = {rid: a for rid, a in self._adapter_of.items() if rid in live}
-        self._adapter_of[request_id] = adapter
-        uses = self._adapter_uses.setdefault(adapter, [])
-        uses.append(now)
-        del uses[:-ADAPTER_RATE_USES]
+    def _note_use(self, request_id: str, model: str, adapter: AdapterSpec | None,
+                  now: float) -> None:
+        if adapter is not None:
+            live = {r.request_id for i in self.node.instances for r in i.requests}
+            self._adapter_of = {rid: a for rid, a in self._adapter_of.items() if rid in live}
+            self._adapter_of[request_id] = adapter.name
+        for name in (model, *([adapter.name] if adapter is not None else [])):
+            uses = self._uses.setdefault(name, [])
+            uses.append(now)
+            del uses[:-ADAPTER_RATE_USES]
 
-    def adapter_rate(self, adapter: str, now: float) -> float:
-        """Invocations per second of an adapter on this node: its recent admissions over the
-        time they span (to now); 0 for one never admitted here."""
-        uses = self._adapter_uses.get(adapter, [])
+    def rate(self, name: str, now: float) -> float:
+        """Invocations per second of a model (its adapters' calls included) or an adapter on
+        this node: its recent admissions over the time they span (to now), so it falls while
+        nothing calls it; 0 for one never admitted here."""
+        uses = self._uses.get(name, [])
         if not uses:
             return 0.0
         return len(uses) / max(now - uses[0], ADAPTER_RATE_MIN_SPAN_S)
+
+    def adapter_rate(self, adapter: str, now: float) -> float:
+        return self.rate(adapter, now)
+
+    def called(self) -> list[str]:
+        """Every model and adapter admitted here (the ones with a rate)."""
+        return sorted(self._uses)
+
+    def preload_adapter(self, instance_id: str, adapter: AdapterSpec, now: float) -> list[MemOp]:
+        """Attach an adapter to a ready backbone instance before any request asks for it
+        (pre-loading, §4.1), if the node's budget has room for it now: its LOAD op, or nothing.
+        Under pressure it is offloaded like any idle adapter (§4.3)."""
+        inst = self._find(instance_id)
+        if inst is None or inst.status is not InstanceStatus.READY or adapter.name in inst.adapters:
+            return []
+        if self.ledger.budget + adapter.bytes > self.ledger.capacity:
+            return []
+        return self._attach(inst, adapter, now)
 
     def offloadable(self, now: float, keep: str | None = None) -> list[tuple[str, str, int]]:
         """Attached adapters without a request in flight, least valuable first (`offload_order`:

@@ -103,6 +103,66 @@ def _bilinear_at(lengths: list[int], low: list[float], high: list[float], b0: fl
     return at
 
 
+def _clamped(xs: list[int], ys: list[float], x: float) -> float:
+    """Linear between the samples, the end value past either end (a ratio, not a time: no
+    extrapolation)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = _segment(xs, x)
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+def _by_rank(ranks: list[int], values: list[float], rank: int) -> float:
+    """Linear in the rank between measured ranks; past the largest, extrapolated along the last
+    segment but never below its value (more rank, more work); below the smallest, the smallest's
+    value (the per-adapter matmul calls cost something at any rank)."""
+    if len(ranks) == 1 or rank <= ranks[0]:
+        return values[0]
+    i = _segment(ranks, rank)
+    y = values[i] + (values[i + 1] - values[i]) * (rank - ranks[i]) / (ranks[i + 1] - ranks[i])
+    return max(y, values[-1]) if rank > ranks[-1] else y
+
+
+@dataclass(frozen=True)
+class LoraCost:
+    """What unmerged LoRA (ServerlessLoRA §4.4) adds to an iteration, as fractions of the plain
+    backbone's time, measured per adapter rank (`slinfer profile`, services/profiler/measure.py).
+
+    `decode[i][j]`: a decode step of a batch of `batch_sizes[j]` requests that all run through
+    adapters of rank `ranks[i]` (spread over several adapters, as a mixed batch is), relative to
+    the same batch without adapters. `prefill[i]`: one prefill through a rank-`ranks[i]` adapter.
+    A batch with any adapter request is charged its largest rank's overhead: the measured batch
+    had every row through an adapter, so a partly plain batch is over- rather than
+    under-estimated."""
+
+    ranks: list[int]  # ascending
+    batch_sizes: list[int]  # ascending
+    decode: list[list[float]]  # [rank][batch]: extra fraction of a decode step
+    prefill: list[float]  # [rank]: extra fraction of a prefill
+    adapters: int = 4  # distinct adapters the measured decode batches were spread over
+
+    def decode_factor(self, rank: int, batch_size: int) -> float:
+        per_rank = [_clamped(self.batch_sizes, row, float(batch_size)) for row in self.decode]
+        return 1.0 + max(0.0, _by_rank(self.ranks, per_rank, rank))
+
+    def prefill_factor(self, rank: int) -> float:
+        return 1.0 + max(0.0, _by_rank(self.ranks, self.prefill, rank))
+
+    @classmethod
+    def flat(cls, overhead: float, rank: int = 8) -> LoraCost:
+        """One overhead for every rank and batch (for profiles that are not measured)."""
+        return cls([rank], [1], [[overhead]], [overhead], adapters=1)
+
+
+# ASSUMPTION: a profile without a LoRA measurement (measured before the profiler did it, or by an
+# engine that serves no adapters, or derived for the simulator) charges adapter batches this
+# much: the upper end of what the torch engine measured on CPU at rank 8 (+9-28%,
+# bench/results/lora_small.json), so an unmeasured cost errs on the slow side.
+UNMEASURED_LORA = LoraCost.flat(0.3)
+
+
 @dataclass(frozen=True)
 class Profile:
     """Measured (or derived, for the simulator) timings of one model on one hardware kind."""
@@ -119,9 +179,30 @@ class Profile:
     # The part of a cold start that is not reading weights (engine and runtime start-up): a
     # node that knows its tiers' bandwidths estimates a load as q + n/b plus this.
     engine_init_s: float = 0.0
+    # Unmerged LoRA's extra cost per adapter rank, as measured on this model and hardware; None:
+    # not measured (`UNMEASURED_LORA` is charged).
+    lora: LoraCost | None = None
 
     def prefill_s(self, input_len: int) -> float:
         return self.prefill.predict(input_len)
+
+    def lora_cost(self) -> LoraCost:
+        return self.lora if self.lora is not None else UNMEASURED_LORA
+
+    def lora_prefill_factor(self, rank: int) -> float:
+        """A prefill through a rank-`rank` adapter takes this times the plain one (1 for rank 0:
+        the plain backbone)."""
+        return self.lora_cost().prefill_factor(rank) if rank > 0 else 1.0
+
+    def prefill_through(self, input_len: int, lora_rank: int) -> float:
+        """`prefill_s` of a request through an adapter of `lora_rank` (0: the plain backbone)."""
+        seconds = self.prefill_s(input_len)
+        return seconds * self.lora_prefill_factor(lora_rank) if lora_rank else seconds
+
+    def lora_decode_factor(self, rank: int, batch_size: int) -> float:
+        """A decode step of a batch whose largest adapter rank is `rank` takes this times the
+        plain batch's (1 for rank 0: no adapter in the batch)."""
+        return self.lora_cost().decode_factor(rank, batch_size) if rank > 0 else 1.0
 
     def decode_s(self, batch_size: int, avg_len: float) -> float:
         if batch_size <= 0:

@@ -87,7 +87,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
             node = with_arrival(node, model.name, choice.arrive_s)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
-        first_token = now + startup + profile.prefill_s(request.context_len()) * (1 + config.overestimate)
+        first_token = now + startup + profile.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)
         deadline = request.deadline() - request.grace_s + max(request.grace_s, load)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
                                      node.memory_bytes - node.budget_bytes, choice))
@@ -161,7 +161,7 @@ def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: 
         p = perf.get(model.name, node.hardware)
         if p is None:
             continue
-        prefill = p.prefill_s(request.context_len()) * (1 + config.overestimate)
+        prefill = p.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)
         if node.hardware in warm and now + prefill <= request.deadline():
             return False
         load = choose_startup(node, model, p, nodes if nodes is not None else eligible,

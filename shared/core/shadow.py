@@ -45,7 +45,7 @@ INF = float("inf")
 
 class _SimRequest:
     __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late",
-                 "deadline")
+                 "deadline", "lora_rank")
 
     def __init__(self, r: RequestView) -> None:
         self.request_id = r.request_id
@@ -56,6 +56,11 @@ class _SimRequest:
         self.prefilled = r.prefilled
         self.late = False  # lost with or without the newcomer: never counted against it
         self.deadline = r.deadline()  # kept current by `credit` (read on every step)
+        self.lora_rank = r.lora_rank
+
+    def prefill_s(self, profile: Profile) -> float:
+        """Its prefill (of everything so far), through its adapter if it has one."""
+        return profile.prefill_through(self.input_len + self.generated, self.lora_rank)
 
     def credit(self) -> None:
         """The request got a token: its KV cache holds it and the next one is due later."""
@@ -77,7 +82,7 @@ class _SimInstance:
         self.requests = requests
         self.context = sum(r.input_len + r.generated for r in requests)  # tokens in its KV cache
         self.unprefilled = 0  # requests still to prefill (set by `refresh`)
-        self.decode_at = profile.decode_at(len(requests))  # no request finishes in the simulation
+        self.decode_at = _decode_at(profile, requests)  # no request finishes in the simulation
         # With one TPOT SLO across the batch (the usual case: one model, one SLO class) a decode
         # step moves every deadline by the same amount, so the earliest ones stay the earliest:
         # the step is credited to the batch as a count (`pending`) and only the two requests
@@ -137,6 +142,18 @@ class _SimInstance:
             token_deadline(on.base, on.tpot, on.generated + self.pending)
 
 
+def _decode_at(profile: Profile, requests: list[_SimRequest]):
+    """The batch's decode step as a function of its average length; a batch with adapter
+    requests costs its largest rank's measured overhead on top (`iteration.predict_seconds`)."""
+    n = len(requests)
+    plain = profile.decode_at(n)
+    rank = max((r.lora_rank for r in requests), default=0)
+    if not rank:
+        return plain
+    factor = profile.lora_decode_factor(rank, n)
+    return lambda avg_len: plain(avg_len) * factor
+
+
 def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
                        request: RequestView, overestimate: float) -> tuple[bool, float]:
     """Case 3: is one decode step of every busy instance (the newcomer in the target's batch),
@@ -152,13 +169,17 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
         reqs = inst.requests
         n = len(reqs)
         context = sum(r.input_len + r.generated for r in reqs)
+        rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             tpot = min(tpot, min(r.slo.tpot_s for r in reqs))
         if inst.instance_id == target_id:
             n += 1
             context += request.input_len + request.generated
+            rank = max(rank, request.lora_rank)
         if n:
-            total += profiles[inst.instance_id].decode_s(n, context / n)
+            profile = profiles[inst.instance_id]
+            step = profile.decode_s(n, context / n)
+            total += step * profile.lora_decode_factor(rank, n) if rank else step
             if total * scale > tpot:
                 return True, total * scale
     return False, total * scale
@@ -249,7 +270,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
             first = min((r for r in inst.requests if not r.prefilled),
                         key=lambda r: (r.deadline - t, r.request_id))
             chosen = [first]
-            t += inst.profile.prefill_s(first.input_len + first.generated) * scale
+            t += first.prefill_s(inst.profile) * scale
         else:
             chosen = inst.requests
             t += inst.decode_s() * scale

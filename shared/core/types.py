@@ -81,6 +81,9 @@ class RequestView:
     # False until this instance has run the request's prefill. A migrated request arrives with
     # generated > 0 and prefilled False: it keeps its headroom but must recompute its KV cache.
     prefilled: bool = False
+    # The rank of the LoRA adapter it runs through (0: the plain backbone). Its iterations cost
+    # what the profile measured for that rank (`Profile.lora_decode_factor`).
+    lora_rank: int = 0
 
     def deadline_base(self) -> float:
         """The deadline of the first token: ST + grace + TTFT_SLO."""

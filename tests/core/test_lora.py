@@ -59,3 +59,48 @@ def test_offloading_spares_what_requests_use_and_takes_backbones_last():
     assert "busy" not in order and "llama-8b" not in order  # in use, and what it runs on
     assert order.index("idle-cold") < order.index("idle-hot")
     assert order.index("q") < order.index("qwen-7b")  # the adapter before its backbone
+
+
+# --- one node's pre-loading (plan_node_preload) -------------------------------------------------
+
+def _backbone(name: str, rate: float, gb: float = 2.0) -> Artifact:
+    return Artifact(name, int(gb * GB), 1.0, rate)
+
+
+def test_a_node_keeps_the_hottest_backbones_checkpoints_and_the_coldest_go_first():
+    from shared.core.lora import plan_node_preload
+
+    hot, warm, cold = _backbone("hot", 2.0), _backbone("warm", 0.5), _backbone("cold", 0.1)
+    uncalled = _backbone("uncalled", 0.0)
+    plan = plan_node_preload([cold, hot, uncalled, warm], [], 5 * GB, {}, {}, 0)
+    # Room for two of the three called ones: the two worth most, touched least valuable first.
+    assert plan.checkpoints == ("warm", "hot") and plan.adapters == ()
+    # Rates change: "cold" is now the hot one and displaces the one that cooled most.
+    later = [Artifact("cold", cold.bytes, 1.0, 3.0), Artifact("hot", hot.bytes, 1.0, 0.05), warm]
+    assert plan_node_preload(later, [], 5 * GB, {}, {}, 0).checkpoints == ("warm", "cold")
+
+
+def test_a_backbone_is_worth_the_calls_of_its_adapters():
+    from shared.core.lora import plan_node_preload
+
+    plain, tuned = _backbone("plain", 0.5), _backbone("tuned", 0.0)
+    # Even at rate 0 of its own, a backbone whose adapters are called is worth their calls.
+    hot_adapter = adapter("a", 4.0, backbone="tuned")
+    plan = plan_node_preload([plain, tuned], [hot_adapter], 2 * GB, {}, {}, 0)
+    assert plan.checkpoints == ("tuned",)
+
+
+def test_adapters_are_attached_only_to_a_backbone_instance_the_node_holds_within_its_budget():
+    from shared.core.lora import plan_node_preload
+
+    bb = _backbone("llama-8b", 1.0)
+    other = _backbone("qwen", 1.0)
+    arts = [adapter("hot", 5.0), adapter("warm", 1.0), adapter("cold", 0.0),
+            adapter("elsewhere", 9.0, backbone="qwen"), adapter("on", 3.0)]
+    plan = plan_node_preload([bb, other], arts, 0, {"llama-8b": "i1"}, {"i1": {"on"}},
+                             free_bytes=110 * 10**6)
+    # qwen has no instance here; "on" is attached already; "cold" is never called; room for two.
+    assert plan.adapters == (("i1", "hot"), ("i1", "warm"))
+    # Room for one, nothing attached yet: the most called adapter.
+    assert plan_node_preload([bb], arts, 0, {"llama-8b": "i1"}, {}, 60 * 10**6).adapters == \
+        (("i1", "hot"),)

@@ -157,3 +157,34 @@ def test_memory_pressure_offloads_idle_adapters_least_valuable_first():
     res = sched.admit(request("h", input_len=10, ttft=50, arrival=now), iid, spec, now, huge)
     assert res.admission.reason is AdmitReason.MEMORY and res.start_ops == ()
     assert set(sched.node.instances[0].adapters) == {"hot", "busy", "new"}
+
+
+def test_rates_count_adapter_calls_for_their_backbone_and_fall_while_nothing_calls():
+    spec = model("m", weight_gb=1)
+    sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("p0", ttft=5.0), spec, now=0.0)
+    for k in range(4):
+        res = sched.admit(request(f"a{k}", ttft=5.0), iid, spec, float(k), AdapterSpec("a", MB))
+        assert res.admission.ok
+        done(sched, res.start_ops, float(k))
+    assert sched.rate("a", 4.0) == 1.0  # 4 calls over 4 s
+    assert sched.rate("m", 4.0) == 5 / 4  # the plain call and the adapter's four
+    assert sched.rate("a", 40.0) == 4 / 40  # nothing since: the rate falls
+    assert sched.rate("never", 4.0) == 0.0 and sched.called() == ["a", "m"]
+
+
+def test_an_adapter_is_preloaded_onto_a_ready_instance_within_the_budget_only():
+    spec = model("m", weight_gb=4)
+    sched = node(memory_gb=5, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("p", ttft=5.0), spec)
+    ops = sched.preload_adapter(iid, AdapterSpec("a", 30 * MB), 1.0)
+    assert [op.instance_id for op in ops] == [adapter_key(iid, "a")]
+    assert sched.node.instance(iid).adapters == {"a": 30 * MB}
+    done(sched, ops, 1.0)
+    assert sched.preload_adapter(iid, AdapterSpec("a", 30 * MB), 1.0) == []  # already there
+    room = sched.ledger.capacity - sched.ledger.budget
+    assert sched.preload_adapter(iid, AdapterSpec("big", room + 1), 1.0) == []  # never over
+    assert "big" not in sched.node.instance(iid).adapters
+    assert sched.preload_adapter("nope", AdapterSpec("b", MB), 1.0) == []
+    # Pre-loaded and idle, it is what offloading takes first under pressure (§4.3).
+    assert [a for _, a, _ in sched.offloadable(2.0)] == ["a"]

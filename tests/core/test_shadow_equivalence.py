@@ -16,10 +16,21 @@ from shared.core.config import CoreConfig
 from shared.core.iteration import (IterationKind, apply_iteration, choose_iteration,
                                    decode_shape, predict_seconds)
 from shared.core.node_scheduler import copy_instances
+from shared.core.perf_model import LoraCost
 from shared.core.shadow import shadow_validate
 from shared.core.types import SLO, Hardware, InstanceStatus, InstanceView, RequestView, RunningIteration
 
 from tests.core.factories import linear_profile, model
+
+LORA_COST = LoraCost([8, 32], [1, 4, 16], [[0.3, 0.2, 0.1], [0.5, 0.3, 0.2]], [0.1, 0.25])
+
+
+def _decode_step(profile, requests):
+    """One decode step of the batch; through adapters, at the profile's cost for the rank."""
+    batch, avg = decode_shape(requests)
+    rank = max(r.lora_rank for r in requests)
+    step = profile.decode_s(batch, avg)
+    return step * profile.lora_decode_factor(rank, batch) if rank else step
 
 
 def reference_validate(instances, profiles, target_id, request, now, busy_until, config,
@@ -27,7 +38,7 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     with_new = [replace(i, requests=[*i.requests, request]) if i.instance_id == target_id else i
                 for i in instances]
     tpot = min(r.slo.tpot_s for i in with_new for r in i.requests)
-    round_s = sum(profiles[i.instance_id].decode_s(*decode_shape(i.requests))
+    round_s = sum(_decode_step(profiles[i.instance_id], i.requests)
                   for i in with_new if i.requests) * (1 + config.overestimate)
     if round_s > tpot:
         return AdmitReason.TPOT_BUDGET
@@ -111,14 +122,16 @@ def _running(views, which, kind):
 @given(node=instances, target=st.integers(0, 4), new=st.tuples(st.integers(1, 3000), st.floats(0.3, 6.0)),
        now=st.floats(0.0, 1.0), busy=st.floats(0.0, 1.5), steps=st.sampled_from([8, 256]),
        running=st.tuples(st.integers(0, 4), st.sampled_from([None, "prefill", "decode"])),
-       one_tpot=st.booleans(), slow_prefill=st.booleans())
+       one_tpot=st.booleans(), slow_prefill=st.booleans(), lora=st.booleans())
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, new, now, busy,
                                                                    steps, running, one_tpot,
-                                                                   slow_prefill):
+                                                                   slow_prefill, lora):
     """`one_tpot`: every request on the node has the same TPOT SLO (one model, one SLO class),
     the case the fast path credits decode steps to a batch as a count. `slow_prefill`: prefills
-    long enough to make a decoding neighbour miss (a miss after steps credited as a count)."""
+    long enough to make a decoding neighbour miss (a miss after steps credited as a count).
+    `lora`: some requests (the newcomer too) run through LoRA adapters of ranks 8 and 32, at the
+    cost the instances' profiles measured for them."""
     spec = model("m")
     views, profiles = [], {}
     for k, (reqs, status, ready_at) in enumerate(node):
@@ -126,13 +139,14 @@ def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, 
         views.append(InstanceView(iid, spec, "n", status, ready_at=ready_at, requests=[
             RequestView(f"r{k}-{j}", "m", inp, arr, SLO(ttft, 0.25 if one_tpot else tpot),
                         generated=gen,
-                        prefilled=pre, grace_s=grace)
+                        prefilled=pre, grace_s=grace, lora_rank=(0, 8, 32)[(j + k) % 3] * lora)
             for j, (inp, arr, ttft, tpot, gen, pre, grace) in enumerate(reqs)]))
         # Different speeds per instance, so the pick order matters.
         per_token = (2e-3 if slow_prefill else 2e-4) * (k + 1)
-        profiles[iid] = linear_profile(f"m{k}", Hardware.GPU, per_token, 0.004 * (k + 1), 0.001)
+        profiles[iid] = replace(linear_profile(f"m{k}", Hardware.GPU, per_token, 0.004 * (k + 1), 0.001),
+                                lora=LORA_COST)
     target_id = views[target % len(views)].instance_id
-    request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25))
+    request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25), lora_rank=8 * lora)
     config = CoreConfig(shadow_max_steps=steps)
     in_flight = _running(views, *running)
     before = copy_instances(views)

@@ -128,6 +128,35 @@ def test_eight_adapters_on_one_backbone_serve_their_own_outputs(lora: LoraStack)
         return await asyncio.gather(*(complete(lora, "key-a", m, p) for m, p in jobs))
 
     responses = asyncio.run(all_at_once())
+    assert [r.status_code for r in responses] == [200] * len(jobs), [r.text for r in responses]
+    # On the node (read first: the references below take a while, and the keep-alive runs):
+    # the backbone's instances, with the eight adapters attached to them. One
+    # instance is the usual outcome; on a loaded box the core may rightly start a second copy
+    # when the first cannot take more within the SLOs. What must hold either way: adapters share
+    # a copy (never a backbone per adapter), and the memory holds each copy's weights once.
+    node = operator_node(lora)
+    instances = node["instances"]
+    assert {i["model"]["name"] for i in instances} == {lora.stack.model}
+    attached = [a for i in instances for a in i["adapters"]]
+    assert set(attached) >= set(names)
+    assert len(instances) <= len(names) // 2, "adapters must share backbone copies"
+    assert max(len(set(i["adapters"]) & set(names)) for i in instances) >= 2
+    adapter_bytes = sum(n for i in instances for n in i["adapters"].values())
+    weights = instances[0]["model"]["weight_bytes"]
+    kv = sum(i["kv_bytes"] for i in instances)
+    assert node["budget_bytes"] == len(instances) * weights + kv + adapter_bytes
+    # The node's own memory metric says the same: one backbone's weights per instance.
+    deadline = time.monotonic() + 10
+    while True:  # the gauges are sampled at each heartbeat
+        metrics = node_metrics(lora.metrics_url)
+        if metrics.get("slinfer_node_memory_budget_bytes") == node["budget_bytes"] or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert metrics["slinfer_node_instances"] == len(instances)
+    assert metrics["slinfer_node_memory_budget_bytes"] - metrics["slinfer_node_kv_allocated_bytes"] \
+        - adapter_bytes == len(instances) * weights
+
     for (model, prompt), r in zip(jobs, responses):
         assert r.status_code == 200, r.text
         body = r.json()
@@ -137,26 +166,6 @@ def test_eight_adapters_on_one_backbone_serve_their_own_outputs(lora: LoraStack)
     # The outputs are the adapters' own: no two adapters on one prompt answered alike.
     texts = {(p, r.json()["choices"][0]["text"]) for (_, p), r in zip(jobs, responses)}
     assert len(texts) == len(jobs)
-
-    # On the node: one instance of the backbone, with the eight adapters attached to it.
-    node = operator_node(lora)
-    (instance,) = node["instances"]
-    assert instance["model"]["name"] == lora.stack.model
-    assert set(instance["adapters"]) >= set(names)
-    adapter_bytes = sum(instance["adapters"].values())
-    weights = instance["model"]["weight_bytes"]
-    assert node["budget_bytes"] == weights + instance["kv_bytes"] + adapter_bytes
-    # The node's own memory metric says the same: one backbone's weights in its budget.
-    deadline = time.monotonic() + 10
-    while True:  # the gauges are sampled at each heartbeat
-        metrics = node_metrics(lora.metrics_url)
-        if metrics.get("slinfer_node_memory_budget_bytes") == node["budget_bytes"] or \
-                time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert metrics["slinfer_node_instances"] == 1
-    assert metrics["slinfer_node_memory_budget_bytes"] - metrics["slinfer_node_kv_allocated_bytes"] \
-        - adapter_bytes == weights
 
 
 def test_a_tenants_adapter_is_invisible_to_other_tenants(lora: LoraStack):
@@ -183,15 +192,19 @@ def test_a_tenants_adapter_is_invisible_to_other_tenants(lora: LoraStack):
     assert lora.register("key-b", "secret", path_b).status_code == 201
     got_a = asyncio.run(complete(lora, "key-a", "secret", PROMPTS[1])).json()["choices"][0]["text"]
     got_b = asyncio.run(complete(lora, "key-b", "secret", PROMPTS[1])).json()["choices"][0]["text"]
+
+    # Both adapters now sit on the backbone (its one instance, or either of its copies): each
+    # tenant's view of the node shows its own adapter (by its own name) and not the other's;
+    # the operator sees both. (Read before the references: those take a while.)
+    def adapters_seen(key: str) -> set[str]:
+        return {a for i in operator_node(lora, key)["instances"] for a in i["adapters"]}
+
+    assert {"tenant-a~secret", "tenant-b~secret"} <= adapters_seen(OPERATOR)
+    seen_b = adapters_seen("key-b")
+    assert "secret" in seen_b and not any("tenant-a" in a or a == "only-a" for a in seen_b)
+    seen_a = adapters_seen("key-a")
+    assert "secret" in seen_a and not any("tenant-b" in a for a in seen_a)
+
     assert got_a == merged_reference(lora.model_dir, path_a, PROMPTS[1])[0]
     assert got_b == merged_reference(lora.model_dir, path_b, PROMPTS[1])[0]
     assert got_a != got_b
-
-    # Both adapters now sit on the one backbone instance: each tenant's view of the node shows
-    # its own adapter (by its own name) and not the other's; the operator sees both.
-    ids = {a for a in operator_node(lora)["instances"][0]["adapters"]}
-    assert {"tenant-a~secret", "tenant-b~secret"} <= ids
-    seen_b = operator_node(lora, "key-b")["instances"][0]["adapters"]
-    assert "secret" in seen_b and not any("tenant-a" in a or a == "only-a" for a in seen_b)
-    seen_a = operator_node(lora, "key-a")["instances"][0]["adapters"]
-    assert "secret" in seen_a and not any("tenant-b" in a for a in seen_a)

@@ -90,6 +90,12 @@ def test_adapter_needs_adapter_config(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     rec = model_record_from_dir("a", tmp_path, base=base)
     assert (rec.base_model, rec.max_context, rec.kv_bytes_per_token, rec.eos_token_ids) == ("b", 99, 7, [1])
+    assert rec.lora_rank == 0  # no r: not known
+    (tmp_path / "adapter_config.json").write_text('{"r": 16}')
+    assert model_record_from_dir("a", tmp_path, base=base).lora_rank == 16  # its iterations' cost
+    (tmp_path / "adapter_config.json").write_text('{"r": "big"}')
+    with pytest.raises(ModelDirError, match="r must be a rank"):
+        model_record_from_dir("a", tmp_path, base=base)
 
 
 def test_private_ids_and_display_names():

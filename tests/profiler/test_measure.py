@@ -32,6 +32,64 @@ def test_profile_tiny_model_tables_are_sane(tmp_path):
     assert check.ttft_mean_rel_error < 3.0 and check.tpot_mean_rel_error < 3.0
 
 
+@pytest.mark.integration
+def test_the_profile_records_what_unmerged_lora_costs_per_rank_on_the_real_engine(tmp_path):
+    """Random adapters of each rank are loaded on the torch engine, a batch spread over them is
+    timed against the same batch without them, and the overhead lands in the profile (and in
+    its stored report); the adapters are gone from the engine afterwards."""
+    from services.profiler.run import read_report, write_report
+    from shared.modelgen import ensure_demo_model
+
+    model_dir = ensure_demo_model(tmp_path)
+    plan = ProfilePlan(max_len=64, max_batch=4, repeats=3, warmup=1, lora_ranks=(4, 16))
+    profile, _ = profile_model(model_dir, "tiny", plan=plan)
+    lora = profile.lora
+    assert lora is not None
+    assert lora.ranks == [4, 16] and lora.batch_sizes == [1, 2, 4] and lora.adapters == 4
+    assert len(lora.decode) == 2 and all(len(row) == 3 for row in lora.decode)
+    assert all(v >= 0 for row in lora.decode for v in row) and min(lora.prefill) >= 0
+    # Non-decreasing in the rank (a dip would be noise), and measured, not zero: the adapters'
+    # extra matmuls cost the tiny model a visible share of its step.
+    assert all(hi >= lo for lo, hi in zip(lora.decode[0], lora.decode[1]))
+    assert max(max(row) for row in lora.decode) > 0
+    assert profile.lora_decode_factor(16, 4) == pytest.approx(1 + lora.decode[1][2])
+    write_report(tmp_path / "p.json", profile, None)
+    assert read_report(tmp_path / "p.json").lora == lora
+    no_lora, _ = profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=32, max_batch=2,
+                                                                   lora_ranks=()))
+    assert no_lora.lora is None
+
+
+def test_lora_measurement_leaves_no_adapter_loaded(tmp_path, monkeypatch):
+    """The adapters it builds are unloaded even when a measurement fails."""
+    from shared.modelgen import ensure_demo_model
+
+    model_dir = ensure_demo_model(tmp_path)
+    loaded: set[str] = set()
+
+    class Engine:
+        def memory(self):
+            from services.node.engines.base import MemoryReport
+            return MemoryReport(0, 1 << 30, 0, 1)
+
+        def load_adapter(self, name, path):
+            loaded.add(name)
+            return 1
+
+        def unload_adapter(self, name):
+            loaded.discard(name)
+
+        def add_request(self, *args):
+            raise RuntimeError("engine broke")
+
+        def release(self, rid):
+            pass
+
+    with pytest.raises(RuntimeError, match="engine broke"):
+        measure.measure_lora(Engine(), model_dir, measure._Ids(100, 0), ProfilePlan(max_batch=2))
+    assert not loaded
+
+
 class _FakeClockEngine:
     """Prefill takes 1 ms per 100 tokens of a fake clock; calls 3 to 8 (a neighbour's burst)
     take 10x as long."""
