@@ -123,17 +123,15 @@ def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact
     # rate already loses nothing: the larger of the two is taken).
     checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
     dram = preload_plan([b for b in checkpoints if b.value > 0], {"dram": dram_bytes})["dram"]
-    on_node = {name: iid for name, iid in instances.items()}
-    resident = {name for name in on_node}
-    resident |= {a for name, iid in on_node.items() for a in attached.get(iid, set())}
-    wanted = [a for a in adapters if a.backbone in on_node and a.value > 0]
-    by_name = {b.name: b for b in backbones}
-    held = [by_name[name] for name in on_node if name in by_name]
-    attach = preload_plan([*held, *wanted], {"memory": free_bytes}, {"memory": resident})["memory"]
-    adapter_names = {a.name: a for a in wanted}
+    # Adapters: only onto a backbone instance the node holds; held backbones and the adapters
+    # attached to any of their instances are resident already.
+    resident = set(instances) | {a for iid in instances.values() for a in attached.get(iid, set())}
+    wanted = {a.name: a for a in adapters if a.backbone in instances and a.value > 0}
+    held = [b for b in backbones if b.name in instances]
+    attach = preload_plan([*held, *wanted.values()], {"memory": free_bytes},
+                          {"memory": resident})["memory"]
     return NodePreload(tuple(reversed(dram)),
-                       tuple((on_node[adapter_names[n].backbone], n) for n in attach
-                             if n in adapter_names))
+                       tuple((instances[wanted[n].backbone], n) for n in attach if n in wanted))
 
 
 def offload_order(resident: Iterable[Artifact], in_flight: set[str]) -> list[str]:
