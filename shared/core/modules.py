@@ -18,13 +18,33 @@ contiguous run first and keep a replica only if it raises the modelled speedup.
 `module_reduction` is Algorithm 2's order: migrate modules, then evict replicas (the one whose
 loss costs the least speedup first), then reduce the batch.
 
+The cost and memory of a split or replicated instance, for shadow validation and the memory
+ledger (the core sees such an instance as an ordinary one with its own profile and bytes):
+
+- `HopCost`: one transfer of activations between two processes of the instance (a latency plus
+  the tokens' hidden states over the link), as `services/node/stages.py` measures it.
+- `pipeline_profile`: an instance whose layers run in a chain of processes (λScale's execution
+  pipeline, or CoCoServe after migrating layers): every iteration computes the same layers as the
+  local one plus `hops` transfers of its tokens' activations.
+- `replicated_profile`: CoCoServe's speedup model on the profile's own tables: a decode step of b
+  requests runs each layer with p_i replicas on ceil(b / p_i) rows (the replicas in parallel),
+  plus the hops. With decode time linear in b this is exactly `speedup` (tests check it); on a
+  real table, where small batches cost nearly as much as large ones, it is smaller, as measured.
+- `share_spec` / `plan_layer_move`: the bytes each node holds of a split instance, and what a
+  layer migration moves between two nodes' ledgers (the destination's stage is a LOAD parked in
+  its reservation station until it fits; the source shrinks once the move is done).
+
 Pure: the node workers carry the plans out, the simulator times them.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+
+from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.types import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -146,3 +166,104 @@ def module_reduction(rep: Replication, hop_cost: float, migrate_to: list[str]) -
     steps += [ReductionStep(Reduction.EVICT_REPLICA, d, i) for d, i in eviction_order(rep, hop_cost)]
     steps.append(ReductionStep(Reduction.REDUCE_BATCH))
     return steps
+
+
+# -- cost and memory of a split / replicated instance ------------------------------------------
+
+
+@dataclass(frozen=True)
+class HopCost:
+    """One transfer of activations between two processes of an instance."""
+
+    latency_s: float  # per transfer, whatever its size (framing, a round trip, scheduling)
+    bytes_per_s: float  # the link's bandwidth
+    token_bytes: int  # one token's hidden state: hidden_size x the dtype's bytes
+
+    def seconds(self, tokens: float) -> float:
+        return self.latency_s + tokens * self.token_bytes / self.bytes_per_s
+
+
+def pipeline_profile(profile: Profile, hops: int, hop: HopCost) -> Profile:
+    """The instance's profile when each iteration crosses `hops` links with all its tokens'
+    activations (a stage that ends the chain sends back only the last position; counting every
+    token keeps the estimate on the safe side)."""
+    if hops < 0:
+        raise ValueError("hops must be >= 0")
+    if hops == 0:
+        return profile
+    pre = profile.prefill
+    dec = profile.decode
+    prefill = PrefillTable(list(pre.lengths),
+                           [s + hops * hop.seconds(n) for n, s in zip(pre.lengths, pre.seconds)])
+    decode = DecodeTable(list(dec.batch_sizes), list(dec.lengths),
+                         [[s + hops * hop.seconds(b) for s in row]
+                          for b, row in zip(dec.batch_sizes, dec.seconds)])
+    return replace(profile, prefill=prefill, decode=decode,
+                   source=f"{profile.source} + pipeline ({hops} hops)")
+
+
+def replicated_profile(profile: Profile, rep: Replication, hop: HopCost) -> Profile:
+    """The instance's profile with `rep`'s layer replicas: decode as the module docstring says;
+    a prefill runs one request on one executor, so it gains nothing and may pay the hops."""
+    hops = rep.hops()
+    if not rep.replicas():
+        return profile
+    degrees = rep.degrees()
+    dec = profile.decode
+
+    def step(b: int, length: int) -> float:
+        per_layer = sum(profile.decode_s(math.ceil(b / p), length) for p in degrees)
+        return per_layer / rep.layers + hops * hop.seconds(math.ceil(b / max(degrees)))
+
+    decode = DecodeTable(list(dec.batch_sizes), list(dec.lengths),
+                         [[step(b, n) for n in dec.lengths] for b in dec.batch_sizes])
+    pre = profile.prefill
+    prefill = PrefillTable(list(pre.lengths),
+                           [s + hops * hop.seconds(n) for n, s in zip(pre.lengths, pre.seconds)])
+    return replace(profile, prefill=prefill, decode=decode,
+                   source=f"{profile.source} + {rep.replicas()} layer replicas")
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    source_bytes_after: int  # the instance's bytes left on the source node
+    dest_bytes: int  # the stage's bytes on the destination node (weights + its K/V pool)
+    moved_bytes: int  # what crosses the link: the layers' weights (or their reads) + live K/V
+
+
+def layer_weight_bytes(spec: ModelSpec, layers: int, head_bytes: int) -> int:
+    """One decoder layer's weights (the instance's weights less embeddings, norm and head)."""
+    if not 0 <= head_bytes <= spec.weight_bytes or layers <= 0:
+        raise ValueError("need layers > 0 and 0 <= head_bytes <= weight_bytes")
+    return (spec.weight_bytes - head_bytes) // layers
+
+
+def share_spec(spec: ModelSpec, layers_here: int, layers: int, head_bytes: int,
+               head: bool) -> ModelSpec:
+    """The part of a split instance one process holds, as the node's ledger sees it: its
+    layers' weights (plus the head where it runs) and K/V of its layers only."""
+    if not 0 <= layers_here <= layers:
+        raise ValueError("layers_here must be within the model's layers")
+    weights = layers_here * layer_weight_bytes(spec, layers, head_bytes) + \
+        (head_bytes if head else 0)
+    return replace(spec, weight_bytes=weights,
+                   kv_bytes_per_token=spec.kv_bytes_per_token * layers_here // layers)
+
+
+def plan_layer_move(spec: ModelSpec, kv_bytes: int, kv_used_bytes: int, layers: int,
+                    layers_here: int, moved: int, head_bytes: int) -> LayerMove:
+    """Migrating `moved` of the `layers_here` layers an instance runs on its node to a stage on
+    another node: its K/V pool is per layer, so the moved layers' share of `kv_bytes` (the pool)
+    goes with them and their share of `kv_used_bytes` (live tokens) crosses the link."""
+    if not 0 < moved < layers_here <= layers:
+        raise ValueError("move at least one layer and keep at least one")
+    layer = layer_weight_bytes(spec, layers, head_bytes)
+    per_layer_kv = kv_bytes // layers_here
+    here = share_spec(spec, layers_here, layers, head_bytes, head=True).weight_bytes + kv_bytes
+    dest = moved * (layer + per_layer_kv)
+    return LayerMove(here - dest, dest, moved * layer + kv_used_bytes * moved // layers_here)
+
+
+def stage_key(instance_id: str, start: int, end: int) -> str:
+    """The ledger entry of an instance's stage on another node."""
+    return f"{instance_id}/layers/{start}:{end}"
