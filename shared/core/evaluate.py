@@ -117,6 +117,18 @@ def join_grace(request: RequestView, target: InstanceView, now: float) -> float:
     return request.grace_s
 
 
+def blocked_while_growing(instances: list[InstanceView], target: InstanceView, memory: Admission,
+                          profile: Profile, now: float) -> list[InstanceView]:
+    """A join that grows the instance's KV pool blocks it until the resize is done (after
+    anything it is already waiting for), as the node's timeline will; meanwhile the node runs
+    its other instances, whose long prefills the newcomer's first token then waits behind."""
+    kv = memory.kv_target_bytes
+    if kv is None or kv <= target.kv_bytes:
+        return instances
+    ready = max(target.ready_at, now) + profile.kv_scale_s(target.kv_bytes, kv)
+    return [replace(inst, ready_at=ready) if inst is target else inst for inst in instances]
+
+
 def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,
              perf: PerfModel, now: float, config: CoreConfig) -> Admission:
     """May `request` join instance `instance_id` on `node` (None: a new instance of `model`)?"""
@@ -156,6 +168,7 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         request = replace(request, grace_s=max(request.grace_s, load))  # the load, not the wait
     else:
         request = replace(request, grace_s=join_grace(request, target, now))
+        instances = blocked_while_growing(instances, target, memory, profiles[target.instance_id], now)
     verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
                               node.busy_until, config, node.running)
     if verdict is not AdmitReason.ADMITTED:

@@ -106,6 +106,23 @@ def test_running_resize_blocks_the_instance_in_the_timeline():
     assert sched.node.instance(iid).ready_at == 0.3
 
 
+def test_a_join_that_grows_the_kv_pool_waits_for_the_resize_in_the_shadow():
+    """The resize this very join starts blocks the instance: the shadow must see the newcomer's
+    first token after it (and after whatever else the node runs meanwhile), not at once."""
+    perf = _two_models_perf(scale_fixed=0.5)
+    spec = model("m", weight_gb=1, kv_per_token=1024 * 1024, max_context=1024, avg_out=64)
+    sched = node("g0", Hardware.GPU, 80, perf)
+    iid = loaded(sched, None, request("a", ttft=5), spec)
+    sched.admit(request("b", ttft=5, input_len=890), iid, spec, 0.0)
+    grows = request("c", ttft=0.3, input_len=890)  # needs more KV: a resize of > 0.5 s
+    assert evaluate(sched.view(), iid, grows, spec, perf, 0.0, CFG).reason is AdmitReason.TTFT_MISS
+    roomy = request("c", ttft=5, input_len=890)
+    admission = evaluate(sched.view(), iid, roomy, spec, perf, 0.0, CFG)
+    assert admission.ok and admission.kv_target_bytes is not None
+    fits = request("d", ttft=0.3, input_len=10)  # fits the pool as it is: no resize, no wait
+    assert evaluate(sched.view(), iid, fits, spec, perf, 0.0, CFG).ok
+
+
 def test_load_held_back_in_the_reservation_station_is_ready_only_after_the_wait():
     perf = _two_models_perf(load_s=1.0)
     big = model("o", weight_gb=45)
