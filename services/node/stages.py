@@ -514,7 +514,12 @@ def spawn_stage(model_dir: str | Path, start: int, end: int, dtype: str | None =
         argv += ["--threads", str(threads)]
     err = open(log_path, "ab") if log_path else subprocess.DEVNULL
     root = Path(__file__).resolve().parents[2]
-    proc = popen_tied(argv, stdout=subprocess.PIPE, stderr=err, cwd=root)
+    # A stage waits for its engine between iterations and the engine for it: idle OpenMP threads
+    # that spin (the default) take the cores the other process computes on. Measured on 2 cores:
+    # a hop of ~190 ms with spinning threads, ~1 ms with passive ones (bench/modules.py). The
+    # engine's process should run with the same setting (set before torch starts).
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    proc = popen_tied(argv, stdout=subprocess.PIPE, stderr=err, cwd=root, env=env)
     if log_path:
         err.close()
     deadline = time.monotonic() + timeout_s
