@@ -232,6 +232,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
 
+def holding_of(index, blocks: list, held: set[int], node: str = ""):
+    """What a node receiving a checkpoint by multicast can run now (shared.core.pipeline): the
+    layers, and the head, whose every byte lies in the `held` blocks of `index`'s partitions."""
+    from shared.core.pipeline import TensorSpan, layers_held
+
+    spans = [TensorSpan(t.name, t.file, t.offset, t.offset + t.size) for t in index.tensors]
+    return layers_held(spans, blocks, held, node)
+
+
+def held_tensors(host, holding) -> dict[str, torch.Tensor]:
+    """Views of the tensors of a partly received host checkpoint (`HostCheckpoint`) that the
+    node holds whole (`holding_of`): what a head engine (`weights=`) or an in-process stage
+    (`LayerStage(tensors=)`) may use; never a tensor with bytes still missing."""
+    views = host.tensors(torch.device("cpu"))
+    return {n: t for n, t in views.items()
+            if ((i := layer_of(n)) is None and holding.head) or i in holding.layers}
+
+
 # -- K/V moves ---------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import torch
 from services.node.engines.torch_engine import TorchEngine
 from services.node.loader.checkpoint_format import default_checkpoint_dir, read_index
 from services.node.loader.loader import HostCheckpoint
-from services.node.stages import StageClient
+from services.node.stages import StageClient, held_tensors, holding_of
 from shared.core.multicast import cut_blocks
 from shared.core.pipeline import (TensorSpan, layer_index, layers_held, pipeline_stages,
                                   remote_ranges, switch_ready)
@@ -49,13 +49,15 @@ class Receiving:
             self.held.add(i)
 
     def holding(self, node: str):
-        return layers_held(self.spans, self.blocks, self.held, node)
+        got = layers_held(self.spans, self.blocks, self.held, node)
+        assert got == holding_of(self.index, self.blocks, self.held, node)
+        return got
 
     def tensors(self, holding) -> dict[str, torch.Tensor]:
         """Views of the tensors the node holds whole (never a half-received one)."""
-        views = self.host.tensors(torch.device("cpu"))
-        return {n: t for n, t in views.items()
-                if (i := layer_index(n)) is None and holding.head or i in holding.layers}
+        out = held_tensors(self.host, holding)
+        assert all(layer_index(n) in holding.layers or layer_index(n) is None for n in out)
+        return out
 
 
 def test_a_pipeline_serves_while_loading_and_switches_to_local(
