@@ -166,6 +166,9 @@ class NodeCommand:
     # ADMIT into a new instance (λScale §5): the placer multicasts the model to this node, into
     # its DRAM tier, in about this many seconds; the load waits for it (None: load from the tiers).
     multicast_s: float | None = None
+    # PREEMPT_ADMIT by live migration: the plan's handover estimate (seconds). The victims keep
+    # running while their requests move live to `migrations`; None: stop-and-resume.
+    handover_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ class NodeReply:
     # PREEMPT_ADMIT: requests the node stopped (each with its tokens so far and its destination),
     # already published to the request stream.
     evicted: list[InferenceRequest] = field(default_factory=list)
+    # PREEMPT_ADMIT by live migration: the requests now migrating live to their destinations.
+    migrating: list[str] = field(default_factory=list)
     node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
     final: TokenMessage | None = None  # STATUS of a finished request: its final message
     generated: int = 0  # STATUS of a running request: output tokens so far (resumed included)

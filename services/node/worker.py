@@ -50,8 +50,8 @@ from shared.core.types import AdapterSpec, Hardware, InstanceStatus, RequestView
 from shared.model_state import profile_joining_kind
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
-                            MemOpCompletion, ModelRecord, NodeCommand, NodeReply, RequestState,
-                            TokenMessage)
+                            MemOpCompletion, MigrationTarget, ModelRecord, NodeCommand, NodeReply,
+                            RequestState, TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, memop_subject,
                              node_command_subject, token_subject)
 
@@ -526,6 +526,8 @@ class NodeWorker:
         adapter = await self._adapter_spec(req, record)  # LoRA (issue 12)
         if isinstance(adapter, NodeReply):
             return adapter
+        if cmd.handover_s is not None:
+            return self._preempt_live(cmd, req, record, adapter)
         expected = self._expect_arrival(cmd, record)
         result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
                                               cmd.instance_id, model_spec(record), time.time(),
@@ -543,6 +545,53 @@ class NodeWorker:
             await self._requeue(resumed)
             moved.append(resumed)
         return replace(self._commit(req, record, result, cold=cmd.instance_id is None), evicted=moved)
+
+    def _preempt_live(self, cmd: NodeCommand, req: InferenceRequest, record: ModelRecord,
+                      adapter: AdapterSpec | None) -> NodeReply:
+        """Preemption by live migration: the core re-checks the admission with the victims'
+        work on the node until the plan's handover and the newcomer's instance waiting for it.
+        The victims run on; their requests move live (`_hand_over`), then they are unloaded,
+        and only then does the newcomer's memory (held in the reservation station) grow."""
+        result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
+                                              cmd.instance_id, model_spec(record), time.time(),
+                                              adapter, handover_s=cmd.handover_s)
+        reply = self._commit(req, record, result, cold=cmd.instance_id is None)
+        if not result.admission.ok:
+            return reply
+        moving = [r.request_id for r in result.migrating]
+        targets = {m.request_id: m for m in cmd.migrations}
+        self._spawn(self._hand_over(list(cmd.preempt_instance_ids), moving, targets),
+                    f"handover-{req.request_id}")
+        return replace(reply, migrating=moving)
+
+    async def _hand_over(self, victims: list[str], moving: list[str],
+                         targets: dict[str, MigrationTarget]) -> None:
+        """Source side of a live preemption: every displaced request migrates at once to where
+        the plan validated it (each destination recomputes its migrants in turn); then the
+        victims are unloaded. A request whose migration was refused or failed goes stop-and-
+        resume: back to the request stream with its tokens and the plan's destination."""
+        moves = [self.migrate_out(rid, targets[rid].node_id, targets[rid].instance_id or None)
+                 for rid in moving if rid in targets]
+        for outcome in await asyncio.gather(*moves, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                log.warning("a live preemption's migration failed: %r", outcome)
+        async with self._iter_lock:  # between two iterations: no victim is running one
+            now = time.time()
+            requeue = []
+            for victim in victims:
+                left, ops = self.sched.finish_handover(victim, now)
+                for view in left:
+                    resumed = self._take_back(view.request_id, view.grace_s)
+                    if resumed is not None and (target := targets.get(view.request_id)) is not None:
+                        resumed = replace(resumed, target_node=target.node_id,
+                                          target_instance=target.instance_id)
+                    if resumed is not None:
+                        requeue.append(resumed)
+                self._start_ops(ops)
+        for resumed in requeue:
+            log.info("live preemption: %s moves stop-and-resume", resumed.request_id)
+            await self._requeue(resumed)
+        self.wake.set()
 
     async def _admission_inputs(self, cmd: NodeCommand) -> tuple[InferenceRequest, ModelRecord] | NodeReply:
         """The request and model record an admission needs, or the reply that refuses it."""
@@ -1122,7 +1171,8 @@ class NodeWorker:
         """The engine is usable only once its LOAD completion came back through the stream: the
         load thread publishes the engine object a little earlier than that."""
         inst = self.sched.node.instance(instance_id)
-        return instance_id in self.engines and inst is not None and inst.status is InstanceStatus.READY
+        return instance_id in self.engines and inst is not None and \
+            inst.status in (InstanceStatus.READY, InstanceStatus.HANDOVER)
 
     def _engine_add(self, live: Live) -> None:
         if live.in_engine or live.error is not None:

@@ -398,7 +398,8 @@ class Placer:
                               instance_id=plan.instance_id, model=record if new else None,
                               preempt_instance_ids=list(plan.preempt),
                               migrations=[MigrationTarget(m.request_id, m.to_node, m.to_instance)
-                                          for m in plan.migrations])
+                                          for m in plan.migrations],
+                              handover_s=plan.handover_s if plan.live else None)
         else:
             cmd = NodeCommand(CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
                               model=record if new else None)
@@ -418,6 +419,8 @@ class Placer:
                 dests = self._scaleout.setdefault((record.path, startup.sources), [])
                 if plan.node_id not in dests:
                     dests.append(plan.node_id)
+            if reply.migrating:
+                outcome["slinfer.placement.migrating_live"] = list(reply.migrating)
             await self._placed(p, plan, reply)
         else:
             await self._refused(p, plan.node_id, reply.reason if reply else "no reply")
@@ -488,6 +491,10 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
         attrs["slinfer.placement.preempt"] = list(plan.preempt)
         attrs["slinfer.placement.migrations"] = [
             f"{m.request_id}: {m.from_instance} -> {m.to_node}/{m.to_instance}" for m in plan.migrations]
+        attrs["slinfer.placement.preempt_live"] = plan.live
+        attrs["slinfer.placement.handover_s"] = plan.handover_s
+        if plan.preempt_why:
+            attrs["slinfer.placement.preempt_why"] = plan.preempt_why
     return attrs
 
 

@@ -29,6 +29,11 @@ class CoreConfig:
     # 0.01-0.04 s measured on loopback (bench/scaleout.py --measure, prepare_s).
     multicast_setup_s: float = 0.05
     multicast_step_latency_s: float = 0.0  # per pipeline step beyond the block's bytes
+    # Preemption by live migration (ServerlessLLM §5): the victims' requests move while they keep
+    # decoding and the newcomer waits for the handover; False: stop-and-resume (the victims are
+    # unloaded at once, their requests recompute elsewhere). The services default to live
+    # (SLINFER_LIVE_PREEMPTION); the simulator executes preemptions stop-and-resume.
+    live_preemption: bool = False
 
     def __post_init__(self) -> None:
         if self.watermark < 0:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import evaluate, with_request, without_instances
+from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, with_request,
+                                  without_instances)
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
@@ -46,6 +47,11 @@ class Preemption:
     victims: tuple[str, ...]  # instance ids to unload, smallest batch first
     admission: Admission  # the preemptor's admission once the victims are gone
     migrations: tuple[Migration, ...]  # where each preempted request goes
+    # Live (ServerlessLLM §5): the victims' requests move while they keep decoding and the
+    # newcomer waits for the handover; False: stop-and-resume (victims unloaded at once).
+    live: bool = False
+    handover_s: float = 0.0  # the estimated handover (live, or the one that was turned down)
+    why: str = ""  # how the plan chose live or stop-and-resume, from the estimate
 
 
 def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[InstanceView]:
@@ -53,8 +59,7 @@ def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[I
     own_batch = preemptor.batch_size if preemptor else 0
     own_id = preemptor.instance_id if preemptor else None
     victims = [i for i in node.instances
-               if i.instance_id != own_id and i.status is not InstanceStatus.UNLOADING
-               and i.batch_size < own_batch]
+               if i.instance_id != own_id and i.accepts and i.batch_size < own_batch]
     return sorted(victims, key=lambda i: (i.batch_size, i.last_active, i.instance_id))
 
 
@@ -79,7 +84,7 @@ def relocate(requests: list[tuple[str, RequestView]], nodes: list[NodeView], exc
 def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec, perf: PerfModel,
                now: float, config: CoreConfig) -> tuple[str, str, Admission] | None:
     cands = [(n, i) for n in views.values() for i in n.instances
-             if i.model.name == model.name and i.status is not InstanceStatus.UNLOADING]
+             if i.model.name == model.name and i.accepts]
     for node, inst in binpack_order(cands):
         adm = evaluate(node, inst.instance_id, req, model, perf, now, config)
         if adm.ok:
@@ -122,4 +127,52 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
     moves = relocate(displaced, nodes, node.node_id, models, perf, now, config)
     if moves is None:
         return None
-    return Preemption(node.node_id, tuple(v.instance_id for v in chosen), admission, tuple(moves))
+    victims = tuple(v.instance_id for v in chosen)
+    if not config.live_preemption or not displaced:
+        return Preemption(node.node_id, victims, admission, tuple(moves))
+    return _live_or_not(node, chosen, target_id, request, model, displaced, moves, nodes, perf,
+                        now, config, admission)
+
+
+def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migration],
+                     nodes: list[NodeView], perf: PerfModel, now: float) -> float:
+    """How long a live preemption's requests take to move (ServerlessLLM §6's migration time
+    a·(t_in + t_out) + b from the destination's profile, per request): each destination first
+    finishes what holds its instance (the rest of a load) or the node (the iteration running),
+    then recomputes its migrants' KV caches one after another; destinations work in parallel.
+    The catch-up rounds are short and overlap the source's decoding: the intercept b covers
+    them and the commit."""
+    views = {n.node_id: n for n in nodes}
+    per_node: dict[str, float] = {}
+    for (_, req), move in zip(displaced, moves):
+        node = views[move.to_node]
+        profile = perf.get(req.model, node.hardware)
+        inst = node.instance(move.to_instance)
+        if node.node_id not in per_node:
+            start = max(now, node.busy_until, inst.ready_at if inst is not None else now)
+            per_node[node.node_id] = start - now
+        per_node[node.node_id] += profile.migration_s(req.context_len()) if profile else 0.0
+    return max(per_node.values(), default=0.0)
+
+
+def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | None,
+                 request: RequestView, model: ModelSpec, displaced: list[tuple[str, RequestView]],
+                 moves: list[Migration], nodes: list[NodeView], perf: PerfModel, now: float,
+                 config: CoreConfig, stop_and_resume: Admission) -> Preemption:
+    """Live when the newcomer still passes waiting for the handover, with the victims' work on
+    the node until then; else stop-and-resume, which frees the node at once."""
+    victims = tuple(v.instance_id for v in chosen)
+    handover = handover_seconds(displaced, moves, nodes, perf, now)
+    if any(v.status is not InstanceStatus.READY for v in chosen if v.requests):
+        return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
+                          "stop-and-resume: a victim is still loading")
+    leaves_at = now + handover
+    trial = handing_over(node, set(victims), leaves_at)
+    live = evaluate(trial, target_id, request, model, perf, now, config,
+                    not_before=handover_ready_at(leaves_at))
+    if live.ok:
+        return Preemption(node.node_id, victims, live, tuple(moves), True, handover,
+                          f"live: the newcomer waits ~{handover:.3f} s for the handover")
+    return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
+                      f"stop-and-resume: waiting ~{handover:.3f} s for a live handover gives "
+                      f"{live.reason.value}")

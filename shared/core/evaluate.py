@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.memory import kv_demand, watermark_target
+from shared.core.memory import UNLOAD_S, kv_demand, watermark_target
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
@@ -130,8 +130,11 @@ def blocked_while_growing(instances: list[InstanceView], target: InstanceView, m
 
 
 def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,
-             perf: PerfModel, now: float, config: CoreConfig) -> Admission:
-    """May `request` join instance `instance_id` on `node` (None: a new instance of `model`)?"""
+             perf: PerfModel, now: float, config: CoreConfig,
+             not_before: float | None = None) -> Admission:
+    """May `request` join instance `instance_id` on `node` (None: a new instance of `model`)?
+    `not_before`: the instance runs nothing before then (a live preemption's newcomer waits for
+    the victims' handover: `handover_ready_at`)."""
     if request.context_len() + (request.max_tokens - request.generated) > model.max_context:
         return Admission(AdmitReason.CONTEXT_TOO_LONG)
     if instance_id is None:
@@ -148,7 +151,7 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         instances = [*node.instances, target]
     else:
         target = node.instance(instance_id)
-        if target is None or target.status is InstanceStatus.UNLOADING:
+        if target is None or not target.accepts:
             return Admission(AdmitReason.INSTANCE_GONE)
         reason = node_check(node, config) or slo_check(perf.get(model.name, node.hardware), request,
                                                        config, join_grace(request, target, now))
@@ -168,6 +171,12 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         request = replace(request, grace_s=max(request.grace_s, load))  # the load, not the wait
     else:
         request = replace(request, grace_s=join_grace(request, target, now))
+    if not_before is not None and not_before > target.ready_at:
+        # The whole instance waits (its KV growth is parked behind the victims' memory, or it
+        # would crowd their last iterations): a copy, so the caller's view is left as it was.
+        target = replace(target, ready_at=not_before)
+        instances = [target if i.instance_id == target.instance_id else i for i in instances]
+    if instance_id is not None:  # then its KV growth, if any
         instances = blocked_while_growing(instances, target, memory, profiles[target.instance_id], now)
     verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
                               node.busy_until, config, node.running)
@@ -199,3 +208,18 @@ def without_instances(node: NodeView, instance_ids: set[str]) -> NodeView:
     freed = sum(i.model.weight_bytes + i.kv_bytes for i in node.instances if i.instance_id in instance_ids)
     kept = [i for i in node.instances if i.instance_id not in instance_ids]
     return replace(node, instances=kept, budget_bytes=node.budget_bytes - freed)
+
+
+def handing_over(node: NodeView, instance_ids: set[str], leaves_at: float) -> NodeView:
+    """The node once these instances hand their requests over by live migration: their memory
+    leaves the optimistic budget now (it is promised to the newcomer; pessimistic tracking keeps
+    it until they are really unloaded), their requests run on until `leaves_at`."""
+    freed = sum(i.model.weight_bytes + i.kv_bytes for i in node.instances if i.instance_id in instance_ids)
+    instances = [replace(i, status=InstanceStatus.HANDOVER, leaves_at=leaves_at)
+                 if i.instance_id in instance_ids else i for i in node.instances]
+    return replace(node, instances=instances, budget_bytes=node.budget_bytes - freed)
+
+
+def handover_ready_at(leaves_at: float) -> float:
+    """When a live preemption's newcomer can run: the victims have moved and been unloaded."""
+    return leaves_at + UNLOAD_S

@@ -71,6 +71,9 @@ class MemOp:
     bytes_after: int  # ... and after
     issued_at: float  # when the ledger accepted it (parked time = start - issued)
     started_at: float | None = None  # when it left the reservation station (None: parked)
+    # Held in the reservation station until released (`MemoryLedger.release`): a live
+    # preemption's victim keeps its memory, counted in full, until its requests have moved.
+    held: bool = False
 
     @property
     def grows(self) -> bool:
@@ -148,8 +151,9 @@ class MemoryLedger:
 
     # --- transitions ----------------------------------------------------------------------------
     def request(self, kind: MemOpKind, instance_id: str, new_bytes: int,
-                now: float) -> tuple[bool, list[MemOp]]:
-        """Ask to move an instance to new_bytes. Returns (approved, ops that start now)."""
+                now: float, hold: bool = False) -> tuple[bool, list[MemOp]]:
+        """Ask to move an instance to new_bytes. Returns (approved, ops that start now).
+        `hold`: the op waits, whatever memory allows, until `release` (its budget changes now)."""
         if new_bytes < 0:
             raise ValueError("new_bytes must be >= 0")
         old_target = self.target(instance_id)
@@ -159,8 +163,14 @@ class MemoryLedger:
             return True, []
         self._alloc.setdefault(instance_id, 0)
         self._target[instance_id] = new_bytes
-        self._enqueue(kind, instance_id, old_target, new_bytes, now)
+        self._enqueue(kind, instance_id, old_target, new_bytes, now, hold)
         return True, self._dispatch(now)
+
+    def release(self, instance_id: str, now: float) -> list[MemOp]:
+        """Let an instance's held op go (it starts as soon as it is safe). Returns ops that start."""
+        self._waiting = [replace(o, held=False) if o.instance_id == instance_id else o
+                         for o in self._waiting]
+        return self._dispatch(now)
 
     def complete(self, instance_id: str, op_id: int, now: float) -> list[MemOp]:
         """An op finished: its bytes are real now. Returns parked ops that may start."""
@@ -174,26 +184,28 @@ class MemoryLedger:
             self._target.pop(instance_id, None)
         return self._dispatch(now)
 
-    def _enqueue(self, kind: MemOpKind, instance_id: str, before: int, after: int, now: float) -> None:
+    def _enqueue(self, kind: MemOpKind, instance_id: str, before: int, after: int, now: float,
+                 hold: bool = False) -> None:
         pending = next((o for o in self._waiting if o.instance_id == instance_id), None)
         if pending is not None:  # not started yet: fold the new demand into it
             self._waiting.remove(pending)
             if pending.bytes_before != after:
                 merged_kind = kind if kind is MemOpKind.UNLOAD else pending.kind
-                self._waiting.append(replace(pending, kind=merged_kind, bytes_after=after))
+                self._waiting.append(replace(pending, kind=merged_kind, bytes_after=after,
+                                             held=pending.held or hold))
             elif instance_id not in self._running and self._alloc.get(instance_id, 0) == 0:
                 self._alloc.pop(instance_id, None)  # a load cancelled before it started
                 self._target.pop(instance_id, None)
             return
-        self._waiting.append(MemOp(self._next_id, kind, instance_id, before, after, now))
+        self._waiting.append(MemOp(self._next_id, kind, instance_id, before, after, now, held=hold))
         self._next_id += 1
 
     def _dispatch(self, now: float) -> list[MemOp]:
         """Start every waiting op that is safe under pessimistic tracking, in issue order."""
         started: list[MemOp] = []
         for op in list(self._waiting):
-            if op.instance_id in self._running:
-                continue  # one op at a time per instance
+            if op.instance_id in self._running or op.held:
+                continue  # one op at a time per instance; a held op waits for its release
             if op.grows and self.pessimistic - self._held(op.instance_id) + op.bytes_after > self.capacity:
                 continue  # stays parked in the reservation station
             self._waiting.remove(op)

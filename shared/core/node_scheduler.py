@@ -4,6 +4,8 @@ The node worker (real engines) and the simulator (profile-timed engines) drive i
 
     result = sched.admit(request, instance_id, model, now)   # re-check, then commit
     result = sched.preempt_and_admit(victims, request, instance_id, model, now)  # §VIII-A
+    result = sched.preempt_and_admit(..., handover_s=h)   # live: the victims hand over first
+    left, ops = sched.finish_handover(victim, now)            # a victim's requests have moved
     plan = sched.step(now)                                    # what to run now (+ memory ops)
     ...execute plan.iteration and plan.start_ops...
     sched.finish_iteration(plan.iteration, now, finished)     # feed the outcome back
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
-from shared.core.evaluate import evaluate, load_seconds, without_instances
+from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
+                                  without_instances)
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
@@ -37,6 +40,7 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceVi
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
 
+_RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
 ADAPTER_RATE_USES = 32  # admissions per adapter its invocation rate is taken over
 ADAPTER_RATE_MIN_SPAN_S = 1.0  # a rate is never taken over less than this (one burst)
 # An adapter's reload time for the offloading order's value (load time x rate, per byte): its
@@ -51,6 +55,9 @@ class AdmitResult:
     instance_id: str | None = None  # where the request now lives (a new id if created)
     start_ops: tuple[MemOp, ...] = ()  # memory operations to begin now (load or KV scale-up)
     evicted: tuple[RequestView, ...] = ()  # preempt-and-admit: the victims' requests, to move
+    # Live preempt-and-admit: the victims' requests, still running here, to migrate live; each
+    # victim is unloaded by `finish_handover` once its requests have gone.
+    migrating: tuple[RequestView, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,19 +91,25 @@ class NodeScheduler:
         # for the adapter and for its backbone): the invocation rates offloading and
         # pre-loading weigh artifacts by (ServerlessLoRA §4.1, §4.3).
         self._uses: dict[str, list[float]] = {}
+        # Live preemption: preemptor instance -> the victims it waits for (runs nothing until
+        # they are unloaded: the handover the admission was validated with).
+        self._waits_for: dict[str, set[str]] = {}
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
-              now: float, adapter: AdapterSpec | None = None) -> AdmitResult:
+              now: float, adapter: AdapterSpec | None = None,
+              not_before: float | None = None) -> AdmitResult:
         """Re-check the placer's decision against this node's own state, then commit it.
-        `adapter`: the LoRA adapter the request runs through on this backbone instance."""
+        `adapter`: the LoRA adapter the request runs through on this backbone instance.
+        `not_before`: the instance runs nothing before then (a live preemption's handover)."""
         need = self._adapter_need(instance_id, adapter)
 
         def check(freed: int = 0) -> Admission:
             """The admission with `freed` more bytes of idle adapters offloaded first."""
             view = self._with_adapter(self.view(), need)
             view = replace(view, budget_bytes=view.budget_bytes - freed) if freed else view
-            admission = evaluate(view, instance_id, request, model, self.perf, now, self.config)
+            admission = evaluate(view, instance_id, request, model, self.perf, now, self.config,
+                                 not_before)
             if admission.ok and not self._adapter_fits(instance_id, model, admission, need, freed):
                 return Admission(AdmitReason.MEMORY)
             return admission
@@ -261,17 +274,23 @@ class NodeScheduler:
         return AdmitResult(admission, iid, tuple(ops))
 
     def preempt_and_admit(self, victims: list[str], request: RequestView, instance_id: str | None,
-                          model: ModelSpec, now: float,
-                          adapter: AdapterSpec | None = None) -> AdmitResult:
+                          model: ModelSpec, now: float, adapter: AdapterSpec | None = None,
+                          handover_s: float | None = None) -> AdmitResult:
         """Proactive preemption (§VIII-A) as one step the node re-checks first: the victims must
         still be strictly smaller than the preemptor, and the request must pass on this node
         without them. Only then are they unloaded (their requests come back in `evicted`, to be
         moved where the plan validated them) and the request admitted. A refusal leaves the
-        victims untouched."""
+        victims untouched.
+
+        `handover_s` (live preemption): the victims are not unloaded now. Their requests run on
+        here while they migrate live (`migrating`), for about `handover_s`; the request must
+        pass with the victims' work until then and its instance waiting for the handover."""
         preemptor = self._find(instance_id) if instance_id is not None else None
         allowed = {v.instance_id for v in preemption_victims(self.node, preemptor)}
         if (instance_id is not None and preemptor is None) or not set(victims) <= allowed:
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
+        if handover_s is not None:
+            return self._preempt_live(victims, request, instance_id, model, now, adapter, handover_s)
         trial = without_instances(self.view(), set(victims))
         trial = self._with_adapter(trial, self._adapter_need(instance_id, adapter))
         admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config)
@@ -281,12 +300,72 @@ class NodeScheduler:
         result = self.admit(request, instance_id, model, now, adapter)
         return replace(result, start_ops=(*unload_ops, *result.start_ops), evicted=tuple(evicted))
 
+    def _preempt_live(self, victims: list[str], request: RequestView, instance_id: str | None,
+                      model: ModelSpec, now: float, adapter: AdapterSpec | None,
+                      handover_s: float) -> AdmitResult:
+        if any(self._instance(v).status is not InstanceStatus.READY for v in victims):
+            return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))  # a loading victim: no live move
+        leaves_at = now + max(0.0, handover_s)
+        ready = handover_ready_at(leaves_at)
+        trial = handing_over(self.view(), set(victims), leaves_at)
+        trial = self._with_adapter(trial, self._adapter_need(instance_id, adapter))
+        admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config, ready)
+        if not admission.ok:
+            return AdmitResult(admission)
+        targets = {v: self.ledger.target(v) for v in victims}
+        ops = self._hand_over(victims, leaves_at, now)
+        result = self.admit(request, instance_id, model, now, adapter, not_before=ready)
+        if not result.admission.ok:  # cannot happen after the check above; undo, to be safe
+            self._undo_handover(targets, now)
+            return result
+        self._waits_for[result.instance_id] = set(victims)
+        self._refresh_timeline(now)
+        moving = tuple(replace(r) for v in victims for r in self._instance(v).requests)
+        return replace(result, start_ops=(*ops, *result.start_ops), migrating=moving)
+
+    def _hand_over(self, victims: list[str], leaves_at: float, now: float) -> list[MemOp]:
+        """The victims stop taking work; their memory leaves the optimistic budget (promised to
+        the newcomer) but stays counted by pessimistic tracking: their unloads are held in the
+        reservation station until `finish_handover`."""
+        ops: list[MemOp] = []
+        for iid in victims:
+            inst = self._instance(iid)
+            inst.status, inst.leaves_at = InstanceStatus.HANDOVER, leaves_at
+            ops.extend(self.ledger.request(MemOpKind.UNLOAD, iid, 0, now, hold=True)[1])
+        self._sync(now)
+        return ops
+
+    def _undo_handover(self, targets: dict[str, int], now: float) -> None:
+        for iid, target in targets.items():
+            inst = self._instance(iid)
+            inst.status, inst.leaves_at = InstanceStatus.READY, 0.0
+            self.ledger.request(MemOpKind.SCALE, iid, target, now)  # cancels the held unload
+        self._sync(now)
+
+    def handing_over(self) -> list[str]:
+        return [i.instance_id for i in self.node.instances if i.status is InstanceStatus.HANDOVER]
+
+    def finish_handover(self, instance_id: str, now: float) -> tuple[list[RequestView], list[MemOp]]:
+        """A victim's live migrations have ended: it is unloaded now. Requests still on it (a
+        migration that was refused or failed) come back, to move stop-and-resume."""
+        inst = self._find(instance_id)
+        if inst is None or inst.status is not InstanceStatus.HANDOVER:
+            return [], []
+        left, inst.requests = inst.requests, []
+        inst.status = InstanceStatus.UNLOADING
+        ops: list[MemOp] = []
+        for adapter in list(inst.adapters):  # its adapters go with it
+            ops.extend(self.detach_adapter(instance_id, adapter, now))
+        ops.extend(self.ledger.release(instance_id, now))
+        self._sync(now)
+        return left, ops
+
     # --- the token-level loop ---------------------------------------------------------------
     def step(self, now: float) -> StepPlan:
         """Choose the next iteration; resolve KV shortfalls first (scale up, else evict)."""
         blocked = {i.instance_id for i in self.node.instances
-                   if i.status is not InstanceStatus.READY or i.instance_id in self._running_ops()}
-        blocked |= self._adapters_busy()
+                   if i.status not in _RUNS or i.instance_id in self._running_ops()}
+        blocked |= self._adapters_busy() | set(self._waits_for)
         ops: list[MemOp] = []
         evictions: list[Eviction] = []
         while True:
@@ -303,9 +382,12 @@ class NodeScheduler:
                                    if runnable(i, now, blocked))
                 return StepPlan(choice, predicted, tuple(ops), tuple(evictions), considered)
             blocked.add(inst.instance_id)
-            if self.ledger.busy(inst.instance_id):
+            if inst.status is InstanceStatus.HANDOVER:
+                pass  # never grows (its unload is held): evict below, it moves stop-and-resume
+            elif self.ledger.busy(inst.instance_id):
                 continue  # its scale-up is parked or running: others go first meanwhile
-            grown = self._grow_for(inst, kv_tokens_needed(choice, inst), now)
+            grown = None if inst.status is InstanceStatus.HANDOVER else \
+                self._grow_for(inst, kv_tokens_needed(choice, inst), now)
             if grown is not None:
                 ops.extend(grown)
                 continue
@@ -386,8 +468,20 @@ class NodeScheduler:
             owner.ready_at = min(owner.ready_at, now)  # free to run now, however long we guessed
         if op.kind is MemOpKind.UNLOAD and self.ledger.target(op.instance_id) == 0:
             self.node.instances = [i for i in self.node.instances if i.instance_id != op.instance_id]
+            self._handed_over(op.instance_id, now)
         self._sync(now)
         return started
+
+    def _handed_over(self, victim: str, now: float) -> None:
+        """A victim is unloaded: a preemptor that waited for it alone may run now."""
+        for iid in list(self._waits_for):
+            self._waits_for[iid].discard(victim)
+            if self._waits_for[iid]:
+                continue
+            del self._waits_for[iid]
+            inst = self._find(iid)
+            if inst is not None and not self.ledger.busy(iid):
+                inst.ready_at = min(inst.ready_at, now)
 
     def reclaim_idle(self, now: float) -> list[MemOp]:
         ops: list[MemOp] = []
@@ -502,13 +596,26 @@ class NodeScheduler:
             if op.started_at is not None:  # an adapter's op holds up its instance
                 key = _owner_id(op.instance_id)
                 ends[key] = max(ends.get(key, now), op.started_at + self._op_s(op))
+        # A held unload (a live preemption's victim) ends once its requests have moved, about
+        # at its `leaves_at`; every parked op waits for it too (its memory is counted until then).
+        held: dict[str, float] = {}
         for op in self.ledger.parked():
-            key = _owner_id(op.instance_id)
-            ends[key] = max(ends.get(key, now), running_end) + self._op_s(op)
+            if op.held:
+                inst = self._find(op.instance_id)
+                held[op.instance_id] = max(inst.leaves_at if inst else now, now) + UNLOAD_S
+        gate = max([running_end, *held.values()])
+        for op in self.ledger.parked():
+            if not op.held:
+                key = _owner_id(op.instance_id)
+                ends[key] = max(ends.get(key, now), gate) + self._op_s(op)
         for inst in self.node.instances:
             if inst.instance_id in ends:
                 inst.ready_at = max(ends[inst.instance_id], now)
-        self.node.memops_until = max([now, *ends.values()])
+        for iid, victims in self._waits_for.items():  # a preemptor waits for its handover
+            inst = self._find(iid)
+            if inst is not None:
+                inst.ready_at = max([inst.ready_at, now, *(ends.get(v, held.get(v, now)) for v in victims)])
+        self.node.memops_until = max([now, *ends.values(), *held.values()])
 
     def _op_s(self, op: MemOp) -> float:
         """The op's duration, estimated once when first seen: for a load, its n/b plus the

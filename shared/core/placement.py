@@ -19,7 +19,7 @@ from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, no
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.startup import StartupChoice, StartupMethod, choose_startup, with_arrival
-from shared.core.types import Hardware, InstanceStatus, ModelSpec, NodeView, RequestView
+from shared.core.types import Hardware, ModelSpec, NodeView, RequestView
 
 
 class PlaceAction(str, enum.Enum):
@@ -52,6 +52,11 @@ class PlacementPlan:
     # NEW_INSTANCE: how the instance gets its weights (λScale §5): from the node's own tiers,
     # or by a multicast from the nodes that hold the model (the placer starts it).
     startup: StartupChoice | None = None
+    # Preemption only: carried out by live migration (the node keeps the victims until their
+    # requests moved, `handover_s` estimated) or stop-and-resume, and why (`Preemption.why`).
+    live: bool = False
+    handover_s: float = 0.0
+    preempt_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             attempts.append(Attempt(node.node_id, None, reason))
 
     cands = binpack_order([(n, i) for n in eligible for i in n.instances
-                           if i.model.name == model.name and i.status is not InstanceStatus.UNLOADING])
+                           if i.model.name == model.name and i.accepts])
     for node, inst in cands:
         adm = evaluate(node, inst.instance_id, request, model, perf, now, config)
         attempts.append(Attempt(node.node_id, inst.instance_id, adm.reason))
@@ -129,7 +134,8 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
                                   failed[node.node_id, inst.instance_id])
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
-                                     pre.admission, pre.victims, pre.migrations, tuple(attempts))
+                                     pre.admission, pre.victims, pre.migrations, tuple(attempts),
+                                     pre.live, pre.handover_s, pre.why)
 
     # A new instance preempts nobody: it has no batch, and only strictly smaller ones may go.
     for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
@@ -154,8 +160,7 @@ def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: 
     instance of the model already on a node of that kind (the request's own grace), or by a cold
     start there (its load as grace, §IX-A; by multicast from `nodes` where that is quicker)."""
     warm = {n.hardware for n in eligible
-            if any(i.model.name == model.name and i.status is not InstanceStatus.UNLOADING
-                   for i in n.instances)}
+            if any(i.model.name == model.name and i.accepts for i in n.instances)}
     no_grace = request.deadline() - request.grace_s
     for node in eligible:
         p = perf.get(model.name, node.hardware)

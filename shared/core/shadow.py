@@ -12,7 +12,9 @@ The simulation starts from the node as it really is:
 - the iteration running now (`NodeView.running`) ends at `busy_until`, and its requests get
   their token then: a prefill in flight is not run a second time;
 - an instance runs nothing before its `ready_at`: the end of its load, or of a KV resize that is
-  running or parked in the reservation station.
+  running or parked in the reservation station;
+- an instance handing its requests over by live migration (a preemption's victim) runs them
+  until its `leaves_at` and then is gone; it is not part of the steady state case 3 checks.
 A request is not counted against the newcomer when it is lost either way: already late at the
 start, or late in an iteration that starts before the newcomer's instance can first run (until
 then the newcomer changes nothing on the node).
@@ -72,13 +74,14 @@ class _SimRequest:
 class _SimInstance:
     __slots__ = ("instance_id", "profile", "ready_at", "can_run", "requests", "context",
                  "min_deadline", "min_on_time", "unprefilled", "decode_at", "tpot", "pending",
-                 "lowest", "on_time")
+                 "lowest", "on_time", "leaves_at")
 
     def __init__(self, inst: InstanceView, profile: Profile, requests: list[_SimRequest]) -> None:
         self.instance_id = inst.instance_id
         self.profile = profile
         self.ready_at = inst.ready_at
         self.can_run = inst.status is not InstanceStatus.UNLOADING
+        self.leaves_at = inst.leaves_at if inst.status is InstanceStatus.HANDOVER else INF
         self.requests = requests
         self.context = sum(r.input_len + r.generated for r in requests)  # tokens in its KV cache
         self.unprefilled = 0  # requests still to prefill (set by `refresh`)
@@ -166,6 +169,8 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
     scale = 1 + overestimate
     tpot = request.slo.tpot_s
     for inst in instances:
+        if inst.status is InstanceStatus.HANDOVER:
+            continue  # its requests are leaving: no round of the node's future holds them
         reqs = inst.requests
         n = len(reqs)
         context = sum(r.input_len + r.generated for r in reqs)
@@ -222,7 +227,7 @@ def _pick(sim: list[_SimInstance], t: float) -> _SimInstance | None:
     """`choose_iteration`'s instance: the runnable one with the least headroom, ids break ties."""
     best, best_h = None, INF
     for si in sim:
-        if not si.requests or not si.can_run or si.ready_at > t:
+        if not si.requests or not si.can_run or si.ready_at > t or si.leaves_at <= t:
             continue
         h = si.min_deadline - t
         if best is None or h < best_h or (h == best_h and si.instance_id < best.instance_id):
@@ -243,7 +248,8 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
               new_request_id: str, blame_from: float) -> AdmitReason:
     """Run the node's future on the copy. Misses in iterations that start before `blame_from`
     (the newcomer's instance cannot run yet) are the node's own and only mark requests late."""
-    waiting = sum(1 for si in sim for r in si.requests if not r.prefilled and not r.late)
+    waiting = sum(1 for si in sim if si.leaves_at == INF
+                  for r in si.requests if not r.prefilled and not r.late)
     last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
     new_done = False
@@ -251,11 +257,12 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
     scale = 1 + config.overestimate
     while True:
         if new_done and waiting == 0 and t >= last_ready \
-                and all(si.min_on_time - t >= round_s for si in sim):
+                and all(si.min_on_time - t >= round_s or si.leaves_at <= t for si in sim):
             return AdmitReason.ADMITTED  # every request can wait a whole decode round
         inst = _pick(sim, t)
         if inst is None:
-            ready = [si.ready_at for si in sim if si.requests and si.can_run and si.ready_at > t]
+            ready = [si.ready_at for si in sim if si.requests and si.can_run
+                     and t < si.ready_at < si.leaves_at]
             if not ready:
                 return AdmitReason.ADMITTED  # nothing left that could run
             t = min(ready)  # only blocked instances have work: jump to the first one ready
@@ -282,11 +289,11 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
                 return _verdict(missed, new_request_id)
             for r in missed:  # the node's own loss, not the newcomer's doing
                 r.late = True
-                waiting -= not r.prefilled
+                waiting -= not r.prefilled and inst.leaves_at == INF
             marked = bool(missed)
         if prefill:
             first = chosen[0]
-            waiting -= not first.late
+            waiting -= not first.late and inst.leaves_at == INF
             first.credit()
             inst.context += 1
             inst.refresh()

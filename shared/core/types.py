@@ -106,6 +106,9 @@ class InstanceStatus(str, enum.Enum):
     LOADING = "loading"  # weights being loaded; can hold requests, cannot run iterations
     READY = "ready"
     UNLOADING = "unloading"  # preempted or reclaimed; accepts nothing
+    # Preempted by live migration: its requests run on here while they move to their destinations
+    # (ServerlessLLM §5); it accepts nothing and unloads once they are gone (`leaves_at`, estimated).
+    HANDOVER = "handover"
 
 
 @dataclass
@@ -123,6 +126,14 @@ class InstanceView:
     # LoRA adapters attached to this backbone instance (loaded or loading), name -> bytes. Each
     # is held in the node's memory ledger on its own (`adapter_key`), beside the instance.
     adapters: dict[str, int] = field(default_factory=dict)
+    # HANDOVER only: when its requests should all have moved (the plan's estimate). Its memory is
+    # held (pessimistic tracking) until it is really unloaded, its compute is used until then.
+    leaves_at: float = 0.0
+
+    @property
+    def accepts(self) -> bool:
+        """May a request join it (neither unloading nor handing its requests over)?"""
+        return self.status is not InstanceStatus.UNLOADING and self.status is not InstanceStatus.HANDOVER
 
     @property
     def batch_size(self) -> int:

@@ -37,9 +37,12 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
                        running=None):
     with_new = [replace(i, requests=[*i.requests, request]) if i.instance_id == target_id else i
                 for i in instances]
-    tpot = min(r.slo.tpot_s for i in with_new for r in i.requests)
+    # An instance handing its requests over (a live preemption's victim) runs them until its
+    # leaves_at and is then gone; it is not part of the steady-state round (case 3).
+    staying = [i for i in with_new if i.status is not InstanceStatus.HANDOVER]
+    tpot = min([request.slo.tpot_s, *(r.slo.tpot_s for i in staying for r in i.requests)])
     round_s = sum(_decode_step(profiles[i.instance_id], i.requests)
-                  for i in with_new if i.requests) * (1 + config.overestimate)
+                  for i in staying if i.requests) * (1 + config.overestimate)
     if round_s > tpot:
         return AdmitReason.TPOT_BUDGET
     start = max(now, busy_until)
@@ -60,14 +63,19 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     live = [i for i in sim if i.requests and i.status is not InstanceStatus.UNLOADING]
     last_ready = max((i.ready_at for i in live), default=start)
     t, new_done, steps = start, False, 0
+    def gone(i, t):
+        return i.status is InstanceStatus.HANDOVER and i.leaves_at <= t
+
     while True:
+        active = [i for i in sim if not gone(i, t)]
         if new_done and t >= last_ready and all(
-                r.request_id in late or (r.prefilled and r.headroom(t) >= round_s)
-                for i in sim for r in i.requests):
+                r.request_id in late or ((r.prefilled or i.status is InstanceStatus.HANDOVER)
+                                         and r.headroom(t) >= round_s)
+                for i in active for r in i.requests):
             return AdmitReason.ADMITTED
-        choice = choose_iteration(sim, t)
+        choice = choose_iteration(active, t)
         if choice is None:
-            waiting = [i.ready_at for i in live if i.ready_at > t]
+            waiting = [i.ready_at for i in live if i.ready_at > t and not gone(i, i.ready_at)]
             if not waiting:
                 return AdmitReason.ADMITTED
             t = min(waiting)
@@ -99,7 +107,8 @@ requests = st.lists(st.tuples(st.integers(1, 3000),  # input length
                     max_size=8)
 instances = st.lists(st.tuples(requests,
                                st.sampled_from(list(InstanceStatus)),
-                               st.sampled_from([0.0, 0.0, 0.3, 2.0])),  # ready_at
+                               st.sampled_from([0.0, 0.0, 0.3, 2.0]),  # ready_at
+                               st.sampled_from([0.0, 0.4, 1.5, 3.0])),  # leaves_at (HANDOVER)
                      min_size=1, max_size=5)
 
 
@@ -134,9 +143,9 @@ def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, 
     cost the instances' profiles measured for them."""
     spec = model("m")
     views, profiles = [], {}
-    for k, (reqs, status, ready_at) in enumerate(node):
+    for k, (reqs, status, ready_at, leaves_at) in enumerate(node):
         iid = f"i{k}"
-        views.append(InstanceView(iid, spec, "n", status, ready_at=ready_at, requests=[
+        views.append(InstanceView(iid, spec, "n", status, ready_at=ready_at, leaves_at=leaves_at, requests=[
             RequestView(f"r{k}-{j}", "m", inp, arr, SLO(ttft, 0.25 if one_tpot else tpot),
                         generated=gen,
                         prefilled=pre, grace_s=grace, lora_rank=(0, 8, 32)[(j + k) % 3] * lora)

@@ -43,12 +43,13 @@ class Harness:
     """A node worker in this process and a stand-in placer talking to it over real NATS."""
 
     def __init__(self, nc, redis, model_dir, memory_bytes: int, node_id: str,
-                 heartbeat_s: float = 0.25, calibrate: bool = True) -> None:
+                 heartbeat_s: float = 0.25, calibrate: bool = True,
+                 core: CoreConfig | None = None) -> None:
         self.nc, self.redis = nc, redis
         self.records = {m: model_record_from_dir(m, model_dir) for m in MODELS}
         settings = NodeSettings(node_id=node_id, hardware="cpu", device="cpu",
                                 memory_bytes=memory_bytes, matrix_accel=True, nats_url="", redis_url="",
-                                core=CoreConfig(keep_alive_s=30.0), heartbeat_s=heartbeat_s,
+                                core=core or CoreConfig(keep_alive_s=30.0), heartbeat_s=heartbeat_s,
                                 calibrate=calibrate)
         self.worker = NodeWorker(settings, nc, redis)
         self.instances: dict[str, str] = {}

@@ -6,6 +6,11 @@ a real placer, NATS JetStream and valkey.
    command; the neighbour's request moves to the instance of its model on the other node that the
    plan validated, and its token stream goes on there with no gap and no duplicate.
 2. A node that refuses the preempt-and-admit command leaves the victims untouched.
+3. With live preemption (the services' default), the same plan is carried out by live migration:
+   the victim's request keeps streaming on A while B recomputes its KV cache, then B takes over;
+   its stream has no gap and no duplicate and its greedy output is the unmigrated output. The
+   newcomer waits for the handover (its first token comes after B took the victim's request),
+   and A unloads the victim only then.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from shared.schemas import CommandKind, MigrationTarget, NodeCommand
 from shared.subjects import REQUEST_SUBJECT
 
 from tests.node.harness import MODELS, Harness, until
+from tests.node.test_migration import _reference, _sources
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,7 +53,7 @@ def _kv_after(harness: Harness, model: str, reqs) -> int:
 
 
 
-async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir):
+async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir, core: CoreConfig = CORE):
     """Node A: alpha with two long requests, beta with one (the smaller neighbour), memory for
     exactly that. Node B: plenty of memory and an instance of beta with one long request."""
     probe = Harness(nc, redis, model_dir, 1, "probe")
@@ -55,8 +61,8 @@ async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir):
     beta1 = [probe.request("beta", 64, LONG, ttft=30.0)]
     weights = sum(probe.records[m].weight_bytes for m in MODELS)
     memory = weights + _kv_after(probe, "alpha", alpha2) + _kv_after(probe, "beta", beta1)
-    a = Harness(nc, redis, model_dir, memory + 64 * 1024, "pre-a", heartbeat_s=0.05)
-    b = Harness(nc, redis, model_dir, 2 * memory, "pre-b", heartbeat_s=0.05)
+    a = Harness(nc, redis, model_dir, memory + 64 * 1024, "pre-a", heartbeat_s=0.05, core=core)
+    b = Harness(nc, redis, model_dir, 2 * memory, "pre-b", heartbeat_s=0.05, core=core)
     await a.worker.start()
     await b.worker.start()
     return a, b
@@ -138,5 +144,59 @@ async def test_a_node_that_refuses_preempt_and_admit_leaves_the_victims_untouche
         assert a.streamed_once(victim)
         assert victim.request_id not in b.worker.live
     finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+LIVE = CoreConfig(keep_alive_s=30.0, live_preemption=True)
+
+
+async def test_live_preemption_streams_the_victims_unmigrated_output_once(connections, model_dir,
+                                                                          nats_url, redis_url):
+    nc, redis = connections
+    registry = ModelRegistry(redis)
+    a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir, LIVE)
+    for record in a.records.values():
+        await registry.register(record, replace=True)
+    placer = Placer(PlacerSettings(nats_url, redis_url, LIVE), nc, redis)
+    stop = asyncio.Event()
+    try:
+        for _ in range(2):
+            await _admit_long(a, "alpha", PROMPT)
+        victim = await _admit_long(a, "beta", 64)
+        await _admit_long(b, "beta", 64)
+        beta_on_a, beta_on_b = a.instances["beta"], b.instances["beta"]
+        await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+        newcomer = a.request("alpha", PROMPT, 20, ttft=30.0)
+        await a.watch(newcomer)
+        await ensure_streams(nc.jetstream())
+        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(newcomer),
+                                     headers={"Nats-Msg-Id": newcomer.request_id})
+        await a.wait([newcomer], timeout=120)
+        assert a.finals[newcomer.request_id].node_id == "pre-a"
+        assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
+
+        # The victim's request moved live: a migration on A that B committed, to the instance the
+        # plan validated, and the victim's instance unloaded after it.
+        log = next(m for m in a.worker.migrations if m.request_id == victim.request_id)
+        assert log.ok and log.destination == "pre-b", log.reason
+        assert b.worker.live[victim.request_id].instance_id == beta_on_b
+        await until(lambda: a.worker.sched.node.instance(beta_on_a) is None,
+                    what="A to unload the victim's instance")
+        # The newcomer waited for the handover: its first token came after B took over.
+        assert a.tokens[newcomer.request_id][0] >= log.committed_at
+        await a.wait([victim], timeout=180)
+        final = a.finals[victim.request_id]
+        assert final.node_id == "pre-b" and len(final.output_token_ids) == LONG
+        assert tuple(final.output_token_ids) == _reference(model_dir, 64, LONG)
+        assert a.streamed_once(victim)
+        assert _sources(a, victim.request_id) == ["pre-a", "pre-b"]
+        stop.set()
+        await runner
+    finally:
+        stop.set()
         await a.worker.stop()
         await b.worker.stop()
