@@ -79,11 +79,17 @@ NODE_ITERATIONS_RATE = "slinfer.node.iterations_per_second"  # gauge, over the l
 NODE_ITERATIONS = "slinfer.node.iterations"  # counter
 PLACER_DECISIONS = "slinfer.placer.decisions"  # counter, by action
 NODE_PREDICTION_RATIO = "slinfer.node.prediction_ratio"  # histogram: actual / predicted (1 = exact)
+# A model's load on a node (ServerlessLLM §4), by the checkpoint tier that served it: the engine's
+# whole load, the checkpoint loader's part of it, and the bytes the loader moved.
+NODE_LOAD_DURATION = "slinfer.node.load.duration"  # histogram, s, by tier, model, outcome
+NODE_LOADER_DURATION = "slinfer.node.loader.duration"  # histogram, s, by tier and model
+NODE_LOADER_BYTES = "slinfer.node.loader.bytes"  # counter, By, by tier
 
 # Bucket boundaries the GenAI semantic conventions recommend.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)
 

@@ -37,7 +37,7 @@ from shared.core.memory import MemOp
 from shared.schemas import InferenceRequest, MemOpCompletion
 
 if TYPE_CHECKING:
-    from services.node.worker import NodeWorker
+    from services.node.worker import LoadRecord, NodeWorker
 
 log = logging.getLogger("slinfer.node")
 _tracer = trace.get_tracer("slinfer.node")
@@ -217,6 +217,17 @@ class NodeObserver:
             description="Iteration time vs the profile's prediction: actual / predicted",
             explicit_bucket_boundaries_advisory=[0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25,
                                                  1.5, 2.0, 3.0, 6.0])
+        meter = telemetry.meter("slinfer.node")
+        self._load_s = meter.create_histogram(
+            tm.NODE_LOAD_DURATION, unit="s", description="A model's whole load on the node "
+            "(engine and checkpoint), by the checkpoint tier that served it",
+            explicit_bucket_boundaries_advisory=list(tm.LOAD_BUCKETS))
+        self._loader_s = meter.create_histogram(
+            tm.NODE_LOADER_DURATION, unit="s", description="The checkpoint loader's part of a "
+            "load (reading the checkpoint into the engine), by tier",
+            explicit_bucket_boundaries_advisory=list(tm.LOAD_BUCKETS))
+        self._loader_bytes = meter.create_counter(
+            tm.NODE_LOADER_BYTES, unit="By", description="Checkpoint bytes the loader moved, by tier")
         self._server = None
 
     # --- lifecycle and gauges ---------------------------------------------------------------
@@ -358,6 +369,22 @@ class NodeObserver:
         spans = self.requests.pop(request_id, None) if self.tracing else None
         if spans is not None:
             spans.end(outcome, output_tokens, error)
+
+    # --- loads ------------------------------------------------------------------------------
+    def load_done(self, load: LoadRecord) -> None:
+        """A model's load ended (from the load thread: the SDK's instruments are thread-safe).
+        `slinfer.load.tier` is the checkpoint tier the node's loader served it from, or
+        `engine` for an engine that reads its own files (OpenVINO, vLLM), `unknown` for a load
+        that failed before the loader said."""
+        tier = load.tier or ("engine" if load.ok else "unknown")
+        attrs = {"slinfer.node_id": self.node_id, tm.MODEL: load.model, "slinfer.load.tier": tier}
+        if load.seconds is not None:
+            self._load_s.record(load.seconds, {**attrs, "slinfer.load.ok": bool(load.ok)})
+        if load.ok and load.loader_seconds is not None:
+            self._loader_s.record(load.loader_seconds, attrs)
+        if load.ok and load.bytes:
+            self._loader_bytes.add(load.bytes, {"slinfer.node_id": self.node_id,
+                                                "slinfer.load.tier": tier})
 
     # --- memory operations ------------------------------------------------------------------
     def memop_done(self, op: MemOp, done: MemOpCompletion) -> None:

@@ -1099,12 +1099,14 @@ class NodeWorker:
             except BaseException:
                 if load is not None:
                     load.ok, load.seconds = False, time.perf_counter() - started
+                    self.obs.load_done(load)
                 raise
             if load is not None:
                 info = getattr(engine, "load_info", {}) or {}
                 load.seconds, load.ok = time.perf_counter() - started, True
                 load.tier, load.loader_seconds = info.get("tier"), info.get("loader_seconds")
                 load.bytes = int(info.get("bytes", 0) or 0)
+                self.obs.load_done(load)
             self.engines[op.instance_id] = engine
         elif op.kind is MemOpKind.SCALE:
             self.engines[op.instance_id].resize_kv(kv_bytes)

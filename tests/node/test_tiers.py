@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import shutil
 import time
 from pathlib import Path
@@ -159,6 +160,13 @@ async def _until_view(redis, node_id: str, condition, what: str) -> NodeView:
         await asyncio.sleep(0.02)
 
 
+def _metric(text: str, name: str, labels: dict[str, str]) -> float | None:
+    """One sample of the Prometheus exposition, by its exact label set."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    found = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 async def test_an_unloaded_model_comes_back_from_the_dram_tier(servers, converted, tmp_path):
@@ -214,6 +222,19 @@ async def test_an_unloaded_model_comes_back_from_the_dram_tier(servers, converte
         assert (two.expected_tier, two.tier, two.ok) == ("dram", "dram", True)
         assert two.expected_s == pytest.approx(expected)
         assert two.bytes == one.bytes > 0 and len(worker.loads) == 2
+        # Both loads are exported by tier (what /metrics and OTLP show), with the seconds above.
+        text = worker.obs.tel.metrics_text().decode()
+        for load in (one, two):
+            labels = {"gen_ai_request_model": record.name, "slinfer_load_ok": "True",
+                      "slinfer_load_tier": load.tier, "slinfer_node_id": "tier-a"}
+            assert _metric(text, "slinfer_node_load_duration_seconds_count", labels) == 1
+            assert _metric(text, "slinfer_node_load_duration_seconds_sum", labels) == \
+                pytest.approx(load.seconds)
+            del labels["slinfer_load_ok"]
+            assert _metric(text, "slinfer_node_loader_duration_seconds_sum", labels) == \
+                pytest.approx(load.loader_seconds)
+            assert _metric(text, "slinfer_node_loader_bytes_total",
+                           {"slinfer_load_tier": load.tier, "slinfer_node_id": "tier-a"}) == load.bytes
 
         # A node started later on the same local disk: its disk tier holds the checkpoint (found
         # by its key, its path being the disk copy) and reports it under the registered name.

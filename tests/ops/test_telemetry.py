@@ -176,6 +176,48 @@ def test_prometheus_exposition_of_histograms_counters_and_gauges():
     assert value(r'slinfer_node_iterations_per_second\{slinfer_node_id="n0"\}') == 7.5
 
 
+def test_node_loads_are_exported_by_tier():
+    """The node's loads (NodeWorker.loads) as metrics: the whole load and the loader's part by
+    the tier that served it, bytes per tier; an engine reading its own files is tier `engine`,
+    a failed load is counted apart (tier `unknown`: the loader never said) and moves no bytes."""
+    from services.node.observe import NodeObserver
+    from services.node.worker import LoadRecord
+
+    tel = tm.local("node")
+    obs = NodeObserver(tel, "n0", "cpu")
+    obs.load_done(LoadRecord("i1", "m", 0.0, "registry", 1.0, tier="registry", seconds=2.0,
+                             loader_seconds=1.5, bytes=1000, ok=True))
+    obs.load_done(LoadRecord("i2", "m", 0.0, "dram", 0.1, tier="dram", seconds=0.2,
+                             loader_seconds=0.05, bytes=1000, ok=True))
+    obs.load_done(LoadRecord("i3", "m", 0.0, "dram", 0.1, tier="dram", seconds=0.3,
+                             loader_seconds=0.1, bytes=1000, ok=True))
+    obs.load_done(LoadRecord("i4", "o", 0.0, None, 3.0, seconds=4.0, ok=True))  # OpenVINO
+    obs.load_done(LoadRecord("i5", "m", 0.0, "disk", 0.5, seconds=0.01, ok=False))
+    text = tel.metrics_text().decode()
+
+    def value(name: str, labels: str) -> float:
+        m = re.search(rf"^{name}\{{{labels}\}} (\S+)$", text, re.M)
+        assert m, (name, labels, text)
+        return float(m.group(1))
+
+    def load(model: str, ok: str, tier: str) -> str:
+        return (f'gen_ai_request_model="{model}",slinfer_load_ok="{ok}",'
+                f'slinfer_load_tier="{tier}",slinfer_node_id="n0"')
+
+    assert value("slinfer_node_load_duration_seconds_count", load("m", "True", "dram")) == 2
+    assert value("slinfer_node_load_duration_seconds_sum", load("m", "True", "dram")) == pytest.approx(0.5)
+    assert value("slinfer_node_load_duration_seconds_sum", load("m", "True", "registry")) == 2.0
+    assert value("slinfer_node_load_duration_seconds_bucket", load("m", "True", "dram").replace(
+        "slinfer_load_ok", 'le="0.25",slinfer_load_ok')) == 1  # 0.2 s, not yet 0.3 s
+    assert value("slinfer_node_load_duration_seconds_count", load("o", "True", "engine")) == 1
+    assert value("slinfer_node_load_duration_seconds_count", load("m", "False", "unknown")) == 1
+    loader = 'gen_ai_request_model="m",slinfer_load_tier="dram",slinfer_node_id="n0"'
+    assert value("slinfer_node_loader_duration_seconds_sum", loader) == pytest.approx(0.15)
+    assert value("slinfer_node_loader_bytes_total", 'slinfer_load_tier="dram",slinfer_node_id="n0"') == 2000
+    assert value("slinfer_node_loader_bytes_total", 'slinfer_load_tier="registry",slinfer_node_id="n0"') == 1000
+    assert "unknown" not in text.split("slinfer_node_loader_bytes_total")[-1]  # a failure moved nothing
+
+
 def test_slo_violation_uses_ttft_then_mean_tpot():
     assert tm.slo_violation(0.4, 0.2, 0.5, 0.25) is None
     assert tm.slo_violation(0.6, 0.2, 0.5, 0.25) == "ttft"
