@@ -24,13 +24,16 @@ log = logging.getLogger("slinfer.cluster")
 # Tokens per KV block of each engine's paged cache (the torch engine's DEFAULT_BLOCK_SIZE).
 ENGINE_KV_BLOCK_TOKENS = {"torch": 16, "openvino": 32, "vllm": 16}
 TIERED_ENGINES = frozenset({"torch", "auto"})  # load through the node's loader ("auto": torch)
+# Engines a running request can migrate live on (services/node/migration.py: LIVE_ENGINES).
+LIVE_MIGRATION_ENGINES = frozenset({"torch", "auto"})
 
 
 def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
     return ModelSpec(record.name, record.weight_bytes, record.kv_bytes_per_token,
                      record.max_context, avg_output_len,
                      kv_block_tokens=ENGINE_KV_BLOCK_TOKENS.get(record.engine, 16),
-                     tiered=record.engine in TIERED_ENGINES)
+                     tiered=record.engine in TIERED_ENGINES,
+                     live_migration=record.engine in LIVE_MIGRATION_ENGINES)
 
 
 def request_view(req: InferenceRequest) -> RequestView:

@@ -23,6 +23,25 @@ from dataclasses import dataclass, field
 from shared.core.types import InstanceStatus, NodeView
 
 
+# Engines a running request can move live on: the destination must take the tokens so far in
+# one pass over the new ones (`extend`) and continue exactly where the source was. The torch
+# engine does. OpenVINO GenAI's pipeline cannot extend a request: each catch-up round would
+# recompute the whole context, and at the engine's default precision on CPU (bf16 compute, a
+# compressed KV cache) a recomputed KV cache is not the one decoding wrote: greedy output
+# recomputed after 20 tokens diverged from the unmigrated output 11 tokens later (identical in
+# float32). The vLLM adapter has no extend either. Their requests are refused (they stay where
+# they run; a preemption moves them stop-and-resume).
+LIVE_ENGINES = frozenset({"torch"})
+
+
+def engine_refusal(engine: str) -> str | None:
+    """Why a request on `engine` cannot migrate live (None: it can)."""
+    if engine in LIVE_ENGINES:
+        return None
+    return (f"the {engine} engine cannot take a running request's tokens so far (no extend; a "
+            "recompute at its precision does not continue the same output)")
+
+
 class Next(str, enum.Enum):
     ROUND = "round"  # send B the tokens produced since the last round; A keeps decoding
     COMMIT = "commit"  # stop R on A, send the last delta; B takes over

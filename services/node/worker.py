@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from redis.asyncio import Redis
 
-from services.node.engines import KVCacheFull, SamplingParams, create_engine
+from services.node.engines import KVCacheFull, SamplingParams, create_engine, resolve_engine
 from services.node.engines.base import Engine
 from services.node.observe import NodeObserver
 from services.node.preload import PreloadRecord, preload_loop
@@ -37,7 +37,7 @@ from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
 from services.node.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
-                                     next_step)
+                                     engine_refusal, next_step)
 from shared.cluster import (load_perf, model_spec, publish_node, read_nodes, remove_calibration,
                             remove_node, request_view, save_calibration)
 from shared.core.calibration import DECODE, PREFILL, Calibrator
@@ -808,6 +808,11 @@ class NodeWorker:
         if live is None or rid in self.migrating or node_id == self.s.node_id:
             record.reason = "not_here" if live is None else "busy_or_self"
             return record
+        refusal = engine_refusal(resolve_engine(self.records[live.instance_id].engine, self.s.device))
+        if refusal is not None:
+            record.reason = f"refused: {refusal}"
+            self.migrations.append(record)
+            return record
         self.migrating.add(rid)
         try:
             record.reason = await self._migrate_rounds(live, node_id, instance_id, record)
@@ -938,6 +943,9 @@ class NodeWorker:
         record = cmd.model if cmd.instance_id is None else self.records.get(cmd.instance_id)
         if record is None:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
+        refusal = engine_refusal(resolve_engine(record.engine, self.s.device))
+        if refusal is not None:
+            return NodeReply(False, f"engine: {refusal}")
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
             await self._load_profiles()
         self.model_names.learn(record)
@@ -986,15 +994,8 @@ class NodeWorker:
             return NodeReply(False, f"out_of_step: have {len(incoming.known)} tokens, got seq {seq}")
         if not tokens:
             return incoming
-        async with self._iter_lock:
-            engine = self.engines[incoming.instance_id]
-            if hasattr(engine, "extend"):  # one pass over the new tokens only
-                step = await asyncio.to_thread(engine.extend, rid, tokens)
-            else:  # an engine without extend recomputes the whole context
-                engine.release(rid)
-                engine.add_request(rid, [*incoming.all_tokens, *tokens],
-                                   sampling_params(incoming.request, len(incoming.known) + len(tokens)))
-                step = await asyncio.to_thread(engine.prefill, rid)
+        async with self._iter_lock:  # one pass over the new tokens only (LIVE_ENGINES extend)
+            step = await asyncio.to_thread(self.engines[incoming.instance_id].extend, rid, tokens)
         incoming.known.extend(tokens)
         incoming.pending = step.tokens[rid]
         return incoming

@@ -130,8 +130,8 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
     victims = tuple(v.instance_id for v in chosen)
     if not config.live_preemption or not displaced:
         return Preemption(node.node_id, victims, admission, tuple(moves))
-    return _live_or_not(node, chosen, target_id, request, model, displaced, moves, nodes, perf,
-                        now, config, admission)
+    return _live_or_not(node, chosen, target_id, request, model, displaced, moves, nodes, models,
+                        perf, now, config, admission)
 
 
 def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migration],
@@ -157,8 +157,9 @@ def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migra
 
 def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | None,
                  request: RequestView, model: ModelSpec, displaced: list[tuple[str, RequestView]],
-                 moves: list[Migration], nodes: list[NodeView], perf: PerfModel, now: float,
-                 config: CoreConfig, stop_and_resume: Admission) -> Preemption:
+                 moves: list[Migration], nodes: list[NodeView], models: dict[str, ModelSpec],
+                 perf: PerfModel, now: float, config: CoreConfig,
+                 stop_and_resume: Admission) -> Preemption:
     """Live when the newcomer still passes waiting for the handover, with the victims' work on
     the node until then; else stop-and-resume, which frees the node at once."""
     victims = tuple(v.instance_id for v in chosen)
@@ -166,6 +167,10 @@ def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | No
     if any(v.status is not InstanceStatus.READY for v in chosen if v.requests):
         return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
                           "stop-and-resume: a victim is still loading")
+    fixed = sorted({r.model for _, r in displaced if not models[r.model].live_migration})
+    if fixed:
+        return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
+                          f"stop-and-resume: the engine of {', '.join(fixed)} cannot migrate live")
     leaves_at = now + handover
     trial = handing_over(node, set(victims), leaves_at)
     live = evaluate(trial, target_id, request, model, perf, now, config,

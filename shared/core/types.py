@@ -57,6 +57,10 @@ class ModelSpec:
     # q + n/b from the fastest tier holding it. False (OpenVINO, vLLM read their own files): the
     # load time its profile measured.
     tiered: bool = True
+    # Its engine can take a running request's tokens so far (extend) and continue exactly: live
+    # migration moves its requests. False (OpenVINO, vLLM): a preemption moves them
+    # stop-and-resume (services/node/migration.py says why).
+    live_migration: bool = True
 
 
 def token_deadline(base: float, tpot_s: float, generated: int) -> float:

@@ -81,6 +81,15 @@ def test_plan_falls_back_to_stop_and_resume_when_the_wait_breaks_the_ttft():
     assert loose.live
 
 
+def test_a_victim_whose_engine_cannot_migrate_live_moves_stop_and_resume():
+    perf = _perf()
+    g0, g1, *_ = _cluster(perf)
+    fixed = {**MODELS, "small": replace(SMALL, live_migration=False)}  # e.g. served by OpenVINO
+    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=fixed)
+    assert plan.action is PlaceAction.PREEMPT_AND_ROUTE and not plan.live
+    assert plan.preempt_why == "stop-and-resume: the engine of small cannot migrate live"
+
+
 def test_without_live_preemption_the_plan_is_as_before():
     perf = _perf()
     g0, g1, *_ = _cluster(perf, CoreConfig())

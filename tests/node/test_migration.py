@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from functools import cache
 
 import httpx
@@ -21,7 +22,8 @@ import pytest
 
 from services.node.engines.base import SamplingParams
 from services.node.engines.torch_engine import TorchEngine
-from services.node.migration import MigrationPolicy, Next, choose_destination, next_step
+from services.node.migration import (MigrationPolicy, Next, choose_destination, engine_refusal,
+                                     next_step)
 from services.gateway.settings import GatewaySettings
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
@@ -86,6 +88,8 @@ def test_round_decisions_are_pure():
              NodeView("c", Hardware.CPU, 5)]
     assert choose_destination(nodes, "m", "a") == ("c", None)  # b drains, a is the source
     assert choose_destination(nodes[:2], "m", "a") is None
+    assert engine_refusal("torch") is None
+    assert "no extend" in engine_refusal("openvino") and "no extend" in engine_refusal("vllm")
 
 
 async def test_migrated_request_streams_the_unmigrated_output_once(connections, model_dir):
@@ -113,6 +117,39 @@ async def test_migrated_request_streams_the_unmigrated_output_once(connections, 
         assert from_a >= 20 + sum(n for n, _ in log.rounds)
         assert rid not in a.worker.live and a.worker.status(rid).reason == "moved"
         assert not b.worker.incoming
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+async def test_a_request_on_the_openvino_engine_is_refused_and_finishes_where_it_runs(connections,
+                                                                                      model_dir):
+    """The OpenVINO engine cannot take a request's tokens so far (no extend; a recompute at its
+    default precision does not continue the same greedy output): the source refuses to migrate
+    it and says why, and it finishes on the source, streamed once; a destination asked directly
+    refuses too."""
+    nc, redis = connections
+    a, b = await _nodes(nc, redis, model_dir)
+    for h in (a, b):
+        h.records["alpha"] = replace(h.records["alpha"], engine="openvino")
+    try:
+        req, reply = await a.admit("alpha", PROMPT, 64, ttft=60.0)
+        assert reply.accepted, reply.reason
+        rid = req.request_id
+        await until(lambda: len(a.tokens[rid]) >= 5, timeout_s=120, what="tokens from A")
+        reply = await a.command(NodeCommand(CommandKind.MIGRATE,
+                                            migrations=[MigrationTarget(rid, "mig-b", "")]))
+        assert reply.accepted, reply.reason
+        await until(lambda: any(m.request_id == rid for m in a.worker.migrations),
+                    what="the migration's outcome")
+        log = next(m for m in a.worker.migrations if m.request_id == rid)
+        assert not log.ok and "openvino engine cannot take" in log.reason and "no extend" in log.reason
+        begin = await b.command(NodeCommand(CommandKind.MIGRATE_BEGIN, request=req,
+                                            model=a.records["alpha"]))
+        assert not begin.accepted and begin.reason.startswith("engine: the openvino engine")
+        await a.wait([req], timeout=120)
+        assert a.finals[rid].node_id == "mig-a" and len(a.finals[rid].output_token_ids) == 64
+        assert a.streamed_once(req) and not b.worker.sched.node.instances
     finally:
         await a.worker.stop()
         await b.worker.stop()
