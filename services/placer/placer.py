@@ -365,9 +365,10 @@ class Placer:
                                                          "slinfer.admit_reason": a.reason.value})
 
     async def _offer_to_target(self, p: Pending, record: ModelRecord, nodes: list[NodeView]) -> bool:
-        """A request displaced by a preemption goes first to the node and instance the plan
-        validated for it (§VIII-A: preempted requests are moved, not queued). Only if that node
-        refuses now is it placed afresh. True if it was placed."""
+        """A request displaced by a stop-and-resume preemption (or whose live migration failed)
+        goes first to the node and instance the plan validated for it (§VIII-A: preempted
+        requests are moved, not queued). Only if that node refuses now is it placed afresh. True
+        if it was placed. (A live preemption's node moves them itself: services/node/migration.py.)"""
         req = p.request
         plan = PlacementPlan(PlaceAction.ROUTE, req.target_node, req.target_instance)
         p.request = replace(req, target_node=None, target_instance=None)  # one offer only

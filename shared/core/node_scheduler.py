@@ -303,8 +303,9 @@ class NodeScheduler:
     def _preempt_live(self, victims: list[str], request: RequestView, instance_id: str | None,
                       model: ModelSpec, now: float, adapter: AdapterSpec | None,
                       handover_s: float) -> AdmitResult:
-        if any(self._instance(v).status is not InstanceStatus.READY for v in victims):
-            return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))  # a loading victim: no live move
+        if any(self._instance(v).status is not InstanceStatus.READY and self._instance(v).requests
+               for v in victims):  # a loading victim's requests cannot move live (as planned)
+            return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         leaves_at = now + max(0.0, handover_s)
         ready = handover_ready_at(leaves_at)
         trial = handing_over(self.view(), set(victims), leaves_at)
