@@ -135,7 +135,8 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts),
-                                     pre.live, pre.handover_s, pre.why)
+                                     live=pre.live, handover_s=pre.handover_s,
+                                     preempt_why=pre.why)
 
     # A new instance preempts nobody: it has no batch, and only strictly smaller ones may go.
     for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
