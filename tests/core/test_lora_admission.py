@@ -29,7 +29,6 @@ def test_adapters_on_a_resident_backbone_cost_their_bytes_only():
     spec = model("m", weight_gb=4)
     sched = node(memory_gb=10, perf=perf_for(flat_profile("m", Hardware.GPU)))
     iid = loaded(sched, None, request("base"), spec)
-    before = sched.ledger.budget
     for i in range(8):
         res = sched.admit(request(f"r{i}", ttft=5.0), iid, spec, 0.0,
                           AdapterSpec(f"a{i}", 30 * MB))
