@@ -19,6 +19,9 @@ from `shared.adaptergen` (rank `--rank`, all seven projections, nonzero B):
    to the end by the same loop in both cases: admit waiting requests while their whole KV fits,
    prefill one, else decode the engine's batch; engines take turns. Max batch is the most
    requests holding KV at once. The paper: 1.65x tokens/s, 2.28x batch.
+5. (`--parts profile`) what `slinfer profile` records for the core: the profiler's own
+   `measure_lora` (services/profiler/measure.py) at ranks `--profile-ranks`, batch sizes 1..32,
+   i.e. the `Profile.lora` table the shadow validation charges adapter batches with.
 
     flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/lora.py --shape small
     flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/lora.py --shape llama-3.2-1b --parts cold,memory
@@ -51,7 +54,7 @@ from services.node.loader import CheckpointLoader, LoaderSettings, convert_check
 from shared.adaptergen import build_adapter  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
 
-PARTS = ("cold", "memory", "decode", "throughput")
+PARTS = ("cold", "memory", "decode", "throughput", "profile")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -330,6 +333,26 @@ def throughput(base: Path, adapters: list[Path], merged: list[Path], args, rng, 
     return result
 
 
+# --- 5. what the profiler records ---------------------------------------------------------------
+
+def profile_cost(base: Path, args) -> dict:
+    from dataclasses import asdict
+
+    from services.profiler.measure import ProfilePlan, _Ids, measure_lora
+
+    engine = TorchEngine(base, kv_capacity_bytes=None)
+    engine.load()
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    plan = ProfilePlan(max_batch=32, lora_ranks=tuple(args.profile_ranks))
+    started = time.perf_counter()
+    cost = measure_lora(engine, base, _Ids(vocab, args.seed), plan)
+    elapsed = time.perf_counter() - started
+    engine.unload()
+    return {"plan": {"max_batch": plan.max_batch, "context": plan.lora_len, "passes": plan.passes,
+                     "repeats": plan.repeats, "warmup": plan.warmup},
+            "lora": asdict(cost), "seconds": elapsed}
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
@@ -356,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: torch's default, the cores)")
+    parser.add_argument("--profile-ranks", default="8,16,32")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
+    args.profile_ranks = [int(r) for r in args.profile_ranks.split(",")]
     parts = [p for p in args.parts.split(",") if p]
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}")
@@ -396,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
             t = result["throughput"]
             print(json.dumps({"shared": t["shared"], "separate": t["separate"],
                               "ratios": [t["tokens_per_s_ratio"], t["max_batch_ratio"]]}), flush=True)
+        if "profile" in parts:
+            result["profile"] = profile_cost(base, args)
+            print(json.dumps(result["profile"]["lora"]), flush=True)
     result["machine"]["load_average_after"] = os.getloadavg()
     out = args.out or ROOT / "bench" / "results" / f"lora_{args.shape}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

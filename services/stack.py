@@ -85,7 +85,8 @@ def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: f
 def running_stack(data: Path, model_dir: Path, extra_env: Mapping[str, str] | None = None,
                   child_env: Mapping[str, Mapping[str, str]] | None = None,
                   profile: Profile | None = None,
-                  plan: ProfilePlan = ProfilePlan(max_len=512, max_batch=8, repeats=3, warmup=1),
+                  plan: ProfilePlan = ProfilePlan(max_len=512, max_batch=8, repeats=3, warmup=1,
+                                                  lora_ranks=(8,)),
                   base_env: Mapping[str, str] | None = None, model: str = MODEL) -> Iterator[Stack]:
     """The stack as real processes serving `model_dir` as `model`. `extra_env` goes to every
     service, `child_env[name]` to one (placer, node-0, gateway); `profile` (measured with `plan`
