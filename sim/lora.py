@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.perf_model import DecodeTable, PerfModel, Profile
-from shared.core.types import AdapterSpec, ModelSpec, RequestView, adapter_key, adapter_owner, slo_for_input
+from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, RequestView, adapter_key,
+                               adapter_owner, slo_for_input)
 from sim import profiles as prof
 from sim.baselines import BaselineSystem
 from sim.engine import RunResult, SimRequest, Usage, run
@@ -186,6 +187,10 @@ class LoraSlinferSystem(SlinferSystem):
 
     def _op_seconds(self, sn: SimNode, op: MemOp) -> float:
         owner = adapter_owner(op.instance_id)
+        if owner is not None and op.kind is MemOpKind.UNLOAD:
+            inst = sn.sched.node.instance(owner[0])
+            if inst is not None and inst.status is not InstanceStatus.UNLOADING:
+                self.rec.count("adapter_offloads")  # §4.3: dropped to make room, not with its backbone
         if owner is None or op.kind is not MemOpKind.LOAD:
             return super()._op_seconds(sn, op)
         nbytes = op.bytes_after - op.bytes_before
@@ -302,6 +307,7 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
         # new instances (a backbone, or a whole merged model) and adapters loaded onto one
         "instance_loads": m.counters.get("cold_starts", 0),
         "adapter_loads": m.counters.get("adapter_loads", 0),
+        "adapter_offloads": m.counters.get("adapter_offloads", 0),  # under memory pressure
         "adapter_loads_by_tier": {k.removeprefix("adapter_loads:"): v
                                   for k, v in sorted(m.counters.items())
                                   if k.startswith("adapter_loads:")},

@@ -196,3 +196,19 @@ def test_cli_lora_flags(tmp_path, capsys):
     assert rep["params"]["lora_adapters"] == 6 and rep["lora"]["backbones"] == 2
     assert cli_main(["--system", "sllm", "--lora-adapters", "6", "--no-progress"]) == 2
     assert "lora-serving merged" in capsys.readouterr().err
+
+
+def test_idle_adapters_are_offloaded_when_a_new_one_needs_the_room(monkeypatch):
+    # One GPU with room for the backbone, its KV pool (the eq. 2 floor of 4096 tokens at the 25%
+    # watermark) and two and a half adapters. Three functions call one after another: the third
+    # adapter fits only once an idle one is offloaded (§4.3), and it is served.
+    shape = P.SHAPES["7b"]
+    adapter = lora.shape_adapter_bytes(shape, 8)
+    kv_pool = int(shape.max_context * shape.kv_bytes_per_token * 1.25)
+    monkeypatch.setattr(P, "GPU_MEMORY_BYTES", shape.weight_bytes + kv_pool + int(2.5 * adapter))
+    reqs = [(0.0, 0, 256, 5), (2.0, 1, 256, 5), (4.0, 2, 256, 5)]
+    _, rq, m, _, _ = run_lora("shared", reqs, keep_alive=30.0)
+    assert all(r.slo_met for r in rq)
+    assert m.counters["cold_starts"] == 1 and m.counters["adapter_loads"] == 3
+    assert m.counters["adapter_offloads"] == 1
+    assert m.weight_peak <= P.GPU_MEMORY_BYTES
