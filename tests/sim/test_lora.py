@@ -212,3 +212,21 @@ def test_idle_adapters_are_offloaded_when_a_new_one_needs_the_room(monkeypatch):
     assert m.counters["cold_starts"] == 1 and m.counters["adapter_loads"] == 3
     assert m.counters["adapter_offloads"] == 1
     assert m.weight_peak <= P.GPU_MEMORY_BYTES
+
+
+def test_benchmark_section_is_generated_from_the_summary_and_replaced_in_place(tmp_path):
+    from bench.sim import lora as bench
+    row = {**{k: 1.0 for k in (*bench.KEYS, *bench.LORA_KEYS)}, "served_on": {"cpu": 1, "gpu": 0}}
+    runs = {f"main/{size}/{key}/s0": dict(row, slo_attainment=0.5 + i / 10, avg_gpu_nodes_used=4.0 - i)
+            for size in bench.SIZES for i, key in enumerate(
+                ["slinfer-shared", "slinfer-merged", "sllm-merged", "sllm+c-merged", "sllm+c+s-merged"])}
+    text = bench.table({"runs": runs, "meta": {"seeds": [0], "command": "x"}})
+    assert text.startswith(bench.BEGIN) and text.rstrip().endswith(bench.END)
+    assert "| SLINFER, shared backbones | 0.500 |" in text
+    assert "GPU nodes used 4.00 vs 3.00 merged (+33%)" in text
+    doc = tmp_path / "B.md"
+    doc.write_text("# Benchmarks\n\nbefore\n")
+    bench.write_section(doc, text)
+    once = doc.read_text()
+    bench.write_section(doc, text)
+    assert doc.read_text() == once and once.count(bench.BEGIN) == 1 and "before" in once
