@@ -9,7 +9,7 @@ backbones take `model_size`, or the `model_mix` split). Two ways to serve them:
   that holds the backbone is preferred); the node scheduler admits it with its `AdapterSpec`, so
   an adapter new to the instance costs its bytes plus its KV, not a model, and loads as its own
   memory op; idle adapters are offloaded under memory pressure (§4.3). A batch mixes adapters,
-  computed unmerged: every decode step of a backbone costs `decode_overhead(batch)` more.
+  computed unmerged: its iterations cost what `lora_cost()` adds (the core's `LoraCost`).
 - "merged" (one full model per function, ServerlessLLM-style): function i is its own model of
   its backbone's size (the adapter merged into a copy of the weights). Any system runs it:
   SLINFER's core, or the sllm baselines (`sim/baselines.py`), which cannot share a backbone.
@@ -25,12 +25,14 @@ Numbers (from `bench/lora.py`, bench/results/lora_*.json, rank 8 on all seven pr
 - An adapter loads at the DRAM-to-device rate of the profiles' backbone loads (13.48 GB/s, the
   paper's 1 s per 7B), or from the node's tiers when the run has them; no engine start-up (the
   backbone's engine is running).
-- Unmerged decode cost: +18.5% / +28.4% / +9.1% per decode step at batch 1 / 8 / 32 with four
-  adapters mixed (`small` shape, CPU, one thread), linear in log2(batch) between those points and
-  flat beyond them. ASSUMPTION: the same relative cost on the simulated Xeon and A100 (no GPU
-  figure is measured); `lora_decode_overhead` replaces it with a constant. It goes into the
-  backbones' decode tables, so the core plans with it and the engines take that long. Prefill is
-  left as profiled (rank-8 LoRA adds ~0.4% of a 7B projection's FLOPs).
+- Unmerged LoRA cost: the core's `Profile.lora` (a `LoraCost`) on every backbone profile, and
+  `RequestView.lora_rank` on every adapter request, so the core plans with it and the simulated
+  engines take that long (`predict_seconds`). Decode: +18.5% / +28.4% / +9.1% per step at batch
+  1 / 8 / 32 with four adapters mixed (`small` shape, CPU, one thread, rank 8), linear between
+  those points and flat beyond. Prefill: not measured; ASSUMPTION: the batch-32 figure (+9.1%),
+  the measured regime nearest a prefill's large matmuls. ASSUMPTION: the same relative cost on
+  the simulated Xeon and A100 (no GPU figure is measured) and at every rank (one rank measured).
+  `lora_decode_overhead` replaces all of it with one constant.
 
 Memory (this module's report section): the bytes of weights resident (backbones, merged models
 and adapters) and the bytes the nodes hold for instances (SLINFER: the memory ledger's budget,
@@ -40,13 +42,12 @@ time-averaged and at their peak.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from shared.core.memory import MemOp, MemOpKind
-from shared.core.perf_model import DecodeTable, PerfModel, Profile
+from shared.core.perf_model import LoraCost, PerfModel
 from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, RequestView, adapter_key,
                                adapter_owner, slo_for_input)
 from sim import profiles as prof
@@ -86,30 +87,13 @@ def shape_adapter_bytes(shape: prof.ModelShape, rank: int) -> int:
                          shape.kv_heads * shape.head_dim, rank, shape.dtype_bytes)
 
 
-def decode_overhead(batch: float, constant: float | None = None) -> float:
-    """The relative extra cost of an unmerged mixed-adapter decode step at this batch size."""
+def lora_cost(rank: int, constant: float | None = None) -> LoraCost:
+    """What unmerged LoRA adds to a backbone's iterations (see the module docstring)."""
     if constant is not None:
-        return constant
-    points = MEASURED_DECODE_OVERHEAD
-    if batch <= points[0][0]:
-        return points[0][1]
-    if batch >= points[-1][0]:
-        return points[-1][1]
-    x = math.log2(batch)
-    for (b0, y0), (b1, y1) in zip(points, points[1:]):
-        if batch <= b1:
-            x0, x1 = math.log2(b0), math.log2(b1)
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    raise AssertionError("unreachable")
-
-
-def with_lora_decode(profile: Profile, constant: float | None = None) -> Profile:
-    """The profile of a backbone serving unmerged adapters: every decode row costs more."""
-    table = profile.decode
-    rows = [[s * (1 + decode_overhead(b, constant)) for s in row]
-            for b, row in zip(table.batch_sizes, table.seconds)]
-    return replace(profile, decode=DecodeTable(list(table.batch_sizes), list(table.lengths), rows),
-                   source=profile.source + " + unmerged LoRA decode cost (sim/lora.py)")
+        return LoraCost.flat(constant, rank)
+    batches = [b for b, _ in MEASURED_DECODE_OVERHEAD]
+    decode = [o for _, o in MEASURED_DECODE_OVERHEAD]
+    return LoraCost([rank], batches, [decode], [MEASURED_DECODE_OVERHEAD[-1][1]], adapters=4)
 
 
 def check_config(cfg: SimConfig) -> None:
@@ -161,8 +145,9 @@ class LoraSlinferSystem(SlinferSystem):
 
     name = "slinfer"
 
-    def use_layout(self, lay: LoraLayout) -> None:
+    def use_layout(self, lay: LoraLayout, rank: int) -> None:
         self.layout = lay
+        self.rank = rank  # every adapter's: its requests' iterations cost what the profile says
         self._function: dict[str, str] = {}  # request id -> its function (adapter)
         self.waited_for_adapter: set[str] = set()  # requests whose first token waited for one
 
@@ -171,7 +156,8 @@ class LoraSlinferSystem(SlinferSystem):
         self._function[req.rid] = req.model
         backbone = self.models[self.layout.backbone_of[req.model]]
         view = RequestView(req.rid, backbone.name, req.input_len, req.arrival, req.slo,
-                           max_tokens=max(1, backbone.max_context - req.input_len))
+                           max_tokens=max(1, backbone.max_context - req.input_len),
+                           lora_rank=self.rank)
         self._place(view)
 
     def _adapter(self, view: RequestView) -> AdapterSpec | None:
@@ -202,10 +188,10 @@ class LoraSlinferSystem(SlinferSystem):
         return seconds
 
 
-def lora_perf(perf: PerfModel, constant: float | None) -> None:
-    """Every backbone profile in `perf`, in place, with the unmerged decode cost."""
+def lora_perf(perf: PerfModel, cost: LoraCost) -> None:
+    """Every backbone profile in `perf`, in place, with the unmerged LoRA cost."""
     for key, p in list(perf.profiles.items()):
-        perf.profiles[key] = with_lora_decode(p, constant)
+        perf.profiles[key] = replace(p, lora=cost, source=p.source + " + unmerged LoRA (sim/lora.py)")
 
 
 # --- memory accounting -----------------------------------------------------------------------
@@ -277,8 +263,8 @@ def build_system(cfg: SimConfig, lay: LoraLayout):
     cluster = Cluster(dict(lay.backbones), {b: lay.size_of[b] for b in lay.backbones}, book)
     system = build_plain(cfg, cluster, slinfer_cls=LoraSlinferSystem)
     assert isinstance(system, LoraSlinferSystem)
-    system.use_layout(lay)
-    lora_perf(system.perf, cfg.lora_decode_overhead)
+    system.use_layout(lay, cfg.lora_rank)
+    lora_perf(system.perf, lora_cost(cfg.lora_rank, cfg.lora_decode_overhead))
     return system, (lambda: slinfer_memory(system))
 
 
@@ -300,10 +286,11 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
         "backbones": len(lay.backbones),
         "rank": cfg.lora_rank,
         "adapter_bytes": dict(sorted(adapter_sizes.items())),
-        "decode_overhead": ("none (merged weights)" if cfg.lora_serving == "merged"
-                            else cfg.lora_decode_overhead if cfg.lora_decode_overhead is not None
-                            else "measured: " + ", ".join(f"b{b} +{o:.1%}"
-                                                          for b, o in MEASURED_DECODE_OVERHEAD)),
+        "unmerged_cost": ("none (merged weights)" if cfg.lora_serving == "merged"
+                          else cfg.lora_decode_overhead if cfg.lora_decode_overhead is not None
+                          else "measured decode: " + ", ".join(
+                              f"b{b} +{o:.1%}" for b, o in MEASURED_DECODE_OVERHEAD)
+                          + f"; prefill +{MEASURED_DECODE_OVERHEAD[-1][1]:.1%} (assumed)"),
         # new instances (a backbone, or a whole merged model) and adapters loaded onto one
         "instance_loads": m.counters.get("cold_starts", 0),
         "adapter_loads": m.counters.get("adapter_loads", 0),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, slo_for_input
 from sim import lora
 from sim import profiles as P
@@ -59,18 +60,24 @@ def test_simulated_shapes_adapter_bytes():
     assert lora.shape_adapter_bytes(P.SHAPES["3b"], 8) < b7 < lora.shape_adapter_bytes(P.SHAPES["13b"], 8)
 
 
-def test_decode_overhead_is_the_measured_curve():
+def test_unmerged_cost_is_the_measured_curve_in_the_core_profile():
     rows = json.loads((RESULTS / "lora_small.json").read_text())["decode"]["rows"]
+    cost = lora.lora_cost(8)
     for (batch, value), row in zip(lora.MEASURED_DECODE_OVERHEAD, rows):
         assert row["batch"] == batch and value == pytest.approx(row["overhead"], abs=1e-4)
-        assert lora.decode_overhead(batch) == value
-    assert lora.decode_overhead(512) == lora.decode_overhead(32)  # flat past the last point
-    assert lora.decode_overhead(1) < lora.decode_overhead(4) < lora.decode_overhead(8)
-    assert lora.decode_overhead(64, constant=0.05) == 0.05
-    base = P.gpu_profile(P.SHAPES["7b"])
-    slower = lora.with_lora_decode(base)
-    assert slower.decode_s(8, 1000) == pytest.approx(base.decode_s(8, 1000) * 1.2837)
-    assert slower.prefill_s(1000) == base.prefill_s(1000)  # prefill left as profiled
+        assert cost.decode_factor(8, batch) == pytest.approx(1 + value)
+    assert cost.decode_factor(8, 512) == cost.decode_factor(8, 32)  # flat past the last point
+    assert cost.decode_factor(8, 1) < cost.decode_factor(8, 4) < cost.decode_factor(8, 8)
+    assert cost.prefill_factor(8) == pytest.approx(1.0913)  # assumed: the batch-32 figure
+    assert lora.lora_cost(8, constant=0.05).decode_factor(8, 64) == pytest.approx(1.05)
+    # In the profiles the core plans with: adapter requests pay it, plain ones do not.
+    perf = PerfModel({("m", Hardware.GPU): P.gpu_profile(P.SHAPES["7b"])})
+    base = perf.get("m", Hardware.GPU)
+    lora.lora_perf(perf, cost)
+    slower = perf.get("m", Hardware.GPU)
+    assert slower.decode_s(8, 1000) == base.decode_s(8, 1000)
+    assert slower.decode_s(8, 1000) * slower.lora_decode_factor(8, 8) == pytest.approx(
+        base.decode_s(8, 1000) * 1.2837)
 
 
 def test_layout_spreads_functions_over_backbones():
