@@ -385,8 +385,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
     procs, logs = [], []
     nc = await nats.connect(nats_url)
     redis = Redis.from_url(redis_url)
-    stop = asyncio.Event()
-    runner = None
+    loop = {"stop": asyncio.Event(), "runner": None}  # the placer's run loop
     try:
         await ensure_streams(nc.jetstream())
         await ModelRegistry(redis).register(record)
@@ -400,7 +399,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                    "SLINFER_NODE_DRAM_CACHE_BYTES": str(size + (256 << 20)),
                    "SLINFER_NODE_DISK_CACHE_BYTES": "0", "SLINFER_DATA_DIR": str(tmp),
                    "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "1",
-                   "SLINFER_HEARTBEAT_S": "0.05", "SLINFER_CALIBRATION": "false",
+                   "SLINFER_HEARTBEAT_S": "0.1", "SLINFER_CALIBRATION": "false",
                    "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
                    "SLINFER_MULTICAST_HOST": "127.0.0.1", "SLINFER_MULTICAST_PORT": "0"}
             log = open(tmp / f"{name}.log", "wb")
@@ -422,6 +421,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
             return set(names) <= set(await views())
 
         await wait(all_up, "the node workers", 600)
+        print(f"{len(names)} node workers up", flush=True)
 
         async def ask(node: str, body: dict, timeout: float = 600.0) -> dict:
             msg = await nc.request(multicast_node_subject(node), json.dumps(body).encode(),
@@ -432,27 +432,40 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
             return reply
 
         await ask("n0", {"op": "load", "model_path": record.path})  # the holder's DRAM tier
-        placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
+        placer = Placer(PlacerSettings(nats_url, redis_url,
+                                       CoreConfig(require_matrix_accel=False)), nc, redis)
         await placer.start()
-        runner = asyncio.create_task(placer.run(stop))
+        loop["runner"] = asyncio.create_task(placer.run(loop["stop"]))
+
+        async def pause_placer() -> None:
+            loop["stop"].set()
+            await loop["runner"]
+            loop["stop"], loop["runner"] = asyncio.Event(), None
+
+        def resume_placer() -> None:
+            loop["runner"] = asyncio.create_task(placer.run(loop["stop"]))
 
         async def burst(dests: list[str], method: str) -> dict:
             placer.s = dataclasses.replace(placer.s, core=CoreConfig(
+                require_matrix_accel=False,  # as the nodes run (SLINFER_REQUIRE_MATRIX_ACCEL)
                 enable_multicast=method == "multicast", force_multicast=method == "multicast"))
 
             async def unloaded() -> bool:
                 v = await views()
-                return all(not v[d].instances and not v[d].storage.arriving for d in names[1:])
+                return all(d in v and not v[d].instances and not v[d].storage.arriving
+                           for d in names[1:])
 
             async def dropped() -> bool:
                 v = await views()
-                return all(v[d].storage.holds.get(record.name) != "dram" for d in names[1:]) \
-                    and v["n0"].storage.holds.get(record.name) == "dram"
+                return all(d in v and v[d].storage.holds.get(record.name) != "dram"
+                           for d in names[1:]) \
+                    and "n0" in v and v["n0"].storage.holds.get(record.name) == "dram"
 
             await wait(unloaded, "the last burst's instances unloaded (keep-alive)")
             await asyncio.gather(*(ask(d, {"op": "drop", "model_path": record.path})
                                    for d in names[1:]))
             await wait(dropped, "the destinations' DRAM tiers without the model")
+            print(f"burst {method} k={len(dests)}", flush=True)
             for f in files:
                 drop_page_cache(f)
             reports_before = len(placer.multicast_reports)
@@ -470,6 +483,8 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                         finals[rid] = m
                 return cb
 
+            # The burst arrives at once: the placer sees all of it in one turn.
+            await pause_placer()
             rids = [f"burst-{method}-{len(dests)}-{uuid_hex()}" for _ in dests]
             for rid in rids:
                 await nc.subscribe(token_subject(rid), cb=on_token(rid))
@@ -479,6 +494,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                                        t0, 600.0, 5.0, temperature=0.0)
                 await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
                                              headers={"Nats-Msg-Id": rid})
+            resume_placer()
             deadline = time.monotonic() + 900
             while len(finals) < len(rids):
                 if time.monotonic() > deadline:
@@ -528,9 +544,9 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                   flush=True)
             result["rows"].append(row)
     finally:
-        stop.set()
-        if runner is not None:
-            await runner
+        loop["stop"].set()
+        if loop["runner"] is not None:
+            await loop["runner"]
         await nc.close()
         await redis.aclose()
         for proc in procs:
