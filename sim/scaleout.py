@@ -20,11 +20,13 @@ What is modelled
   `multicast_seconds`). A node's link carries one multicast at a time: a source is busy for its
   session's injection phase, a destination until it holds the model.
 - Execute-while-load (§4.3): destinations form pipelines (`execution_pipelines`, Algorithm 2);
-  once the nodes of a destination's pipeline hold every block between them its instance serves
-  (the core sees the load done then). Each iteration costs the local compute (the pipeline's nodes
-  compute the layers they hold, in turn) plus one activation transfer per hop: tokens x hidden x
-  2 bytes over the link plus the step latency, one hop per pipeline node (the last returns the
-  sampled token to the first). With as many batches in flight as the pipeline has nodes (λScale's
+  once `shared.core.pipeline.pipeline_stages` finds a cover of every layer by the layers its
+  nodes hold (`layers_held`: every byte of a layer's tensors in held blocks, the blocks cut by
+  `cut_blocks` from the checkpoint's layout; one node holding the embeddings and the LM head), the
+  destination's instance serves (the core sees the load done then). Each iteration costs the
+  local compute (the stages compute their layers in turn) plus one activation transfer per stage:
+  tokens x hidden x 2 bytes over the link plus the step latency (the last returns the sampled
+  token to the head). With as many batches in flight as the pipeline has nodes (λScale's
   2-D pipeline, Fig. 6a) each node computes its share of the layers of every batch, so each
   destination serving its own batch at that cost is the pipeline's throughput.
 - Mode switch (§4.4): once the node holds the whole model, its next iteration first rebuilds its
@@ -45,14 +47,17 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shared.core.multicast import DEFAULT_BLOCKS, execution_pipelines, kway_schedule, subgroups
+from shared.core.multicast import (DEFAULT_BLOCKS, Block, cut_blocks, execution_pipelines,
+                                   kway_schedule, subgroups)
 from shared.core.perf_model import Profile
+from shared.core.pipeline import TensorSpan, layers_held, pipeline_stages
 from shared.core.types import StorageView
 
 STEP_LATENCY_S = 50e-6  # one RDMA round trip and block bookkeeping per step (bench/scaleout.py)
 MAX_SOURCES = 4  # λScale evaluates k in {1, 2, 4}
 ACTIVATION_BYTES = 2  # 16-bit activations
 MULTICAST_TIER = "multicast"  # the pseudo-tier a node reports for a model it would receive
+VOCAB = 32000  # Llama-2's vocabulary: the embeddings and the LM head are the model's "head"
 
 
 @dataclass(frozen=True)
@@ -84,30 +89,64 @@ class ScaleoutConfig:
 
 
 @dataclass(frozen=True)
+class Shape:
+    """What decides which layers a set of blocks holds: the checkpoint's byte layout."""
+
+    weight_bytes: int
+    layers: int
+    hidden: int
+
+
+def layout(shape: Shape, blocks: int) -> tuple[list[TensorSpan], list[Block]]:
+    """The checkpoint as one partition: embeddings, the decoder layers (equal sizes), the LM head,
+    cut into blocks by the node workers' own `cut_blocks` (at tensor boundaries where near)."""
+    head = min(VOCAB * shape.hidden * 2, shape.weight_bytes // 4)
+    per = (shape.weight_bytes - 2 * head) // shape.layers
+    tensors = [TensorSpan("model.embed_tokens.weight", "p0", 0, head)]
+    for i in range(shape.layers):
+        tensors.append(TensorSpan(f"model.layers.{i}.weight", "p0", head + i * per,
+                                  head + (i + 1) * per))
+    end = head + shape.layers * per
+    tensors.append(TensorSpan("lm_head.weight", "p0", end, end + head))
+    return tensors, cut_blocks([("p0", end + head)], {"p0": [t.start for t in tensors]}, blocks)
+
+
+@dataclass(frozen=True)
 class PlanTimes:
     """Per node of a k -> N plan: the step after which it holds every block, and the step after
-    which its execution pipeline holds every block between its nodes (with the pipeline's size)."""
+    which its execution pipeline can serve (with the number of stages it serves in)."""
 
     full: dict[int, int]
     pipeline: dict[int, tuple[int, int]]
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_times(n: int, k: int, blocks: int) -> PlanTimes:
+def plan_times(n: int, k: int, blocks: int, shape: Shape | None = None) -> PlanTimes:
+    """`shape` given: a pipeline serves once `shared.core.pipeline.pipeline_stages` finds a cover
+    of every layer with a head node (what the node workers' stages need: every byte of a layer's
+    tensors, and one node holding the embeddings and the LM head); without it, once its nodes
+    hold every block between them."""
+    tensors, cut = layout(shape, blocks) if shape is not None else ([], [])
+    nblocks = len(cut) if shape is not None else blocks
     arrive: dict[int, dict[int, int]] = {}
-    for t in kway_schedule(n, k, blocks):
+    for t in kway_schedule(n, k, nblocks):
         got = arrive.setdefault(t.dst, {})
         got[t.block] = min(got.get(t.block, t.step), t.step)
     full = {node: max(steps.values()) + 1 for node, steps in arrive.items()}
     pipes: dict[int, tuple[int, int]] = {}
     for pipe in execution_pipelines(subgroups(n, k)):
-        first: dict[int, int] = {}
-        for node in pipe:
-            for block, step in arrive.get(node, {}).items():
-                first[block] = min(first.get(block, step), step)
-        if len(first) == blocks:
-            done = max(first.values()) + 1
-            pipes.update({node: (done, len(pipe)) for node in pipe})
+        for step in sorted({s for node in pipe for s in arrive.get(node, {}).values()}):
+            held = {node: {b for b, s in arrive.get(node, {}).items() if s <= step} for node in pipe}
+            if shape is None:
+                if len(set().union(*held.values())) == nblocks:
+                    pipes.update({node: (step + 1, len(pipe)) for node in pipe})
+                    break
+                continue
+            stages = pipeline_stages([layers_held(tensors, cut, held[node], str(node))
+                                      for node in pipe], shape.layers)
+            if stages is not None:
+                pipes.update({node: (step + 1, len(stages)) for node in pipe})
+                break
     return PlanTimes(full, pipes)
 
 
@@ -139,9 +178,13 @@ class _Mode:
 class Multicaster:
     """The cluster's multicasts: sessions per model, link occupancy, instances in pipeline mode."""
 
-    def __init__(self, config: ScaleoutConfig, hidden: dict[str, int]) -> None:
+    def __init__(self, config: ScaleoutConfig, hidden: dict[str, int],
+                 shapes: dict[str, Shape] | None = None) -> None:
         self.config = config
         self.hidden = hidden  # model -> hidden size (activation bytes per token / 2)
+        # model -> its checkpoint's shape: pipelines are `shared.core.pipeline`'s stage covers
+        # (without one: a pipeline serves once its nodes hold every block between them)
+        self.shapes = shapes or {}
         self.sessions: dict[str, _Session] = {}
         self.link_free: dict[str, float] = {}  # node -> when its link is free
         self.arriving: dict[tuple[str, str], float] = {}  # (node, model) -> when it has it all
@@ -182,7 +225,7 @@ class Multicaster:
             session = _Session(model, start, sources, step, start + self.config.blocks * step)
         k = len(session.sources)
         j = k + len(session.dests)  # this destination's node index in the plan
-        times = plan_times(j + 1, k, self.config.blocks)
+        times = plan_times(j + 1, k, self.config.blocks, self.shapes.get(model))
         step, blocks = session.step_s, self.config.blocks
         receive = max(now, self.link_free.get(dest, 0.0))
         full = max(session.start + times.full[j] * step, receive + blocks * step)
@@ -391,7 +434,9 @@ def multicaster(cfg: Any, cluster: Any, storage: dict[str, Any] | None) -> Multi
     config = config_of(extra)
     if config is None:
         return None
-    return Multicaster(config, {m: SHAPES[size].hidden for m, size in cluster.sizes.items()})
+    return Multicaster(config, {m: SHAPES[size].hidden for m, size in cluster.sizes.items()},
+                       {m: Shape(cluster.specs[m].weight_bytes, SHAPES[size].layers, SHAPES[size].hidden)
+                        for m, size in cluster.sizes.items()})
 
 
 def cocoserve_settings(cfg: Any, cluster: Any) -> tuple[float, dict[str, int], dict[str, int]] | None:

@@ -7,8 +7,8 @@ import pytest
 
 from shared.core.multicast import binomial_steps
 from sim.profiles import SHAPES, gpu_profile
-from sim.scaleout import (Multicaster, ScaleoutConfig, Spikes, plan_times, spike_arrivals,
-                          start_load)
+from sim.scaleout import (Multicaster, ScaleoutConfig, Shape, Spikes, layout, plan_times,
+                          spike_arrivals, start_load)
 from sim.simulate import SimConfig
 from sim.storage import NodeStorage, TierSpec
 from sim.workload import Arrival, LengthSampler
@@ -35,6 +35,21 @@ def test_two_sources_give_two_destinations_a_pipeline_after_about_half_the_block
     assert times.pipeline[2] == times.pipeline[3]
     steps, m = times.pipeline[2]
     assert m == 2 and steps <= 9 < times.full[2]
+
+
+def test_a_pipeline_serves_once_the_core_finds_a_stage_cover_with_a_head_node():
+    """With the checkpoint's layout, `shared.core.pipeline` decides: every layer's tensors and one
+    node with both the embeddings (first block) and the LM head (last block): a step later than
+    "every block somewhere", and in more stages than nodes (the head runs both ends)."""
+    shape = Shape(THIRTEEN, SHAPES["13b"].layers, SHAPES["13b"].hidden)
+    union, stages = plan_times(4, 2, 16), plan_times(4, 2, 16, shape)
+    assert stages.full == union.full
+    (u_step, u_nodes), (s_step, s_stages) = union.pipeline[2], stages.pipeline[2]
+    assert u_nodes == 2 and s_step > u_step and s_stages >= 2
+    assert s_step < stages.full[2]
+    tensors, blocks = layout(shape, 16)
+    assert sum(t.end - t.start for t in tensors) == blocks[-1].end <= THIRTEEN
+    assert len(blocks) == 16
 
 
 def test_a_multicast_start_is_ready_before_a_registry_load_when_a_node_holds_the_model():
