@@ -96,10 +96,12 @@ class CoCoServe:
     """The controller: scale-up by layer replication, module reduction under pressure."""
 
     def __init__(self, system: SlinferSystem, link_gbps: float, layers: dict[str, int],
-                 hidden: dict[str, int]) -> None:
+                 hidden: dict[str, int], empty_hosts: bool = False) -> None:
         if not link_gbps > 0:
             raise ValueError("cocoserve link_gbps must be > 0")
         self.sys = system
+        # False: fragments only (nodes already holding an instance); True: empty nodes too
+        self.empty_hosts = empty_hosts
         self.link_bytes_per_s = link_gbps * 1e9 / 8
         self.layers = layers  # model -> decoder layers
         self.hidden = hidden  # model -> hidden size
@@ -158,20 +160,24 @@ class CoCoServe:
 
     def _devices(self, sn: SimNode, model: str, layer_bytes: int) -> list[Device]:
         """Idle fragments: nodes of the instance's kind holding an instance but running no
-        request, with room for a layer; the most free memory first."""
+        request (with `empty_hosts`, empty nodes after them), with room for a layer; the most
+        free memory first."""
         hw = sn.sched.node.hardware
         out = []
         for other in self.sys.nodes.values():
             node = other.sched.node
-            if other is sn or node.hardware is not hw or not node.instances or node.draining:
+            if other is sn or node.hardware is not hw or node.draining:
+                continue
+            empty = not node.instances and other.node_id not in self.hosts()
+            if empty and not self.empty_hosts:
                 continue
             if any(i.requests for i in node.instances):
                 continue
             free = node.memory_bytes - node.budget_bytes
             if free >= layer_bytes:
-                out.append((free, node.node_id))
-        out.sort(key=lambda x: (-x[0], x[1]))
-        return [Device(name, min(self.layers[model], free // layer_bytes)) for free, name in out]
+                out.append((empty, free, node.node_id))
+        out.sort(key=lambda x: (x[0], -x[1], x[2]))
+        return [Device(name, min(self.layers[model], free // layer_bytes)) for _, free, name in out]
 
     def _scale_up(self, sn: SimNode, inst) -> bool:
         model = inst.model.name

@@ -373,6 +373,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cocoserve", action="store_true",
                    help="CoCoServe (slinfer only): an instance under a spike replicates layers "
                         "onto idle nodes instead of scaling out; replicas are shed under pressure")
+    g.add_argument("--cocoserve-empty-hosts", action="store_true",
+                   help="CoCoServe may also put replicas on empty nodes (default: only on nodes "
+                        "that already hold an instance, CoCoServe's idle fragments)")
     g.add_argument("--spikes", type=int, default=0, help="load spikes added to the workload")
     g.add_argument("--spike-requests", type=int, default=200)
     g.add_argument("--spike-window", type=float, default=10.0)
@@ -386,7 +389,8 @@ def extra_from(args: argparse.Namespace) -> dict[str, Any]:
         extra["scaleout"] = {"link_gbps": args.link_gbps, "blocks": args.multicast_blocks,
                              "execute_while_load": not args.no_execute_while_load}
     if args.cocoserve:
-        extra["cocoserve"] = {"link_gbps": args.link_gbps or 100.0}
+        extra["cocoserve"] = {"link_gbps": args.link_gbps or 100.0,
+                              "empty_hosts": args.cocoserve_empty_hosts}
     if args.spikes:
         extra["spikes"] = {"count": args.spikes, "requests": args.spike_requests,
                            "window_s": args.spike_window}
@@ -439,12 +443,14 @@ def multicaster(cfg: Any, cluster: Any, storage: dict[str, Any] | None) -> Multi
                         for m, size in cluster.sizes.items()})
 
 
-def cocoserve_settings(cfg: Any, cluster: Any) -> tuple[float, dict[str, int], dict[str, int]] | None:
-    """CoCoServe's (link Gb/s, model -> layers, model -> hidden size); None without --cocoserve."""
+def cocoserve_settings(cfg: Any, cluster: Any) -> tuple | None:
+    """CoCoServe's (link Gb/s, model -> layers, model -> hidden size, replicas on empty nodes
+    too); None without --cocoserve."""
     from sim.profiles import SHAPES
 
     if "cocoserve" not in cfg.extra:
         return None
     shapes = {m: SHAPES[size] for m, size in cluster.sizes.items()}
     return (float(cfg.extra["cocoserve"].get("link_gbps", 100.0)),
-            {m: s.layers for m, s in shapes.items()}, {m: s.hidden for m, s in shapes.items()})
+            {m: s.layers for m, s in shapes.items()}, {m: s.hidden for m, s in shapes.items()},
+            bool(cfg.extra["cocoserve"].get("empty_hosts", False)))

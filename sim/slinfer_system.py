@@ -57,7 +57,7 @@ class SlinferSystem:
                  config: CoreConfig, noise: IterationNoise | None = None,
                  storage: dict[str, NodeStorage] | None = None,
                  scaleout: Multicaster | None = None,
-                 cocoserve: tuple[float, dict[str, int], dict[str, int]] | None = None):
+                 cocoserve: tuple | None = None):
         self.config = config
         self.scaleout = scaleout  # λScale's multicast and execute-while-load (sim/scaleout.py)
         self.noise = noise or IterationNoise(0.0, 0)

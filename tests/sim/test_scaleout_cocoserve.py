@@ -153,3 +153,21 @@ def test_without_a_fragment_nothing_is_replicated():
         runs.append(([(q.first_token_at, q.finished_at) for q in sys_.reqs.values()],
                       {k: v for k, v in metrics.counters.items()}))
     assert runs[0] == runs[1]
+
+
+def test_empty_nodes_host_replicas_only_when_allowed():
+    """By default replicas go to idle fragments only; with empty_hosts an empty node takes them."""
+    for empty, expect in ((False, 0), (True, 1)):
+        cfg = SimConfig(system="slinfer", models=1, model_size="7b", cpu_nodes=0, gpu_nodes=2,
+                        keep_alive=1000.0, noise=0.0,
+                        extra={"cocoserve": {"link_gbps": 400.0, "empty_hosts": empty}})
+        sys_ = build_system(cfg, build_cluster(cfg))
+        loop, metrics = EventLoop(), Metrics()
+        sys_.bind(loop, metrics)
+        (a,) = sorted(sys_.models)
+        arrive(sys_, "w", a, 0.0, node="gpu0")
+        advance(sys_, loop, 10.0)
+        for i in range(40):
+            arrive(sys_, f"x{i}", a, 10.0 + 0.001 * i, inp=2048, out=100)
+        assert metrics.counters["cocoserve_scale_ups"] == expect
+        assert ("gpu1" in sys_.cocoserve.hosts()) is bool(expect)
