@@ -267,3 +267,26 @@ def plan_layer_move(spec: ModelSpec, kv_bytes: int, kv_used_bytes: int, layers: 
 def stage_key(instance_id: str, start: int, end: int) -> str:
     """The ledger entry of an instance's stage on another node."""
     return f"{instance_id}/layers/{start}:{end}"
+
+
+def relative_hop_cost(profile: Profile, hop: HopCost, layers: int, batch: int,
+                      avg_len: float) -> float:
+    """The speedup model's C for this instance now: one hop of the batch's activations over one
+    layer's share of a decode step (`scale_up` and `eviction_order` take it)."""
+    layer_s = profile.decode_s(batch, avg_len) / layers
+    return hop.seconds(batch) / layer_s if layer_s > 0 else math.inf
+
+
+def layers_to_shed(spec: ModelSpec, kv_bytes: int, layers: int, layers_here: int,
+                   head_bytes: int, deficit_bytes: int) -> int | None:
+    """Module reduction's first action under memory pressure: the fewest layers whose migration
+    frees `deficit_bytes` on the node (their weights and their share of the K/V pool); None
+    when even shedding all but one layer would not (the next action: evict replicas, then the
+    batch, then the instance)."""
+    if deficit_bytes <= 0:
+        return 0
+    for moved in range(1, layers_here):
+        if plan_layer_move(spec, kv_bytes, 0, layers, layers_here, moved,
+                           head_bytes).dest_bytes >= deficit_bytes:
+            return moved
+    return None

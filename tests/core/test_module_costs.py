@@ -140,3 +140,28 @@ def test_a_layer_move_is_accounted_on_both_ledgers():
     ok, (shrink,) = source.request(MemOpKind.SCALE, "a", move.source_bytes_after, 3.0)
     source.complete("a", shrink.op_id, 3.5)
     assert source.allocated("a") + dest.allocated(key) == spec.weight_bytes + kv_pool
+
+
+def test_the_measured_hop_feeds_the_speedup_model():
+    """A cheap link lets Algorithm 1 replicate; a link whose hop costs more than a layer's share
+    of the step leaves the instance as it is."""
+    from shared.core.modules import Device, relative_hop_cost, scale_up
+
+    base = _proportional()
+    cheap = relative_hop_cost(base, HopCost(1e-5, 1e10, 4096), 16, 16, 16)
+    dear = relative_hop_cost(base, HopCost(0.5, 1e8, 4096), 16, 16, 16)
+    assert cheap < 0.01 and dear > 10
+    assert scale_up(Replication(16), [Device("d1", 8)], cheap).replicas() == 8
+    assert scale_up(Replication(16), [Device("d1", 8)], dear).replicas() == 0
+
+
+def test_layers_to_shed_frees_the_deficit_with_the_fewest_layers():
+    from shared.core.modules import layers_to_shed
+
+    spec = model("m", weight_gb=2.0, kv_per_token=16 * 1024)
+    head, pool = int(0.5 * GB), 1 * GB
+    per_layer = layer_weight_bytes(spec, 16, head) + pool // 16
+    assert layers_to_shed(spec, pool, 16, 16, head, 0) == 0
+    assert layers_to_shed(spec, pool, 16, 16, head, per_layer) == 1
+    assert layers_to_shed(spec, pool, 16, 16, head, per_layer + 1) == 2
+    assert layers_to_shed(spec, pool, 16, 16, head, 16 * per_layer) is None  # keeps one layer
