@@ -14,10 +14,14 @@ them. Measured, on one model shape:
   cost instance-level scaling pays per move), plus re-prefilling the requests in flight (a moved
   instance must rebuild their K/V);
 - pipeline vs local: prefill (128, 512 tokens) and one decode step (batch 1, 8) with the second
-  half of the layers in a stage process, against the local instance; the difference per
-  iteration / 2 is the measured hop (the `HopCost.latency_s` the core charges a pipeline);
+  half of the layers in a stage process, against the local instance, both loaded and measured in
+  turns; the difference per iteration / 2 is the measured hop (the `HopCost.latency_s` the core
+  charges a pipeline);
 - replication: a decode step (batch 8) with the second half of the layers replicated on a stage
-  process (the batch split in two, the halves computed concurrently) against the local one.
+  process (the batch split in two, the halves computed concurrently) against the local one, in
+  turns.
+
+Results are written after each part (a run cut short keeps what it measured).
 
     flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/modules.py --shape llama-3.2-1b
     .venv/bin/python bench/modules.py --table bench/results/modules_llama-3.2-1b.json
@@ -79,39 +83,47 @@ def _start_requests(engine: TorchEngine, n: int, prompt: int, tag: str) -> list[
     return ids
 
 
-def _prefill_s(engine: TorchEngine, n: int, repeats: int) -> float:
-    times = []
+def _paired_prefill(engines: dict[str, TorchEngine], n: int, repeats: int) -> dict[str, float]:
+    """Median prefill of n tokens on each engine, the engines taking turns (a change of the
+    box's load hits both alike)."""
+    times: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(repeats):
-        rid = f"p{n}-{r}"
-        engine.add_request(rid, _prompt(n, r), PARAMS)
-        times.append(_timed(lambda: engine.prefill(rid)))
-        engine.release(rid)
-    return statistics.median(times)
+        for name, engine in engines.items():
+            rid = f"p{n}-{r}"
+            engine.add_request(rid, _prompt(n, r), PARAMS)
+            times[name].append(_timed(lambda: engine.prefill(rid)))
+            engine.release(rid)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _decode_s(engine: TorchEngine, batch: int, steps: int, context: int = 128,
-              seen: dict | None = None) -> float:
+def _paired_decode(engines: dict[str, TorchEngine], batch: int, steps: int,
+                   context: int = 128) -> tuple[dict[str, float], dict]:
+    """Median decode step of `batch` requests on each engine, taking turns step by step; also
+    how the rows were assigned to replicas (before they are released)."""
     ids = [f"d{batch}-{k}" for k in range(batch)]
-    for k, rid in enumerate(ids):
-        engine.add_request(rid, _prompt(context, k), PARAMS)
-        engine.prefill(rid)
-    engine.decode(ids)  # warm
-    times = [_timed(lambda: engine.decode(ids)) for _ in range(steps)]
-    if seen is not None:
-        seen.update(engine.layout().assigned)  # rows per replica, before they are released
-    for rid in ids:
-        engine.release(rid)
-    return statistics.median(times)
+    for engine in engines.values():
+        for k, rid in enumerate(ids):
+            engine.add_request(rid, _prompt(context, k), PARAMS)
+            engine.prefill(rid)
+        engine.decode(ids)  # warm
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            times[name].append(_timed(lambda: engine.decode(ids)))
+    assigned = {name: engine.layout().assigned for name, engine in engines.items()}
+    for engine in engines.values():
+        for rid in ids:
+            engine.release(rid)
+    return {k: statistics.median(v) for k, v in times.items()}, assigned
 
 
-def _iterations(engine: TorchEngine, repeats: int, steps: int) -> dict:
-    return {"prefill_128_s": _prefill_s(engine, 128, repeats),
-            "prefill_512_s": _prefill_s(engine, 512, repeats),
-            "decode_b1_s": _decode_s(engine, 1, steps),
-            "decode_b8_s": _decode_s(engine, 8, steps)}
+def _save(out: dict, path: Path) -> None:
+    out["load_average_after"] = os.getloadavg()
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
-def measure(shape: str, data_dir: Path, repeats: int, steps: int, threads: int) -> dict:
+def measure(shape: str, data_dir: Path, repeats: int, steps: int, threads: int,
+            path: Path) -> dict:
     model = ensure_model(data_dir, shape, shape)
     if read_index(default_checkpoint_dir(model)) is None:
         convert_checkpoint(model)
@@ -124,75 +136,79 @@ def measure(shape: str, data_dir: Path, repeats: int, steps: int, threads: int) 
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
-    # -- the local instance, and a whole-instance reload ---------------------------------------
-    engine = TorchEngine(model, loader=loader)
-    cold = _timed(engine.load)
-    out["local"] = _iterations(engine, repeats, steps)
-    ids = _start_requests(engine, IN_FLIGHT, IN_FLIGHT_PROMPT, "r")
-    weights = engine.memory().weight_bytes
-    engine.unload()
+    # -- pipeline vs local: both loaded, measured in turns --------------------------------------
+    local = TorchEngine(model, loader=loader)
+    first_load = _timed(local.load)
+    stage = spawn_stage(model, half, layers, threads=threads,
+                        log_path=logs / "modules_stage_pipeline.log")
+    split = TorchEngine(model, remote_layers=[stage.address])
+    split.load()
+    pair = {"local": local, "pipeline": split}
+    out["local"], out["pipeline"] = {}, {"remote_layers": [half, layers]}
+    for n in (128, 512):
+        got = _paired_prefill(pair, n, repeats)
+        for k in pair:
+            out[k][f"prefill_{n}_s"] = got[k]
+    for b in (1, 8):
+        got, _ = _paired_decode(pair, b, steps)
+        for k in pair:
+            out[k][f"decode_b{b}_s"] = got[k]
+    split.unload()
+    stage.stop()
+    _save(out, path)
+
+    # -- replication: a second instance (same weights, from the loader's memory) with replicas --
+    stage = spawn_stage(model, half, layers, threads=threads,
+                        log_path=logs / "modules_stage_replica.log")
+    replicated = TorchEngine(model, loader=loader)
+    replicated.load()
+    replicated.replicate_layers(stage.address)
+    got, assigned = _paired_decode({"local": local, "replicated": replicated}, 8, steps)
+    out["replication"] = {"replicated_layers": [half, layers], "decode_b8_local_s": got["local"],
+                          "decode_b8_replicated_s": got["replicated"],
+                          "assigned": assigned["replicated"]}
+    replicated.unload()
+    stage.stop()
+    gc.collect()
+    _save(out, path)
+
+    # -- one layer moved out and back, requests in flight; then a whole-instance reload ---------
+    ids = _start_requests(local, IN_FLIGHT, IN_FLIGHT_PROMPT, "r")
+    spawned = time.perf_counter()
+    stage = spawn_stage(model, layers - 1, layers, threads=threads,
+                        log_path=logs / "modules_stage_move.log")
+    spawn_s = time.perf_counter() - spawned
+    kv_layer = local.memory().kv_bytes_per_token // layers
+    tokens = sum(local.requests[rid].computed for rid in ids)
+    shed_s = _timed(lambda: local.shed_layers(stage.address))
+    local.decode(ids)  # the requests keep decoding, one layer remote
+    take_s = _timed(lambda: local.take_layers(layers - 1, layers))
+    local.decode(ids)
+    stage.stop()
+    out["layer_move"] = {"stage_spawn_s": spawn_s, "stage_read_s": stage.load_s,
+                         "layer_weight_bytes": stage.weight_bytes, "shed_pause_s": shed_s,
+                         "kv_moved_bytes": tokens * kv_layer, "in_flight_tokens": tokens,
+                         "take_back_s": take_s}
+    weights = local.memory().weight_bytes
+    contexts = [list(local.requests[rid].tokens) for rid in ids]
+    local.unload()
     gc.collect()
     reload_engine = TorchEngine(model, loader=loader)
     reload_s = _timed(reload_engine.load)
 
     def reprefill() -> None:
-        for k, rid in enumerate(ids):
-            reload_engine.add_request(rid, _prompt(IN_FLIGHT_PROMPT + 3, k), PARAMS)
+        for rid, tokens_so_far in zip(ids, contexts):
+            reload_engine.add_request(rid, tokens_so_far, PARAMS)
             reload_engine.prefill(rid)
 
-    out["instance_reload"] = {"first_load_s": cold, "reload_s": reload_s,
+    out["instance_reload"] = {"first_load_s": first_load, "reload_s": reload_s,
                               "tier": reload_engine.load_info.get("tier"),
                               "weight_bytes": weights, "reprefill_in_flight_s": _timed(reprefill),
-                              "in_flight": IN_FLIGHT, "in_flight_tokens": IN_FLIGHT_PROMPT + 3}
-    engine = reload_engine
-
-    # -- one layer moved out and back, requests in flight ---------------------------------------
-    spawned = time.perf_counter()
-    stage = spawn_stage(model, layers - 1, layers, threads=threads,
-                        log_path=logs / "modules_stage_move.log")
-    spawn_s = time.perf_counter() - spawned
-    kv_layer = engine.memory().kv_bytes_per_token // layers
-    tokens = sum(engine.requests[rid].computed for rid in ids)
-    shed_s = _timed(lambda: engine.shed_layers(stage.address))
-    after_shed = _decode_s(engine, 8, steps)
-    take_s = _timed(lambda: engine.take_layers(layers - 1, layers))
-    for _ in range(3):
-        engine.decode(ids)  # the requests keep decoding after both moves
-    stage.stop()
-    out["layer_move"] = {"stage_spawn_s": spawn_s, "stage_read_s": stage.load_s,
-                         "layer_weight_bytes": stage.weight_bytes, "shed_pause_s": shed_s,
-                         "kv_moved_bytes": tokens * kv_layer, "in_flight_tokens": tokens,
-                         "take_back_s": take_s, "decode_b8_one_layer_remote_s": after_shed}
-    for rid in ids:
-        engine.release(rid)
-
-    # -- pipeline: the second half of the layers in a stage process ----------------------------
-    engine.unload()
-    gc.collect()
-    stage = spawn_stage(model, half, layers, threads=threads,
-                        log_path=logs / "modules_stage_pipeline.log")
-    split = TorchEngine(model, remote_layers=[stage.address])
-    split.load()
-    out["pipeline"] = {"remote_layers": [half, layers], **_iterations(split, repeats, steps)}
-    split.unload()
-    stage.stop()
-    gc.collect()
-
-    # -- replication: the second half of the layers also on a stage process ---------------------
-    engine = TorchEngine(model, loader=loader)
-    engine.load()
-    stage = spawn_stage(model, half, layers, threads=threads,
-                        log_path=logs / "modules_stage_replica.log")
-    local_b8 = _decode_s(engine, 8, steps)
-    engine.replicate_layers(stage.address)
-    assigned: dict = {}
-    replicated_b8 = _decode_s(engine, 8, steps, seen=assigned)
-    out["replication"] = {"replicated_layers": [half, layers], "decode_b8_local_s": local_b8,
-                          "decode_b8_replicated_s": replicated_b8, "assigned": assigned}
-    engine.unload()
-    stage.stop()
+                              "in_flight": IN_FLIGHT,
+                              "in_flight_tokens": sum(len(c) for c in contexts)}
+    reload_engine.unload()
     loader.close()
-    out["load_average_after"] = os.getloadavg()
+    _save(out, path)
     return out
 
 
@@ -252,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return 0
-    result = measure(args.shape, args.data_dir, args.repeats, args.steps, args.threads)
-    result["command"] = " ".join(sys.argv)
     out = args.out or ROOT / "bench" / "results" / f"modules_{args.shape}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result = measure(args.shape, args.data_dir, args.repeats, args.steps, args.threads, out)
+    result["command"] = " ".join(sys.argv)
+    _save(result, out)
     print(table(result))
     return 0
 

@@ -177,8 +177,8 @@ class TorchEngine(RequestBook):
     def _moved(self) -> None:
         from ..stages import weight_bytes
 
-        self._weight_bytes = weight_bytes(self.model)
-        gc.collect()
+        self._weight_bytes = weight_bytes(self.model)  # the dropped layers' memory is freed
+        # by reference counting: no gc.collect() here, it took ~0.2 s of the pause
 
     def shed_layers(self, address: str) -> None:
         """Migrate the layers the stage at `address` has loaded (local ones) to it, with the
