@@ -564,6 +564,27 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
     return result
 
 
+def served_table(results: Path) -> str:
+    """The BENCHMARKS rows of the served runs recorded in `results` (scaleout_served_*.json)."""
+    lines = ["| shape (bytes) | k | all k can serve, multicast / storage (s) | the multicast "
+             "itself (s) | TTFT at t = 0, median / max, multicast (s) | TTFT at t = 0, median / "
+             "max, storage (s) | storage / multicast (serve) |",
+             "|---|---|---|---|---|---|---|"]
+    for path in sorted(results.glob("scaleout_served_*.json")):
+        r = json.loads(path.read_text())
+        for row in r["rows"]:
+            lines.append(
+                f"| {r['shape']} ({r['model_bytes'] / 1e6:.0f} MB) | {row['k']} | "
+                f"{row['multicast_all_ready_s']:.2f} / {row['storage_all_ready_s']:.2f} | "
+                f"{median([x['multicast_s'] for x in row['multicast_runs']]):.2f} | "
+                f"{row['multicast_ttft_median_s']:.2f} / {row['multicast_ttft_max_s']:.2f} | "
+                f"{row['storage_ttft_median_s']:.2f} / {row['storage_ttft_max_s']:.2f} | "
+                f"{row['storage_over_multicast_ready']:.2f} |")
+        for k, why in r.get("skipped_k", {}).items():
+            lines.append(f"| {r['shape']} | {k} | not run: {why} | | | | |")
+    return "\n".join(lines)
+
+
 def uuid_hex() -> str:
     import uuid
 
@@ -609,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", metavar="SHAPES",
                    help="the burst through node workers and the placer, multicast vs storage, "
                         "e.g. small,llama-3.2-1b")
+    p.add_argument("--served-table", action="store_true",
+                   help="print the BENCHMARKS table of the recorded --serve results")
     p.add_argument("--ks", help="destination counts to measure (default 2,4,8; those that do "
                                 "not fit in memory are skipped and recorded)")
     p.add_argument("--repeats", type=int, default=3)
@@ -616,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks of a measured multicast (λScale §7.6: 16)")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
+    if args.served_table:
+        print(served_table(Path(args.results)))
+        return 0
     if args.serve:
         return served(args, argv)
     return measured(args, argv) if args.measure else modelled(args, argv)
