@@ -118,7 +118,8 @@ def _meta(args: argparse.Namespace, argv: list[str] | None, started: float) -> d
             "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                                              f"Python {platform.python_version()}",
             "date": time.strftime("%Y-%m-%d"), "wall_s_last_invocation": round(time.perf_counter() - started, 1),
-            "jobs": args.jobs, "sensitivity_seeds": args.sensitivity_seeds}
+            "jobs": args.jobs, "sensitivity_seeds": args.sensitivity_seeds,
+            **({"note": args.note} if args.note else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     p.add_argument("--groups", nargs="+", default=["headline", "startup", "cv2", "cv8", "ablation",
                                                     "watermark", "noise", "storage"])
+    p.add_argument("--note", default="",
+                   help="how this invocation ran, if it matters to its wall times (shown in BENCHMARKS)")
     p.add_argument("--fresh", action="store_true",
                    help="run everything again (default: keep the runs summary.json already holds)")
     args = p.parse_args(argv)

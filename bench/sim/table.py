@@ -223,6 +223,10 @@ def answers(r: Runs) -> str:
     return ", ".join(f"{k} {n:,} ({n / all_n:.2%})" for k, n in sorted(total.items(), key=lambda x: -x[1]))
 
 
+def _note(meta: dict) -> str:
+    return f"\n\n**Note:** {meta['note']}" if meta.get("note") else ""
+
+
 def section(r: Runs) -> str:
     m = r.meta
     seeds = m.get("seeds", [])
@@ -237,7 +241,7 @@ Machine: {m.get('machine', '?')}. Command: `{m.get('command', '?')}` ({n_runs} r
 {seeds}, {m.get('jobs', 1)} processes, {cpu_hours:.1f} CPU-hours of simulation), then
 `python -m bench.sim.table --write bench/BENCHMARKS.md`. Every report is in
 `bench/results/sim/<group>/...`; every number here is generated from `bench/results/sim/summary.json`.
-Cells are the mean over seeds with [min, max] across them.
+Cells are the mean over seeds with [min, max] across them.{_note(m)}
 
 Every number is a simulation: profile-timed nodes (`sim/profiles.py`: Xeon 6462C fitted to
 SLINFER Table I, A100-80GB from first principles), 4 CPU + 4 GPU nodes, 30 simulated minutes of
