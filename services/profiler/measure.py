@@ -194,7 +194,10 @@ def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, v
     grid = [[columns[j][i] for j in range(width)] for i in range(len(plan.batches))]
     lora = None
     if model_dir is not None and serves_adapters(engine) and plan.lora_ranks:
+        pool = engine.memory().kv_capacity_bytes
         lora = measure_lora(engine, Path(model_dir), _Ids(vocab, seed + 11), plan, tick)
+        if engine.memory().kv_capacity_bytes != pool:  # what follows (and `check`) runs as
+            engine.resize_kv(pool)                     # the tables were measured
     scale_fixed, scale_rate = measure_kv_scaling(engine, _Ids(vocab, seed + 7),
                                                  max_len=plan.max_len)
     return Profile(model, hardware, PrefillTable(plan.prefill_lengths, monotone(prefill)),

@@ -20,7 +20,8 @@ def test_profile_tiny_model_tables_are_sane(tmp_path):
     from shared.modelgen import ensure_demo_model
 
     model_dir = ensure_demo_model(tmp_path)
-    plan = ProfilePlan(max_len=128, max_batch=4, repeats=3, warmup=1)
+    # The LoRA cost has its own test below; here only the tables and their check.
+    plan = ProfilePlan(max_len=128, max_batch=4, repeats=3, warmup=1, lora_ranks=())
     profile, check = profile_model(model_dir, "tiny", plan=plan, check_n=3)
     assert profile.hardware is Hardware.CPU
     assert profile.prefill.lengths == [16, 24, 32, 48, 64, 96, 128]  # octaves and midpoints
