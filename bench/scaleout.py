@@ -576,7 +576,8 @@ def served_table(results: Path) -> str:
             lines.append(
                 f"| {r['shape']} ({r['model_bytes'] / 1e6:.0f} MB) | {row['k']} | "
                 f"{row['multicast_all_ready_s']:.2f} / {row['storage_all_ready_s']:.2f} | "
-                f"{median([x['multicast_s'] for x in row['multicast_runs']]):.2f} | "
+                + (f"{median([x['multicast_s'] for x in row['multicast_runs']]):.2f} | "
+                   if "multicast_runs" in row else "not recorded | ") +
                 f"{row['multicast_ttft_median_s']:.2f} / {row['multicast_ttft_max_s']:.2f} | "
                 f"{row['storage_ttft_median_s']:.2f} / {row['storage_ttft_max_s']:.2f} | "
                 f"{row['storage_over_multicast_ready']:.2f} |")
