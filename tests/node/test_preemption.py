@@ -74,30 +74,37 @@ async def _admit_long(h: Harness, model: str, prompt: int):
     return req
 
 
+async def _preempted_by_a_newcomer(nc, a: Harness, b: Harness, placer: Placer, stop: asyncio.Event):
+    """Fill A (two long alpha requests and the victim, a beta request) and give B a beta instance;
+    once the victim streams, start the placer and send it an alpha newcomer whose KV growth only a
+    preemption of the victim makes room for. Returns (victim, newcomer, beta instance on A, beta
+    instance on B, the placer's task)."""
+    for record in a.records.values():
+        await ModelRegistry(a.redis).register(record, replace=True)
+    for _ in range(2):
+        await _admit_long(a, "alpha", PROMPT)
+    victim = await _admit_long(a, "beta", 64)
+    await _admit_long(b, "beta", 64)
+    await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
+    await placer.start()
+    runner = asyncio.create_task(placer.run(stop))
+    newcomer = a.request("alpha", PROMPT, 20, ttft=30.0)
+    await a.watch(newcomer)
+    await ensure_streams(nc.jetstream())
+    await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(newcomer),
+                                 headers={"Nats-Msg-Id": newcomer.request_id})
+    return victim, newcomer, a.instances["beta"], b.instances["beta"], runner
+
+
 async def test_preemption_moves_the_victims_request_to_the_validated_instance(connections, model_dir,
                                                                              nats_url, redis_url):
     nc, redis = connections
-    registry = ModelRegistry(redis)
     a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir)
-    for record in a.records.values():
-        await registry.register(record, replace=True)
     placer = Placer(PlacerSettings(nats_url, redis_url, CORE), nc, redis)
     stop = asyncio.Event()
     try:
-        for _ in range(2):
-            await _admit_long(a, "alpha", PROMPT)
-        victim = await _admit_long(a, "beta", 64)
-        await _admit_long(b, "beta", 64)
-        beta_on_a, beta_on_b = a.instances["beta"], b.instances["beta"]
-        await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
-
-        await placer.start()
-        runner = asyncio.create_task(placer.run(stop))
-        newcomer = a.request("alpha", PROMPT, 20, ttft=30.0)
-        await a.watch(newcomer)
-        await ensure_streams(nc.jetstream())
-        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(newcomer),
-                                     headers={"Nats-Msg-Id": newcomer.request_id})
+        victim, newcomer, beta_on_a, beta_on_b, runner = await _preempted_by_a_newcomer(
+            nc, a, b, placer, stop)
         await a.wait([newcomer])
         assert a.finals[newcomer.request_id].node_id == "pre-a"
         assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
@@ -154,27 +161,12 @@ LIVE = CoreConfig(keep_alive_s=30.0, live_preemption=True)
 async def test_live_preemption_streams_the_victims_unmigrated_output_once(connections, model_dir,
                                                                           nats_url, redis_url):
     nc, redis = connections
-    registry = ModelRegistry(redis)
     a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir, LIVE)
-    for record in a.records.values():
-        await registry.register(record, replace=True)
     placer = Placer(PlacerSettings(nats_url, redis_url, LIVE), nc, redis)
     stop = asyncio.Event()
     try:
-        for _ in range(2):
-            await _admit_long(a, "alpha", PROMPT)
-        victim = await _admit_long(a, "beta", 64)
-        await _admit_long(b, "beta", 64)
-        beta_on_a, beta_on_b = a.instances["beta"], b.instances["beta"]
-        await until(lambda: len(a.tokens[victim.request_id]) >= 5, what="the victim to stream")
-
-        await placer.start()
-        runner = asyncio.create_task(placer.run(stop))
-        newcomer = a.request("alpha", PROMPT, 20, ttft=30.0)
-        await a.watch(newcomer)
-        await ensure_streams(nc.jetstream())
-        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(newcomer),
-                                     headers={"Nats-Msg-Id": newcomer.request_id})
+        victim, newcomer, beta_on_a, beta_on_b, runner = await _preempted_by_a_newcomer(
+            nc, a, b, placer, stop)
         await a.wait([newcomer], timeout=120)
         assert a.finals[newcomer.request_id].node_id == "pre-a"
         assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
