@@ -228,11 +228,17 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
         if not caller.operator:
             node.instances = [_tenant_instance(i, visible[i.model.name], visible)
                               for i in node.instances if i.model.name in visible]
-            if node.storage is not None:  # which checkpoints it holds: the visible ones only
-                node.storage = dataclasses.replace(node.storage, holds={
-                    visible[m]: tier for m, tier in node.storage.holds.items() if m in visible})
+            if node.storage is not None:  # which checkpoints it holds or receives: visible ones only
+                node.storage = dataclasses.replace(
+                    node.storage, holds=_visible_keys(node.storage.holds, visible),
+                    arriving=_visible_keys(node.storage.arriving, visible))
         nodes.append(node)
     return nodes
+
+
+def _visible_keys(by_model: dict, visible: dict[str, str]) -> dict:
+    """A per-model map as a tenant sees it: the models it may see, under its own names."""
+    return {visible[m]: v for m, v in by_model.items() if m in visible}
 
 
 def _tenant_instance(instance, name: str, visible: dict[str, str]):

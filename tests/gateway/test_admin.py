@@ -228,7 +228,8 @@ def _node(node_id: str, models: list[str]) -> NodeView:
                               kv_bytes=4096 * (i + 1),
                               requests=[RequestView(f"req-{m}", m, 5, 0.0, SLO(1.0, 0.25))])
                  for i, m in enumerate(models)]
-    storage = StorageView({"dram": 2e10, "disk": 1e9}, {m: "dram" for m in models}, 0.5)
+    storage = StorageView({"dram": 2e10, "disk": 1e9}, {m: "dram" for m in models}, 0.5,
+                          arriving={m: 1.5 for m in models}, multicast_bytes_per_s=1e9)
     return NodeView(node_id=node_id, hardware=Hardware.CPU, memory_bytes=1 << 30, matrix_accel=True,
                     instances=instances, budget_bytes=5000, heartbeat=12.5, storage=storage)
 
@@ -246,10 +247,12 @@ def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
         assert [i["model"]["name"] for i in nodes[0]["instances"]] == [PUBLIC_MODEL, PRIVATE_A]
         assert [i["kv_bytes"] for i in nodes[0]["instances"]] == [4096, 8192]
         assert nodes[1]["instances"] == []
-        # The node's checkpoint tiers, its own private model under the name it gave it.
-        assert nodes[0]["storage"] == {"bytes_per_s": {"dram": 2e10, "disk": 1e9},
-                                       "holds": {PUBLIC_MODEL: "dram", PRIVATE_A: "dram"},
-                                       "pending_s": 0.5}
+        # The node's checkpoint tiers and the copies on their way to it by multicast, its own
+        # private model under the name it gave it, the other tenant's not at all.
+        visible = {PUBLIC_MODEL: "dram", PRIVATE_A: "dram"}
+        assert nodes[0]["storage"] == {"bytes_per_s": {"dram": 2e10, "disk": 1e9}, "holds": visible,
+                                       "pending_s": 0.5, "arriving": {m: 1.5 for m in visible},
+                                       "multicast_bytes_per_s": 1e9}
 
         inst = {i["model"]: i for i in client_a.get("/admin/instances").json()["data"]}
         assert set(inst) == {PUBLIC_MODEL, PRIVATE_A}  # its own private one, by its own name
