@@ -199,6 +199,12 @@ def test_a_tenants_adapter_is_invisible_to_other_tenants(lora: LoraStack):
     def adapters_seen(key: str) -> set[str]:
         return {a for i in operator_node(lora, key)["instances"] for a in i["adapters"]}
 
+    # The node publishes its view at each heartbeat: the adapter just called may not be in the
+    # view yet when its response arrives.
+    deadline = time.monotonic() + 30
+    while not {"tenant-a~secret", "tenant-b~secret"} <= adapters_seen(OPERATOR) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert {"tenant-a~secret", "tenant-b~secret"} <= adapters_seen(OPERATOR)
     seen_b = adapters_seen("key-b")
     assert "secret" in seen_b and not any("tenant-a" in a or a == "only-a" for a in seen_b)
