@@ -592,34 +592,33 @@ def uuid_hex() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def served(args, argv: list[str] | None) -> int:
-    for shape in args.serve.split(","):
+def _record(args, argv: list[str] | None, shapes: str, kind: str, network: str, run) -> int:
+    """Run `run(shape, ks)` for each shape and write its result, with the command and machine,
+    to RESULTS/scaleout_<kind>_<shape>.json."""
+    for shape in shapes.split(","):
         ks = [int(k) for k in args.ks.split(",")] if args.ks else list(SHAPE_KS.get(shape,
                                                                                 (2, 4, 8)))
         result = {"command": "flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/scaleout.py "
                              + " ".join(argv if argv is not None else sys.argv[1:]),
                   "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                  "network": "loopback TCP between node worker processes of this machine",
-                  **asyncio.run(serve_shape(shape, ks, args.repeats))}
-        out = Path(args.results) / f"scaleout_served_{shape}.json"
+                  "network": network, **run(shape, ks)}
+        out = Path(args.results) / f"scaleout_{kind}_{shape}.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
+
+
+def served(args, argv: list[str] | None) -> int:
+    return _record(args, argv, args.serve, "served",
+                   "loopback TCP between node worker processes of this machine",
+                   lambda shape, ks: asyncio.run(serve_shape(shape, ks, args.repeats)))
 
 
 def measured(args, argv: list[str] | None) -> int:
-    for shape in args.measure.split(","):
-        ks = [int(k) for k in args.ks.split(",")] if args.ks else list(SHAPE_KS.get(shape,
-                                                                                (2, 4, 8)))
-        result = {"command": "flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/scaleout.py "
-                             + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                  "network": "loopback TCP between processes of this machine",
-                  **asyncio.run(measure_shape(shape, ks, args.repeats, args.measure_blocks))}
-        out = Path(args.results) / f"scaleout_measured_{shape}.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
-    return 0
+    return _record(args, argv, args.measure, "measured",
+                   "loopback TCP between processes of this machine",
+                   lambda shape, ks: asyncio.run(measure_shape(shape, ks, args.repeats,
+                                                               args.measure_blocks)))
 
 
 def main(argv: list[str] | None = None) -> int:
