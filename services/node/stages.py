@@ -387,10 +387,12 @@ class LayerStage:
         raise ValueError(f"unknown op {op!r}")
 
 
-def serve(stage: LayerStage, listener: socket.socket, stop: threading.Event) -> None:
+def serve(stage: LayerStage, listener: socket.socket, stop: threading.Event,
+          conns: set[socket.socket] | None = None) -> None:
     """Accept engines' connections; each gets a thread, calls run one at a time (the stage's
     state is one cache). A bad message answers an error and keeps the connection; a broken
-    connection ends only its own thread."""
+    connection ends only its own thread. `conns`: the open connections are kept there (a
+    server that stops closes them, so no thread keeps the stage's memory alive)."""
     lock = threading.Lock()
     listener.settimeout(0.2)
     while not stop.is_set():
@@ -401,11 +403,23 @@ def serve(stage: LayerStage, listener: socket.socket, stop: threading.Event) -> 
         except OSError:
             return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=_connection, args=(stage, conn, lock, stop), daemon=True).start()
+        if conns is not None:
+            conns.add(conn)
+        threading.Thread(target=_connection, args=(stage, conn, lock, stop, conns),
+                         daemon=True).start()
 
 
 def _connection(stage: LayerStage, conn: socket.socket, lock: threading.Lock,
-                stop: threading.Event) -> None:
+                stop: threading.Event, conns: set[socket.socket] | None = None) -> None:
+    try:
+        _serve_connection(stage, conn, lock, stop)
+    finally:
+        if conns is not None:
+            conns.discard(conn)
+
+
+def _serve_connection(stage: LayerStage, conn: socket.socket, lock: threading.Lock,
+                      stop: threading.Event) -> None:
     with conn:
         while not stop.is_set():
             try:
@@ -442,7 +456,9 @@ class StageServer:
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=serve, args=(stage, self._listener, self._stop),
+        self._conns: set[socket.socket] = set()
+        self._thread = threading.Thread(target=serve,
+                                        args=(stage, self._listener, self._stop, self._conns),
                                         name=f"stage-{stage.start}-{stage.end}", daemon=True)
         self._thread.start()
 
@@ -455,9 +471,16 @@ class StageServer:
         return self._stop.is_set()
 
     def stop(self) -> None:
+        """Stop accepting, and end the open links (an engine still using one gets a
+        StageError on its next call)."""
         self._stop.set()
         self._thread.join()
         self._listener.close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:
