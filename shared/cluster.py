@@ -33,7 +33,9 @@ def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
                      record.max_context, avg_output_len,
                      kv_block_tokens=ENGINE_KV_BLOCK_TOKENS.get(record.engine, 16),
                      tiered=record.engine in TIERED_ENGINES,
-                     live_migration=record.engine in LIVE_MIGRATION_ENGINES)
+                     live_migration=record.engine in LIVE_MIGRATION_ENGINES,
+                     layers=record.layers if record.engine == "torch" else 0,
+                     head_bytes=record.head_bytes, token_bytes=record.token_bytes)
 
 
 def request_view(req: InferenceRequest) -> RequestView:

@@ -16,6 +16,7 @@ ever another model's name). Clients call a model by the name its owner gave it
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 import uuid
@@ -199,12 +200,18 @@ def model_record_from_dir(
     weight_bytes = _weight_bytes_from_files(directory)
     if weight_bytes is None:
         weight_bytes = _estimate_param_count(text, layers, hidden, heads, kv_heads, head_dim) * dtype_bytes
+    head_bytes = _head_bytes_from_files(directory)
+    if head_bytes is None:
+        vocab = _optional_int(text, "vocab_size") or 32000
+        tied = 1 if text.get("tie_word_embeddings") else 2
+        head_bytes = (vocab * hidden * tied + hidden) * dtype_bytes
 
     return ModelRecord(
         name=name, path=str(directory.resolve()), engine=engine, slo_class=slo_class, owner=owner,
         base_model=None, max_context=max_context, weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token, eos_token_ids=_eos_ids(config, directory),
-        created_at=created,
+        created_at=created, layers=layers, head_bytes=min(head_bytes, weight_bytes),
+        token_bytes=hidden * dtype_bytes,
     )
 
 
@@ -278,6 +285,25 @@ def _weight_bytes_from_files(directory: Path) -> int | None:
         return total
     bins = list(directory.glob("*.bin"))
     return sum(b.stat().st_size for b in bins) if bins else None
+
+
+def _head_bytes_from_files(directory: Path) -> int | None:
+    """Bytes of the tensors that are not a decoder layer's (embeddings, final norm, head), from
+    the safetensors headers; None without them."""
+    headers = _safetensors_headers(directory)
+    if not headers:
+        return None
+    total = 0
+    for header in headers:
+        for key, tensor in header.items():
+            if key != "__metadata__" and isinstance(tensor, dict) and "data_offsets" in tensor \
+                    and not _LAYER_TENSOR.match(key):
+                start, end = tensor["data_offsets"]
+                total += end - start
+    return total
+
+
+_LAYER_TENSOR = re.compile(r"^(model\.)?layers\.\d+\.")
 
 
 def _estimate_param_count(

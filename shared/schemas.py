@@ -28,6 +28,12 @@ class ModelRecord:
     eos_token_ids: list[int] = field(default_factory=list)
     created_at: float = 0.0
     lora_rank: int = 0  # a LoRA adapter's rank (adapter_config.json's r; 0: not known)
+    # Module-level scaling (CoCoServe): decoder layers, the bytes that are not a decoder
+    # layer's (embeddings, final norm, head), one token's hidden state; 0: not known (its
+    # layers are never moved or replicated).
+    layers: int = 0
+    head_bytes: int = 0
+    token_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.memory import UNLOAD_S, kv_demand, watermark_target
+from shared.core.modules import instance_profile
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
@@ -66,7 +67,7 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
 def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = None) -> dict[str, Profile] | None:
     profiles: dict[str, Profile] = {}
     for inst in [*node.instances, *([extra] if extra else [])]:
-        p = perf.get(inst.model.name, node.hardware)
+        p = instance_profile(perf, inst, node.hardware)  # a split instance pays its hops
         if p is None:
             return None
         profiles[inst.instance_id] = p

@@ -43,8 +43,8 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
-from shared.core.perf_model import DecodeTable, PrefillTable, Profile
-from shared.core.types import ModelSpec
+from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
+from shared.core.types import Hardware, InstanceLayout, InstanceView, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -290,3 +290,49 @@ def layers_to_shed(spec: ModelSpec, kv_bytes: int, layers: int, layers_here: int
                            head_bytes).dest_bytes >= deficit_bytes:
             return moved
     return None
+
+
+# -- an instance's layout (InstanceView.layout) -------------------------------------------------
+
+
+def layout_hop(layout: InstanceLayout) -> HopCost:
+    return HopCost(layout.hop_latency_s, layout.hop_bytes_per_s, layout.model.token_bytes)
+
+
+def layout_replication(layout: InstanceLayout) -> Replication:
+    """The layout's replicas as the speedup model sees them (one device per replica stage)."""
+    rep = Replication(layout.model.layers)
+    for run in layout.runs:
+        if run.replica:
+            rep.on.setdefault(f"{run.node_id}/{run.address}", set()).update(range(run.start, run.end))
+    return rep
+
+
+def layout_hops(layout: InstanceLayout) -> int:
+    """Activation transfers an iteration makes to and from the moved (not replicated) runs:
+    two each (a run that ends the chain sends back only the last position; counted in full)."""
+    return 2 * sum(1 for r in layout.runs if not r.replica)
+
+
+def layout_profile(profile: Profile, layout: InstanceLayout | None) -> Profile:
+    """The instance's cost with its layout: `replicated_profile` for its replicas, then
+    `pipeline_profile` for the hops to its moved layers."""
+    if layout is None or not layout.runs:
+        return profile
+    hop = layout_hop(layout)
+    rep = layout_replication(layout)
+    if rep.replicas():
+        profile = replicated_profile(profile, rep, hop)
+    return pipeline_profile(profile, layout_hops(layout), hop)
+
+
+def layout_spec(layout: InstanceLayout) -> ModelSpec:
+    """What the instance's own node holds of it: its local layers' weights and K/V, the head."""
+    spec = layout.model
+    return share_spec(spec, layout.local_layers(), spec.layers, spec.head_bytes, head=True)
+
+
+def instance_profile(perf: PerfModel, inst: InstanceView, hardware: Hardware) -> Profile | None:
+    """The profile an instance's iterations are predicted with (its layout's, if split)."""
+    profile = perf.get(inst.model.name, hardware)
+    return layout_profile(profile, inst.layout) if profile is not None else None

@@ -35,8 +35,9 @@ from shared.core.iteration import (IterationChoice, IterationKind, apply_iterati
 from shared.core.lora import Artifact, offload_order
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
+from shared.core.modules import instance_profile, layout_spec
 from shared.core.perf_model import PerfModel
-from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
+from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
 
@@ -546,6 +547,34 @@ class NodeScheduler:
         self._sync(now)
         return ok, ops
 
+    def set_layout(self, instance_id: str, layout: InstanceLayout | None,
+                   now: float) -> tuple[bool, list[MemOp]]:
+        """CoCoServe: the instance's layers now run as `layout` says (None: all of them here).
+        Its bytes on this node follow: its share's weights (`modules.layout_spec`) and its K/V
+        pool per local layer (the block count is kept: moved layers take their pools along,
+        rounded up so the engine keeps every block). Fewer local layers shrink its ledger entry
+        (the op changes nothing on the engine, whose memory the move already freed); more
+        (layers taken back) must fit the budget first, else False and nothing changes."""
+        inst = self._instance(instance_id)
+        full = inst.layout.model if inst.layout is not None else inst.model
+        if full.layers <= 0:
+            raise ValueError(f"{full.name} has no layer count: its layers cannot move")
+        if layout is not None and layout.model != full:
+            raise ValueError(f"a layout of {layout.model.name} for an instance of {full.name}")
+        layout = layout if layout is not None and layout.runs else None
+        before = inst.layout.local_layers() if inst.layout is not None else full.layers
+        after = layout.local_layers() if layout is not None else full.layers
+        if not 0 < after <= full.layers:
+            raise ValueError(f"an instance keeps 1 to {full.layers} layers here, not {after}")
+        spec = layout_spec(layout) if layout is not None else full
+        kv = -(-inst.kv_bytes * after // before)
+        ok, ops = self.ledger.request(MemOpKind.SCALE, instance_id, spec.weight_bytes + kv, now)
+        if not ok:
+            return False, []
+        inst.model, inst.kv_bytes, inst.layout = spec, kv, layout
+        self._sync(now)
+        return True, ops
+
     # --- views and helpers ------------------------------------------------------------------
     def view(self) -> NodeView:
         """A snapshot for the placer (and for evaluate()): copies, safe to publish."""
@@ -565,7 +594,7 @@ class NodeScheduler:
         return {op.instance_id for op in self.ledger.running()}
 
     def _profile(self, inst: InstanceView):
-        profile = self.perf.get(inst.model.name, self.node.hardware)
+        profile = instance_profile(self.perf, inst, self.node.hardware)
         if profile is None:
             raise KeyError(f"no profile for {inst.model.name} on {self.node.hardware.value}")
         return profile

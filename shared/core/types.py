@@ -61,6 +61,12 @@ class ModelSpec:
     # migration moves its requests. False (OpenVINO, vLLM): a preemption moves them
     # stop-and-resume (services/node/migration.py says why).
     live_migration: bool = True
+    # Module-level scaling (CoCoServe, shared/core/modules.py): decoder layers, the bytes of
+    # what is not a decoder layer (embeddings, final norm, head) and one token's hidden state
+    # (an activation hop); 0 layers: its layers cannot be moved or replicated.
+    layers: int = 0
+    head_bytes: int = 0
+    token_bytes: int = 0
 
 
 def token_deadline(base: float, tpot_s: float, generated: int) -> float:
@@ -115,6 +121,34 @@ class InstanceStatus(str, enum.Enum):
     HANDOVER = "handover"
 
 
+@dataclass(frozen=True)
+class LayerRun:
+    """Decoder layers [start, end) of an instance that run on another node (CoCoServe): moved
+    there (the instance's node runs them no more), or a replica of layers it also runs."""
+
+    start: int
+    end: int
+    node_id: str
+    address: str = ""  # the stage's host:port on that node
+    replica: bool = False
+
+
+@dataclass(frozen=True)
+class InstanceLayout:
+    """Where a split or replicated instance's layers run. Its `InstanceView.model` is then its
+    node's share (`modules.share_spec`); `model` here is the whole instance's spec. An iteration
+    pays activation hops to the other nodes over a link of `hop_latency_s` per transfer plus
+    `hop_bytes_per_s` (`modules.layout_profile`)."""
+
+    model: ModelSpec
+    runs: tuple[LayerRun, ...] = ()
+    hop_latency_s: float = 0.0
+    hop_bytes_per_s: float = 1e9
+
+    def local_layers(self) -> int:
+        return self.model.layers - sum(r.end - r.start for r in self.runs if not r.replica)
+
+
 @dataclass
 class InstanceView:
     instance_id: str
@@ -133,6 +167,8 @@ class InstanceView:
     # HANDOVER only: when its requests should all have moved (the plan's estimate). Its memory is
     # held (pessimistic tracking) until it is really unloaded, its compute is used until then.
     leaves_at: float = 0.0
+    # Layers run on other nodes (CoCoServe's module scaling); None: all of them here.
+    layout: InstanceLayout | None = None
 
     @property
     def accepts(self) -> bool:

@@ -1,0 +1,362 @@
+"""When to scale instances by modules (CoCoServe §3-4), as plans the placer carries out with the
+node workers and the simulator executes in time: the decisions over `shared.core.modules`' cost
+and memory models.
+
+- Memory pressure (a request refused for memory on a node): module reduction's first action
+  (Algorithm 2). Replicas that node hosts for other instances go first (`eviction_order`), then
+  a running instance there sheds the fewest layers that free the deficit (`layers_to_shed`) to
+  a node of its kind with that much free memory (`plan_layer_move`), instead of the request
+  waiting for an eviction or queueing. The instance keeps its requests; its K/V of the moved
+  layers goes with them (services/node/stages.py's `Split.shed`).
+- A load spike (an instance whose decode step with its batch breaks the batch's TPOT SLO, as
+  its profile with its layout predicts) while another node of its kind runs nothing: replicate
+  the layers Algorithm 1 (`scale_up`) picks onto that node, if the modelled step gets faster.
+- The spike passed (the instance's step would meet the SLO by a margin without its replicas):
+  drop its replicas, the one whose loss costs the least speedup first (`eviction_order`).
+
+One plan per instance per call, and none for an instance with a move under way (`busy`): each
+plan changes the views the next one is decided on. Every plan keeps the nodes' memory safe by
+construction: the host reserves the bytes (a hold in its ledger, parked in its reservation
+station until they fit) before the owner moves anything, and the owner's entry only shrinks once
+its layers have left (`NodeScheduler.set_layout`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+from shared.core.config import CoreConfig
+from shared.core.memory import kv_demand
+from shared.core.modules import (Device, HopCost, eviction_order, layer_weight_bytes,
+                                 layout_profile, layout_replication, layers_to_shed,
+                                 plan_layer_move, relative_hop_cost, scale_up, speedup)
+from shared.core.perf_model import PerfModel, Profile
+from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
+                               NodeView, RequestView)
+
+
+class ModuleAction(str, enum.Enum):
+    SHED = "shed"  # move layers [start, end) of the instance to a stage on host_node
+    REPLICATE = "replicate"  # a replica of layers [start, end) on host_node
+    DROP_REPLICA = "drop_replica"  # stop using the replica at `address` on host_node
+
+
+@dataclass(frozen=True)
+class ModuleSettings:
+    """The knobs of module scaling (the placer reads them once, services/placer/settings.py)."""
+
+    # One activation transfer between two nodes' processes: its latency and the link's
+    # bandwidth (~1 ms measured on loopback with passive OpenMP threads, bench/modules.py).
+    hop_latency_s: float = 1e-3
+    link_bytes_per_s: float = 1.25e9
+    shed: bool = True
+    replicate: bool = True
+    # A spike: the predicted decode step (with the core's overestimate) exceeds this fraction
+    # of the batch's tightest TPOT SLO. Passed: the step without replicas is below `relief`.
+    spike: float = 1.0
+    relief: float = 0.6
+
+    def __post_init__(self) -> None:
+        if self.hop_latency_s < 0 or self.link_bytes_per_s <= 0:
+            raise ValueError("hop_latency_s must be >= 0 and link_bytes_per_s > 0")
+        if not 0 < self.relief < self.spike:
+            raise ValueError("need 0 < relief < spike")
+
+
+@dataclass(frozen=True)
+class MemoryPressure:
+    """A node that lacked `deficit_bytes` for a request it was asked to take."""
+
+    node_id: str
+    deficit_bytes: int
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    action: ModuleAction
+    instance_id: str
+    owner_node: str  # where the instance runs
+    host_node: str  # where its layers go (or the replica to drop is)
+    start: int
+    end: int
+    host_bytes: int = 0  # what the host holds for the stage (its weights and K/V pool)
+    owner_bytes_after: int = 0  # the instance's bytes on its node after the move
+    address: str = ""  # DROP_REPLICA: the replica stage's address
+    why: str = ""
+
+    def layout_after(self, inst: InstanceView, address: str, settings: ModuleSettings
+                     ) -> InstanceLayout:
+        """The instance's layout once this plan is carried out (`address`: the new stage's)."""
+        layout = inst.layout or new_layout(inst.model, settings)
+        if self.action is ModuleAction.DROP_REPLICA:
+            runs = tuple(r for r in layout.runs if not (r.replica and r.address == self.address))
+        else:
+            runs = (*layout.runs, LayerRun(self.start, self.end, self.host_node, address,
+                                           replica=self.action is ModuleAction.REPLICATE))
+        return replace(layout, runs=runs)
+
+
+def new_layout(spec: ModelSpec, settings: ModuleSettings) -> InstanceLayout:
+    return InstanceLayout(spec, (), settings.hop_latency_s, settings.link_bytes_per_s)
+
+
+def movable(spec: ModelSpec) -> bool:
+    return spec.layers > 1 and spec.token_bytes > 0 and 0 <= spec.head_bytes < spec.weight_bytes
+
+
+def memory_deficit(node: NodeView, model: ModelSpec, request: RequestView) -> int:
+    """Bytes `node` lacks for a new instance of `model` holding `request` (its optimistic
+    budget; <= 0: none)."""
+    need = model.weight_bytes + kv_demand(model, [request])
+    return need - (node.memory_bytes - node.budget_bytes)
+
+
+def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
+                        pressures: list[MemoryPressure], settings: ModuleSettings,
+                        config: CoreConfig, busy: frozenset[str] = frozenset()) -> list[ModulePlan]:
+    """The module-scaling plans for this view of the cluster (module docstring)."""
+    plans: list[ModulePlan] = []
+    taken: set[str] = set(busy)  # instances with a plan (one each)
+    free = {n.node_id: _free(n) for n in nodes}  # what earlier plans leave on each node
+    for pressure in pressures:
+        node = next((n for n in nodes if n.node_id == pressure.node_id), None)
+        if node is not None and pressure.deficit_bytes > 0 and settings.shed:
+            plans += _relieve(node, nodes, pressure.deficit_bytes, settings, config, perf, now,
+                              taken, free)
+    if settings.replicate:
+        for node in nodes:
+            for inst in node.instances:
+                if inst.instance_id in taken:
+                    continue
+                plan = _spike_plan(node, inst, nodes, perf, settings, config, free) or \
+                    _passed_plan(node, inst, perf, settings, config)
+                if plan is not None:
+                    plans.append(plan)
+                    taken.add(inst.instance_id)
+    return plans
+
+
+def _free(node: NodeView) -> int:
+    """Memory a new hold can take now: the optimistic budget's room, and pessimistic tracking's
+    (a hold beyond that would park in the reservation station until running ops end)."""
+    return node.memory_bytes - max(node.budget_bytes, node.pessimistic_bytes)
+
+
+# -- memory pressure ---------------------------------------------------------------------------
+
+
+def _relieve(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
+             config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
+             free: dict[str, int]) -> list[ModulePlan]:
+    """Module reduction on a pressured node: drop the replicas it hosts, cheapest first; if
+    that is not enough, shed layers of one of its own instances."""
+    plans = _drop_hosted(node, nodes, deficit, settings, perf, taken)
+    deficit -= sum(p.host_bytes for p in plans)
+    if deficit > 0:
+        shed = _shed_plan(node, nodes, deficit, settings, config, perf, now, taken, free)
+        if shed is not None:
+            plans.append(shed)
+    return plans
+
+
+def _drop_hosted(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
+                 perf: PerfModel, taken: set[str]) -> list[ModulePlan]:
+    plans: list[ModulePlan] = []
+    for owner in nodes:
+        for inst in owner.instances:
+            if inst.layout is None or inst.instance_id in taken or deficit <= 0:
+                continue
+            mine = [r for r in inst.layout.runs if r.replica and r.node_id == node.node_id]
+            if not mine:
+                continue
+            profile = perf.get(inst.model.name, owner.hardware)
+            hop_c = _hop_c(inst, profile, settings) if profile is not None else 1.0
+            order = eviction_order(layout_replication(inst.layout), hop_c)
+            device = next(d for d, _ in order if d.startswith(f"{node.node_id}/"))
+            run = next(r for r in mine if device == f"{r.node_id}/{r.address}")
+            freed = _stage_bytes(inst, run.end - run.start)
+            plans.append(ModulePlan(ModuleAction.DROP_REPLICA, inst.instance_id, owner.node_id,
+                                    node.node_id, run.start, run.end, host_bytes=freed,
+                                    address=run.address, why="memory pressure on its host"))
+            taken.add(inst.instance_id)
+            deficit -= freed
+    return plans
+
+
+def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
+               config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
+               free: dict[str, int]) -> ModulePlan | None:
+    """The instance on `node` that frees `deficit` by shedding the fewest layers (its last
+    local ones) to the node with the most free memory that takes them, and still meets its
+    requests' TPOT with the hops that adds."""
+    best: tuple[tuple, ModulePlan] | None = None
+    for inst in node.instances:
+        full = inst.layout.model if inst.layout is not None else inst.model
+        if inst.instance_id in taken or inst.status is not InstanceStatus.READY or \
+                not movable(full) or _replicated(inst):
+            continue
+        here = inst.layout.local_layers() if inst.layout is not None else full.layers
+        k = layers_to_shed(full, inst.kv_bytes, full.layers, here, full.head_bytes, deficit)
+        if not k:
+            continue
+        move = plan_layer_move(full, inst.kv_bytes, 0, full.layers, here, k, full.head_bytes)
+        hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
+                 and not n.draining and free[n.node_id] >= move.dest_bytes]
+        if not hosts:
+            continue
+        host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))
+        plan = ModulePlan(ModuleAction.SHED, inst.instance_id, node.node_id, host.node_id,
+                          here - k, here, host_bytes=move.dest_bytes,
+                          owner_bytes_after=move.source_bytes_after,
+                          why=f"memory pressure: {deficit} bytes short")
+        after = plan.layout_after(inst, "", settings)
+        if not _meets_tpot(inst, after, perf, node, config):
+            continue
+        rank = (k, -move.dest_bytes, inst.instance_id)
+        if best is None or rank < best[0]:
+            best = (rank, plan)
+    if best is None:
+        return None
+    plan = best[1]
+    free[plan.host_node] -= plan.host_bytes
+    taken.add(plan.instance_id)
+    return plan
+
+
+def _replicated(inst: InstanceView) -> bool:
+    return inst.layout is not None and any(r.replica for r in inst.layout.runs)
+
+
+# -- load spikes -------------------------------------------------------------------------------
+
+
+def _step_s(inst: InstanceView, layout: InstanceLayout | None, profile: Profile,
+            config: CoreConfig) -> float:
+    """The instance's decode step with its batch under `layout`, as the shadow validation
+    predicts it (with the overestimate)."""
+    batch = max(1, inst.batch_size)
+    length = _avg_len(inst)
+    return layout_profile(profile, layout).decode_s(batch, length) * (1 + config.overestimate)
+
+
+def _avg_len(inst: InstanceView) -> float:
+    if not inst.requests:
+        return 1.0
+    return sum(r.context_len() for r in inst.requests) / len(inst.requests)
+
+
+def _tpot(inst: InstanceView) -> float:
+    return min((r.slo.tpot_s for r in inst.requests), default=math.inf)
+
+
+def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, node: NodeView,
+                config: CoreConfig) -> bool:
+    profile = perf.get(inst.model.name, node.hardware)
+    return profile is not None and (not inst.requests
+                                    or _step_s(inst, layout, profile, config) <= _tpot(inst))
+
+
+def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
+                settings: ModuleSettings, config: CoreConfig,
+                free: dict[str, int]) -> ModulePlan | None:
+    full = inst.layout.model if inst.layout is not None else inst.model
+    profile = perf.get(full.name, node.hardware)
+    if profile is None or inst.status is not InstanceStatus.READY or not movable(full) or \
+            not inst.requests or (inst.layout is not None
+                                  and any(not r.replica for r in inst.layout.runs)):
+        return None  # (a split instance's layers are not all here: none to replicate)
+    now_s = _step_s(inst, inst.layout, profile, config)
+    if now_s <= settings.spike * _tpot(inst):
+        return None
+    per_layer = _stage_bytes(inst, 1)
+    devices = [Device(n.node_id, min(full.layers, free[n.node_id] // per_layer))
+               for n in sorted(nodes, key=lambda n: (-free[n.node_id], n.node_id))
+               if n.node_id != node.node_id and n.hardware is node.hardware and not n.draining
+               and not any(i.requests for i in n.instances) and free[n.node_id] >= per_layer
+               and not _hosts_for(inst, n.node_id)]
+    if not devices:
+        return None
+    hop_c = _hop_c(inst, profile, settings)
+    current = layout_replication(inst.layout) if inst.layout else None
+    base = current or layout_replication(new_layout(full, settings))
+    grown = scale_up(base, devices[:1], hop_c)
+    held = grown.on.get(devices[0].name, set())
+    if not held or speedup(grown, hop_c) <= speedup(base, hop_c) + 1e-9:
+        return None
+    start, end = _longest_run(held)
+    start, end = _fit_range(inst.layout, start, end)
+    if start >= end:
+        return None
+    plan = ModulePlan(ModuleAction.REPLICATE, inst.instance_id, node.node_id, devices[0].name,
+                      start, end, host_bytes=_stage_bytes(inst, end - start),
+                      why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
+    if _step_s(inst, plan.layout_after(inst, "?", settings), profile, config) >= now_s:
+        return None  # the profile's small batches cost about as much: no gain
+    free[plan.host_node] -= plan.host_bytes
+    return plan
+
+
+def _passed_plan(node: NodeView, inst: InstanceView, perf: PerfModel, settings: ModuleSettings,
+                 config: CoreConfig) -> ModulePlan | None:
+    if not _replicated(inst):
+        return None
+    profile = perf.get(inst.model.name, node.hardware)
+    if profile is None:
+        return None
+    unreplicated = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if not r.replica))
+    if inst.requests and _step_s(inst, unreplicated, profile, config) > \
+            settings.relief * _tpot(inst):
+        return None
+    order = eviction_order(layout_replication(inst.layout), _hop_c(inst, profile, settings))
+    device = order[0][0]
+    run = next(r for r in inst.layout.runs if r.replica and f"{r.node_id}/{r.address}" == device)
+    return ModulePlan(ModuleAction.DROP_REPLICA, inst.instance_id, node.node_id, run.node_id,
+                      run.start, run.end, host_bytes=_stage_bytes(inst, run.end - run.start),
+                      address=run.address, why="the spike passed")
+
+
+def _hosts_for(inst: InstanceView, node_id: str) -> bool:
+    return inst.layout is not None and any(r.node_id == node_id for r in inst.layout.runs)
+
+
+def _longest_run(held: set[int]) -> tuple[int, int]:
+    best = (0, 0)
+    for i in sorted(held):
+        if i - 1 in held:
+            continue
+        j = i
+        while j + 1 in held:
+            j += 1
+        if j + 1 - i > best[1] - best[0]:
+            best = (i, j + 1)
+    return best
+
+
+def _fit_range(layout: InstanceLayout | None, start: int, end: int) -> tuple[int, int]:
+    """A replica's range must equal an existing replicated range or overlap none (the engine
+    splits a batch per range): the existing range it overlaps, else its own."""
+    if layout is None:
+        return start, end
+    for run in layout.runs:
+        if run.replica and run.start < end and start < run.end:
+            return run.start, run.end
+    return start, end
+
+
+def _stage_bytes(inst: InstanceView, layers: int) -> int:
+    """A stage of `layers` of the instance on another node: their weights and their share of
+    the instance's K/V pool (the stage's pool mirrors the instance's block count)."""
+    full = inst.layout.model if inst.layout is not None else inst.model
+    here = inst.layout.local_layers() if inst.layout is not None else full.layers
+    layer = layer_weight_bytes(full, full.layers, full.head_bytes)
+    return layers * (layer + inst.kv_bytes // max(1, here))
+
+
+def _hop_c(inst: InstanceView, profile: Profile, settings: ModuleSettings) -> float:
+    """The speedup model's C for the instance now (a hop over one layer's share of a step)."""
+    layout = inst.layout or new_layout(inst.model, settings)
+    hop = HopCost(layout.hop_latency_s, layout.hop_bytes_per_s, layout.model.token_bytes)
+    return relative_hop_cost(profile, hop, layout.model.layers, max(1, inst.batch_size),
+                             _avg_len(inst))

@@ -1,0 +1,253 @@
+"""CoCoServe's module scaling decided by the core (shared/core/module_scaling.py) and accounted by
+the node's scheduler (`NodeScheduler.set_layout`, `hold`): which layers move or get replicas
+where, and the memory on both nodes across a move."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.core.config import CoreConfig
+from shared.core.evaluate import node_profiles
+from shared.core.memory import MemOpKind
+from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
+                                        memory_deficit, plan_module_scaling)
+from shared.core.modules import (layer_weight_bytes, layers_to_shed, layout_hop,
+                                 pipeline_profile, plan_layer_move, share_spec, stage_key)
+from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.types import Hardware, InstanceLayout, LayerRun, ModelSpec
+
+from .factories import GB, loaded, node, perf_for, request
+
+LAYERS = 8
+HEAD = GB // 4
+SETTINGS = ModuleSettings(hop_latency_s=1e-4, link_bytes_per_s=1e10)
+CONFIG = CoreConfig()
+
+
+def spec(weight_gb: float = 2.25, name: str = "m") -> ModelSpec:
+    return ModelSpec(name, int(weight_gb * GB), 1 << 20, 1024, 64.0, layers=LAYERS,
+                     head_bytes=HEAD, token_bytes=8192)
+
+
+def proportional(name: str = "m", per_request_s: float = 0.02) -> Profile:
+    """Decode time proportional to the batch (what replicas split)."""
+    batches, lengths = [1, 2, 4, 8, 16, 32], [16, 4096]
+    return Profile(name, Hardware.CPU, PrefillTable([16, 4096], [0.01, 0.4]),
+                   DecodeTable(batches, lengths, [[per_request_s * b] * 2 for b in batches]))
+
+
+def drain(sched, ops, now: float = 0.0) -> None:
+    pending = list(ops)
+    while pending:
+        pending.extend(sched.memop_done(pending.pop(0), now))
+
+
+def cluster(owner_gb: float = 4.0, host_gb: float = 4.0, requests: int = 1, tpot: float = 0.25,
+            profile: Profile | None = None):
+    perf = perf_for(profile or proportional())
+    owner = node("a", Hardware.CPU, owner_gb, perf)
+    host = node("b", Hardware.CPU, host_gb, perf)
+    iid = None
+    for k in range(requests):
+        iid = loaded(owner, iid, request(f"r{k}", tpot=tpot, ttft=5.0), spec())
+    return owner, host, iid, perf
+
+
+# -- the node's accounting of a split instance -------------------------------------------------
+
+
+def test_a_shed_shrinks_the_instance_to_its_share_and_its_profile_pays_the_hops():
+    owner, _, iid, perf = cluster()
+    inst = owner.node.instance(iid)
+    full, kv = inst.model, inst.kv_bytes
+    layout = InstanceLayout(full, (LayerRun(6, 8, "b", "b:1"),), 1e-3, 1e9)
+    ok, ops = owner.set_layout(iid, layout, 0.0)
+    assert ok and [op.kind for op in ops] == [MemOpKind.SCALE] and not ops[0].grows
+    drain(owner, ops)
+    share = share_spec(full, 6, LAYERS, HEAD, head=True)
+    assert inst.model == share and inst.layout == layout
+    assert inst.kv_bytes == -(-kv * 6 // 8)
+    assert owner.ledger.allocated(iid) == share.weight_bytes + inst.kv_bytes
+    piped = pipeline_profile(perf.get("m", Hardware.CPU), 2, layout_hop(layout))
+    assert node_profiles(owner.node, perf)[iid].decode_s(4, 100) == \
+        pytest.approx(piped.decode_s(4, 100))
+    assert piped.decode_s(4, 100) > perf.get("m", Hardware.CPU).decode_s(4, 100)
+    # Taking the layers back grows it again, through the budget.
+    ok, ops = owner.set_layout(iid, None, 1.0)
+    assert ok and ops[0].grows
+    drain(owner, ops, 1.0)
+    assert inst.model == full and inst.layout is None and inst.kv_bytes >= kv
+
+
+def test_taking_layers_back_is_refused_when_the_node_has_no_room():
+    owner, _, iid, _ = cluster()
+    inst = owner.node.instance(iid)
+    ok, ops = owner.set_layout(iid, InstanceLayout(inst.model, (LayerRun(4, 8, "b"),)), 0.0)
+    drain(owner, ops)
+    owner.hold("filler", owner.ledger.capacity - owner.ledger.budget, 0.0)
+    before = (inst.model, inst.kv_bytes, inst.layout)
+    ok, ops = owner.set_layout(iid, None, 1.0)
+    assert not ok and ops == [] and (inst.model, inst.kv_bytes, inst.layout) == before
+    with pytest.raises(ValueError, match="keeps"):
+        owner.set_layout(iid, InstanceLayout(before[2].model, (LayerRun(0, 8, "b"),)), 1.0)
+
+
+# -- decisions ---------------------------------------------------------------------------------
+
+
+def test_memory_pressure_sheds_the_fewest_layers_that_free_the_deficit_to_a_node_with_room():
+    owner, host, iid, perf = cluster()
+    inst = owner.node.instance(iid)
+    deficit = 2 * layer_weight_bytes(inst.model, LAYERS, HEAD)  # about two layers' worth
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    k = layers_to_shed(inst.model, inst.kv_bytes, LAYERS, LAYERS, HEAD, deficit)
+    move = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, k, HEAD)
+    assert plan == ModulePlan(ModuleAction.SHED, iid, "a", "b", LAYERS - k, LAYERS,
+                              move.dest_bytes, move.source_bytes_after, why=plan.why)
+    assert plan.host_bytes >= deficit
+    # No node with that much free memory, or a move under way for it: no plan.
+    full = node("b", Hardware.CPU, 0.01, perf)
+    assert plan_module_scaling([owner.view(), full.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG,
+                               busy=frozenset({iid})) == []
+    # A deficit that even all but one layer would not cover: nothing moves.
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", 10 * GB)], SETTINGS, CONFIG) == []
+
+
+def test_a_shed_that_would_break_the_batchs_tpot_with_its_hops_is_not_planned():
+    owner, host, iid, perf = cluster(tpot=0.0225)  # 0.02 s a step, 10% overestimate: 0.022
+    slow = ModuleSettings(hop_latency_s=0.01, link_bytes_per_s=1e10)
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", 1)], slow, CONFIG) == []
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", 1)], SETTINGS, CONFIG) != []
+
+
+def test_a_pressured_node_drops_the_replicas_it_hosts_before_shedding_its_own():
+    owner, host, iid, perf = cluster()
+    inst = owner.node.instance(iid)
+    layout = InstanceLayout(inst.model, (LayerRun(0, 4, "b", "b:7", replica=True),), 1e-4, 1e10)
+    drain(owner, owner.set_layout(iid, layout, 0.0)[1])
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                                 [MemoryPressure("b", 1)], SETTINGS, CONFIG)
+    assert (plan.action, plan.instance_id, plan.host_node, plan.address, plan.start, plan.end) == \
+        (ModuleAction.DROP_REPLICA, iid, "b", "b:7", 0, 4)
+
+
+def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_the_replicas_go_once_it_passed():
+    # 16 requests admitted at 0.01 s a request-step; the node turns out twice as slow (its
+    # calibrated profile): 0.32 s a step against a 0.25 s TPOT.
+    owner, host, iid, _ = cluster(owner_gb=40, host_gb=40, requests=16,
+                                  profile=proportional(per_request_s=0.01))
+    perf = perf_for(proportional(per_request_s=0.02))
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0, [], SETTINGS, CONFIG)
+    assert plan.action is ModuleAction.REPLICATE and plan.host_node == "b"
+    assert 0 <= plan.start < plan.end <= LAYERS and plan.host_bytes > 0
+    inst = owner.node.instance(iid)
+    layout = plan.layout_after(inst, "b:9", SETTINGS)
+    assert layout.runs == (LayerRun(plan.start, plan.end, "b", "b:9", replica=True),)
+    drain(owner, owner.set_layout(iid, layout, 0.0)[1])
+    assert inst.model.weight_bytes == spec().weight_bytes  # a replica moves nothing off
+    assert node_profiles(owner.node, perf)[iid].decode_s(16, 100) < \
+        perf.get("m", Hardware.CPU).decode_s(16, 100)
+    # A busy host (requests of its own) is no idle fragment.
+    busy = node("b", Hardware.CPU, 40, perf)
+    loaded(busy, None, request("own"), spec())
+    fresh, _, _, _ = cluster(owner_gb=40, host_gb=40, requests=16,
+                             profile=proportional(per_request_s=0.01))
+    assert plan_module_scaling([fresh.view(), busy.view()], perf, 0.0, [], SETTINGS, CONFIG) == []
+    # The spike passes: 13 of the 16 requests finish; the step alone meets the SLO by far.
+    for k in range(13):
+        owner.cancel(f"r{k}", 1.0)
+    [back] = plan_module_scaling([owner.view(), host.view()], perf, 1.0, [], SETTINGS, CONFIG)
+    assert (back.action, back.address, back.host_node) == (ModuleAction.DROP_REPLICA, "b:9", "b")
+    assert back.layout_after(owner.node.instance(iid), "", SETTINGS).runs == ()
+
+
+def test_the_deficit_of_a_refused_request_is_what_its_new_instance_lacks():
+    owner, _, _, _ = cluster(owner_gb=4.0)
+    view = owner.view()
+    r = request("new", tpot=0.25)
+    need = spec().weight_bytes + spec().kv_bytes_per_token * 1024  # the 1024-token floor
+    assert memory_deficit(view, spec(), r) == need - (view.memory_bytes - view.budget_bytes)
+
+
+def test_models_without_a_layer_count_never_move():
+    perf = perf_for(proportional())
+    owner = node("a", Hardware.CPU, 4, perf)
+    loaded(owner, None, request("r"), replace(spec(), layers=0))
+    host = node("b", Hardware.CPU, 4, perf)
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", 1)], SETTINGS, CONFIG) == []
+    with pytest.raises(ValueError):
+        ModuleSettings(relief=1.5)
+
+
+# -- the accounting invariant across a move ----------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(owner_gb=st.floats(3.3, 10.0), host_gb=st.floats(0.1, 8.0),
+       host_used_gb=st.floats(0.0, 4.0), requests=st.integers(1, 6),
+       deficit_layers=st.floats(0.1, 6.5), host_op_running=st.booleans())
+def test_pessimistic_memory_never_exceeds_capacity_on_either_node_across_a_move(
+        owner_gb, host_gb, host_used_gb, requests, deficit_layers, host_op_running):
+    perf = perf_for(proportional())
+    owner = node("a", Hardware.CPU, owner_gb, perf)
+    host = node("b", Hardware.CPU, host_gb, perf)
+    iid = None
+    for k in range(requests):
+        res = owner.admit(request(f"r{k}", ttft=5.0), iid, spec(), 0.0)
+        if not res.admission.ok:
+            break
+        drain(owner, res.start_ops)
+        iid = res.instance_id
+    if iid is None:
+        return
+    running = []
+    if host_used_gb * GB < host.ledger.capacity:  # the host's own memory, maybe still loading
+        ok, ops = host.hold("own", int(host_used_gb * GB), 0.0)
+        running = list(ops) if host_op_running else []
+        if not host_op_running:
+            drain(host, ops)
+
+    def safe() -> None:
+        for sched in (owner, host):
+            assert sched.ledger.pessimistic <= sched.ledger.capacity
+            assert sched.ledger.budget <= sched.ledger.capacity
+
+    inst = owner.node.instance(iid)
+    deficit = int(deficit_layers * layer_weight_bytes(inst.model, LAYERS, HEAD))
+    plans = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    safe()
+    if not plans:
+        return
+    [plan] = plans
+    before = owner.ledger.target(iid)
+    # The host reserves first (parked while it does not fit), the owner shrinks once moved.
+    key = stage_key(iid, plan.start, plan.end)
+    ok, ops = host.hold(key, plan.host_bytes, 0.0)
+    assert ok  # the plan only picks a host whose budget has room
+    safe()
+    drain(host, [*running, *ops], 1.0)
+    safe()
+    assert host.ledger.allocated(key) == plan.host_bytes
+    layout = plan.layout_after(inst, "b:1", SETTINGS)
+    ok, ops = owner.set_layout(iid, layout, 1.0)
+    assert ok and all(not op.grows for op in ops)
+    safe()
+    drain(owner, ops, 1.0)
+    safe()
+    k = plan.end - plan.start
+    assert abs(owner.ledger.allocated(iid) - plan.owner_bytes_after) <= k
+    assert abs(owner.ledger.allocated(iid) + plan.host_bytes - before) <= k
+    assert before - owner.ledger.allocated(iid) >= deficit - k
