@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.core.memory import MemOpKind
-from shared.core.types import NodeView
+from shared.core.types import NodeView, PipelineMode
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,9 @@ class NodeCommand:
     # ADMIT into a new instance (λScale §5): the placer multicasts the model to this node, into
     # its DRAM tier, in about this many seconds; the load waits for it (None: load from the tiers).
     multicast_s: float | None = None
+    # ... and the instance serves through this execution pipeline meanwhile (λScale §4.3: its
+    # helpers run the layers it has not received yet; `until`: seconds until it can serve).
+    pipeline: PipelineMode | None = None
     # PREEMPT_ADMIT by live migration: the plan's handover estimate (seconds). The victims keep
     # running while their requests move live to `migrations`; None: stop-and-resume.
     handover_s: float | None = None

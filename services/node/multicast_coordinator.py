@@ -34,8 +34,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from shared.core.multicast import (DEFAULT_BLOCKS, Transfer, kway_schedule, repair_schedule,
-                                   steps_of)
+from shared.core.multicast import (DEFAULT_BLOCKS, Block, Transfer, kway_schedule,
+                                   repair_schedule, steps_of)
+from shared.core.multicast import head_first as head_first_blocks
+from shared.core.pipeline import layer_index
 from shared.subjects import multicast_events_subject, multicast_node_subject
 
 log = logging.getLogger("slinfer.multicast")
@@ -97,18 +99,33 @@ class MulticastReport:
 async def multicast(nc, model_path: str, source: str | list[str], destinations: list[str], *,
                     blocks: int = DEFAULT_BLOCKS, timeout_s: float = 600.0,
                     control_timeout_s: float = 30.0,
-                    rate_bytes_per_s: float | None = None) -> MulticastReport:
+                    rate_bytes_per_s: float | None = None,
+                    head_first: bool = False) -> MulticastReport:
     """Send the model held by `source` (one node, or several for λScale's k-way transfer) to
     every node of `destinations` (see the module doc). `rate_bytes_per_s` caps each sending
-    connection (None: the endpoints' own setting, by default unpaced). Raises MulticastFailed
-    only when no source can offer it; a destination's failure is in its NodeOutcome."""
+    connection (None: the endpoints' own setting, by default unpaced). `head_first`: every
+    sub-group receives the blocks of the model's head (embeddings, final norm, LM head) first,
+    so a destination can head an execution pipeline early (execute-while-load). Raises
+    MulticastFailed only when no source can offer it; a destination's failure is in its
+    NodeOutcome."""
     sources = [source] if isinstance(source, str) else list(source)
     nodes = sources + list(destinations)
     if not sources or len(set(nodes)) != len(nodes):
         raise ValueError("need a source, and sources and destinations all distinct")
     run = _Run(nc, str(model_path), sources, list(destinations), blocks, timeout_s,
                control_timeout_s, rate_bytes_per_s)
+    run.head_first = head_first
     return await run.execute()
+
+
+def _head_blocks(manifest: dict) -> tuple[int, ...]:
+    """The manifest's blocks holding any byte of a tensor that is not a decoder layer's."""
+    from services.node.loader.checkpoint_format import CheckpointIndex
+
+    index = CheckpointIndex.from_json(manifest["index"])
+    spans = [(t.file, t.offset, t.offset + t.size) for t in index.tensors
+             if layer_index(t.name) is None]
+    return head_first_blocks([Block(i, f, a, b) for i, f, a, b, _, _ in manifest["blocks"]], spans)
 
 
 class _Run:
@@ -142,6 +159,8 @@ class _Run:
         self.senders: dict[str, dict[int, str]] = {d: {} for d in destinations}
         self.participants: list[str] = []  # everyone told about the transfer (for finish)
         self.nblocks = 0
+        self.head_first = False
+        self.first: tuple[int, ...] = ()  # blocks every sub-group sends first (the head's)
 
     def now(self) -> float:
         return time.perf_counter() - self.started
@@ -200,8 +219,10 @@ class _Run:
         self.have = {n: set() for n in self.alive}
         for src in self.sources:
             self.have[src] = set(order)
+        if self.head_first:
+            self.first = _head_blocks(manifest)
         schedule = kway_schedule(len(self.alive), min(len(self.sources), len(self.alive)),
-                                 nblocks)
+                                 nblocks, self.first)
         planned_steps = steps_of(schedule)
         epoch = 0
         prepare_seconds = None

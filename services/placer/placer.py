@@ -54,7 +54,7 @@ from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
-from shared.core.startup import StartupMethod
+from shared.core.startup import StartupChoice, StartupMethod
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -113,6 +113,9 @@ class Placer:
         # λScale §5: new instances admitted this turn that receive their model by multicast,
         # (model path, sources) -> destination nodes; one multicast each, started after the turn.
         self._scaleout: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+        # ... those of them with a destination serving through a pipeline meanwhile: the model's
+        # head goes first (execute-while-load, λScale §4.3).
+        self._head_first: set[tuple[str, tuple[str, ...]]] = set()
         self._multicasts: set[asyncio.Task] = set()
         self.multicast_reports: deque = deque(maxlen=256)  # MulticastReport, newest last
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
@@ -267,17 +270,21 @@ class Placer:
         multicast startup (λScale §4.2: the binomial pipeline, k-way with several sources).
         It runs on its own: a node whose copy does not arrive loads from its tiers."""
         batches, self._scaleout = self._scaleout, {}
+        head_first, self._head_first = self._head_first, set()
         for (path, sources), dests in batches.items():
-            task = asyncio.create_task(self._multicast(path, list(sources), dests),
-                                       name=f"multicast-{path}")
+            task = asyncio.create_task(
+                self._multicast(path, list(sources), dests, (path, sources) in head_first),
+                name=f"multicast-{path}")
             self._multicasts.add(task)
             task.add_done_callback(self._multicasts.discard)
 
-    async def _multicast(self, path: str, sources: list[str], dests: list[str]) -> None:
+    async def _multicast(self, path: str, sources: list[str], dests: list[str],
+                         head_first: bool = False) -> None:
         from services.node.multicast_coordinator import multicast
 
         try:
-            report = await multicast(self.nc, path, sources, dests, timeout_s=MULTICAST_TIMEOUT_S)
+            report = await multicast(self.nc, path, sources, dests, timeout_s=MULTICAST_TIMEOUT_S,
+                                     head_first=head_first)
         except Exception as exc:  # no source could offer it: every destination reads its tiers
             log.warning("multicast of %s from %s to %s failed: %r", path, sources, dests, exc)
             await self._abandon(path, dests)
@@ -405,10 +412,10 @@ class Placer:
             cmd = NodeCommand(CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
                               model=record if new else None)
         startup = plan.startup if new else None
-        by_multicast = startup is not None and startup.method is StartupMethod.MULTICAST
-        if by_multicast:
-            cmd = replace(cmd, multicast_s=startup.arrive_s)
-            outcome["slinfer.placement.startup"] = f"multicast from {','.join(startup.sources)}"
+        by_multicast = startup is not None and startup.method is not StartupMethod.TIER
+        if by_multicast:  # MULTICAST, or PIPELINE: serving through a pipeline meanwhile
+            cmd = replace(cmd, multicast_s=startup.arrive_s, pipeline=startup.pipeline)
+            outcome["slinfer.placement.startup"] = _startup_label(startup)
         reply = await self._command(plan.node_id, cmd)
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
         outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
@@ -420,6 +427,8 @@ class Placer:
                 dests = self._scaleout.setdefault((record.path, startup.sources), [])
                 if plan.node_id not in dests:
                     dests.append(plan.node_id)
+                if startup.pipeline is not None:
+                    self._head_first.add((record.path, startup.sources))
             if reply.migrating:
                 outcome["slinfer.placement.migrating_live"] = list(reply.migrating)
             await self._placed(p, plan, reply)
@@ -497,6 +506,13 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
         if plan.preempt_why:
             attrs["slinfer.placement.preempt_why"] = plan.preempt_why
     return attrs
+
+
+def _startup_label(startup: StartupChoice) -> str:
+    label = f"{startup.method.value} from {','.join(startup.sources)}"
+    if startup.pipeline is not None:
+        label += f", layers it lacks on {','.join(startup.pipeline.helpers)}"
+    return label
 
 
 def _unclaimed_since(msg: Msg, req: InferenceRequest, started_at: float) -> float:

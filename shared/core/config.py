@@ -29,6 +29,17 @@ class CoreConfig:
     # 0.01-0.04 s measured on loopback (bench/scaleout.py --measure, prepare_s).
     multicast_setup_s: float = 0.05
     multicast_step_latency_s: float = 0.0  # per pipeline step beyond the block's bytes
+    # λScale execute-while-load (§4.3, shared/core/startup.py): a new instance receiving its
+    # model by multicast may serve through an execution pipeline (its node runs the head and
+    # the layers it holds, a node holding the model runs the rest) until its copy is whole.
+    # Off by default until the node workers carry it out (the placer would plan a grace the
+    # node's whole-copy load does not keep).
+    enable_pipeline: bool = False
+    # Starting the helper's stage and attaching the head's engine to it (both from tensors
+    # already in memory: no read), and one activation transfer's fixed cost (framing, a round
+    # trip; bench/modules.py measured ~1 ms a hop on loopback, compute of a tiny stage included).
+    pipeline_setup_s: float = 0.5
+    pipeline_hop_latency_s: float = 0.002
     # Preemption by live migration (ServerlessLLM §5): the victims' requests move while they keep
     # decoding and the newcomer waits for the handover; False: stop-and-resume (the victims are
     # unloaded at once, their requests recompute elsewhere). The services default to live
@@ -43,7 +54,8 @@ class CoreConfig:
         if self.keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
         if self.multicast_blocks < 1 or self.multicast_setup_s < 0 \
-                or self.multicast_step_latency_s < 0:
+                or self.multicast_step_latency_s < 0 or self.pipeline_setup_s < 0 \
+                or self.pipeline_hop_latency_s < 0:
             raise ValueError("multicast_blocks must be >= 1 and its latencies >= 0")
         if self.shadow_max_steps < 1:
             raise ValueError("shadow_max_steps must be >= 1")

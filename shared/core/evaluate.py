@@ -67,7 +67,7 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
 def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = None) -> dict[str, Profile] | None:
     profiles: dict[str, Profile] = {}
     for inst in [*node.instances, *([extra] if extra else [])]:
-        p = instance_profile(perf, inst, node.hardware)  # a split instance pays its hops
+        p = instance_profile(perf, inst, node.hardware)  # a split or pipelined one pays its hops
         if p is None:
             return None
         profiles[inst.instance_id] = p
@@ -76,9 +76,14 @@ def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = 
 
 def new_instance_view(node: NodeView, model: ModelSpec, now: float) -> InstanceView:
     """A not-yet-loaded instance, for validation only (its `ready_at` is set once its KV size,
-    and so its load, is known: see `cold_start_ready_at`)."""
+    and so its load, is known: see `cold_start_ready_at`). One that will serve through a
+    pipeline (`StorageView.pipelines`) is validated with the pipeline's cost until its switch."""
+    storage = node.storage
+    mode = storage.pipelines.get(model.name) if storage is not None else None
+    if mode is not None:
+        mode = replace(mode, until=now + storage.arriving.get(model.name, mode.until))
     return InstanceView(NEW_INSTANCE_ID, model, node.node_id, InstanceStatus.LOADING,
-                        kv_bytes=0, ready_at=now, last_active=now)
+                        kv_bytes=0, ready_at=now, last_active=now, pipeline=mode)
 
 
 def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
@@ -94,6 +99,8 @@ def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
     bandwidth = storage.bytes_per_s.get(storage.holds.get(model.name, "registry"), 0.0)
     own = model.weight_bytes / bandwidth + profile.engine_init_s if bandwidth > 0 else profile.load_s
     dram = storage.bytes_per_s.get("dram", 0.0)
+    if model.name in storage.pipelines:  # it serves through a pipeline before it is whole
+        own = min(own, storage.pipelines[model.name].until)
     if model.name in storage.arriving and dram > 0:  # a multicast brings it to the DRAM tier
         return min(own, storage.arriving[model.name] + model.weight_bytes / dram
                    + profile.engine_init_s)

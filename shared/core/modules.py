@@ -333,6 +333,13 @@ def layout_spec(layout: InstanceLayout) -> ModelSpec:
 
 
 def instance_profile(perf: PerfModel, inst: InstanceView, hardware: Hardware) -> Profile | None:
-    """The profile an instance's iterations are predicted with (its layout's, if split)."""
+    """The profile an instance's iterations are predicted with (its layout's, if split; with
+    the pipeline's hops while it serves through one, λScale's execute-while-load)."""
     profile = perf.get(inst.model.name, hardware)
-    return layout_profile(profile, inst.layout) if profile is not None else None
+    if profile is None:
+        return None
+    mode = inst.pipeline
+    if mode is not None:
+        profile = pipeline_profile(profile, mode.hops, HopCost(
+            mode.hop_latency_s, mode.hop_bytes_per_s, mode.token_bytes))
+    return layout_profile(profile, inst.layout)

@@ -111,22 +111,27 @@ def steps_of(schedule: list[Transfer]) -> int:
     return max((t.step for t in schedule), default=-1) + 1
 
 
-def kway_orders(blocks: int, k: int) -> list[list[int]]:
-    """Algorithm 1: the block order of each of k sub-groups (chunks circularly shifted)."""
+def kway_orders(blocks: int, k: int, first: tuple[int, ...] = ()) -> list[list[int]]:
+    """Algorithm 1: the block order of each of k sub-groups (chunks circularly shifted).
+    `first`: blocks every sub-group sends before the others, in this order (the blocks of a
+    pipeline head's tensors, `head_first`); the chunks are cut from the rest."""
     if k < 1 or blocks < 1:
         raise ValueError("need k >= 1 and blocks >= 1")
-    size = math.ceil(blocks / k)
-    chunks = [list(range(size * i, min(size * (i + 1), blocks))) for i in range(k)]
-    return [[b for j in range(k) for b in chunks[(i + j) % k]] for i in range(k)]
+    if len(set(first)) != len(first) or any(not 0 <= b < blocks for b in first):
+        raise ValueError(f"first must be distinct blocks of 0..{blocks - 1}, got {first}")
+    rest = [b for b in range(blocks) if b not in set(first)]
+    size = math.ceil(len(rest) / k) if rest else 1
+    chunks = [rest[size * i:size * (i + 1)] for i in range(k)]
+    return [[*first, *(b for j in range(k) for b in chunks[(i + j) % k])] for i in range(k)]
 
 
-def kway_schedule(n: int, k: int, blocks: int) -> list[Transfer]:
+def kway_schedule(n: int, k: int, blocks: int, first: tuple[int, ...] = ()) -> list[Transfer]:
     """k sources (nodes 0..k-1) to the other n - k nodes: one binomial pipeline per sub-group
     (`subgroups`), sub-group i sending the blocks in `kway_orders(blocks, k)[i]`, all at once
     (the sub-groups share no node, so a step still moves at most one block in and out of each
-    node). With k = 1 this is `binomial_schedule(n, range(blocks))`."""
+    node). With k = 1 this is `binomial_schedule(n, range(blocks))`. `first`: `kway_orders`'."""
     out: list[Transfer] = []
-    for group, order in zip(subgroups(n, k), kway_orders(blocks, k)):
+    for group, order in zip(subgroups(n, k), kway_orders(blocks, k, first)):
         out += [Transfer(t.step, group[t.src], group[t.dst], t.block)
                 for t in binomial_schedule(len(group), order)]
     return sorted(out, key=lambda t: (t.step, t.src))
@@ -159,6 +164,24 @@ def execution_pipelines(groups: list[list[int]]) -> list[list[int]]:
             continue
         for _ in range(min(len(g) for g in live)):
             pipelines.append([g.pop(0) for g in live])
+
+
+def arrival_steps(schedule: list[Transfer]) -> dict[int, dict[int, int]]:
+    """node -> block -> the step in which the block reaches the node (held after that step)."""
+    out: dict[int, dict[int, int]] = {}
+    for t in schedule:
+        got = out.setdefault(t.dst, {})
+        got[t.block] = min(got.get(t.block, t.step), t.step)
+    return out
+
+
+def head_first(blocks: list[Block], head_spans: list[tuple[str, int, int]]) -> tuple[int, ...]:
+    """The blocks holding any byte of the pipeline head's tensors ((file, start, end) spans: the
+    embeddings, the final norm, the LM head), in block order: a multicast that sends these first
+    (`kway_orders`' `first`) lets a receiver head an execution pipeline after a few blocks,
+    instead of after the block with the final norm, which the layout puts last."""
+    return tuple(b.index for b in blocks
+                 if any(f == b.file and s < b.end and b.start < e for f, s, e in head_spans))
 
 
 def multicast_seconds(model_bytes: int, blocks: int, n: int, link_bytes_per_s: float,

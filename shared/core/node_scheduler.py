@@ -28,7 +28,7 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
 from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
-                                  without_instances)
+                                  new_instance_view, without_instances)
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
@@ -266,7 +266,8 @@ class NodeScheduler:
         self._next_instance += 1
         kv = admission.kv_target_bytes or 0
         inst = InstanceView(iid, model, self.node.node_id, InstanceStatus.LOADING, kv_bytes=kv,
-                            ready_at=now, last_active=now)
+                            ready_at=now, last_active=now,  # through a pipeline: the startup's
+                            pipeline=new_instance_view(self.node, model, now).pipeline)
         inst.requests.append(replace(request, grace_s=admission.grace_s))
         self.node.instances.append(inst)
         ok, ops = self.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)

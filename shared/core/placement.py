@@ -18,7 +18,7 @@ from shared.core.consolidation import Migration, binpack_order, plan_preemption
 from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
-from shared.core.startup import StartupChoice, StartupMethod, choose_startup, with_arrival
+from shared.core.startup import StartupChoice, choose_startup, with_startup
 from shared.core.types import Hardware, ModelSpec, NodeView, RequestView
 
 
@@ -88,8 +88,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
             continue
         choice = choose_startup(node, model, profile, nodes if nodes is not None else eligible,
                                 config)
-        if choice.method is StartupMethod.MULTICAST:
-            node = with_arrival(node, model.name, choice.arrive_s)
+        node = with_startup(node, model.name, choice)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
         first_token = now + startup + profile.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)

@@ -15,6 +15,17 @@ link bandwidth, declared or measured); a node can send when its DRAM tier holds 
 estimate counts the receivers already on their way (`StorageView.arriving`), so the nodes of one
 burst are estimated as one group, the way the placer then sends them the model: one multicast.
 
+- **pipeline** (execute-while-load, λScale §4.3): the model comes by multicast as above, but
+  the instance serves before its copy is whole: once this node holds the head (embeddings,
+  final norm, LM head: the multicast sends their blocks first, `multicast.head_first`) and one
+  layer, a *helper* (a node holding the model in its DRAM tier: a multicast source with room
+  for a stage of the other layers) runs the layers it lacks, and every iteration pays two
+  activation transfers (`modules.pipeline_profile`) until the copy is whole and the node
+  switches to local execution. Until it serves: setup + the multicast steps until this node's
+  first blocks are in (`pipeline_serve_steps`, from the k-way schedule) + the stage's start.
+  It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
+  admission then validates the request against the pipeline's slower profile.
+
 Pure: views and numbers in, a `StartupChoice` out; the placer carries a multicast choice out
 (`services/placer`), the node waits for the arrival before its load (`services/node/worker.py`).
 """
@@ -27,14 +38,16 @@ from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.evaluate import load_seconds
-from shared.core.multicast import multicast_seconds
+from shared.core.modules import share_spec
+from shared.core.multicast import arrival_steps, kway_orders, kway_schedule, multicast_seconds
 from shared.core.perf_model import Profile
-from shared.core.types import ModelSpec, NodeView
+from shared.core.types import ModelSpec, NodeView, PipelineMode
 
 
 class StartupMethod(str, enum.Enum):
     TIER = "tier"  # load from the node's own fastest tier (or ride a multicast already coming)
     MULTICAST = "multicast"  # receive it by a new multicast into the DRAM tier, then load
+    PIPELINE = "pipeline"  # receive it by multicast, serving through a pipeline meanwhile
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,10 @@ class StartupChoice:
     method: StartupMethod
     load_s: float  # until the weights are in: the cold start's TTFT grace (§IX-A)
     tier_s: float  # what loading from the node's own tiers takes (for the record)
-    arrive_s: float = 0.0  # MULTICAST: until the checkpoint is in the node's DRAM tier
-    sources: tuple[str, ...] = ()  # MULTICAST: the nodes that send it
+    arrive_s: float = 0.0  # MULTICAST, PIPELINE: until the checkpoint is in the node's DRAM tier
+    sources: tuple[str, ...] = ()  # MULTICAST, PIPELINE: the nodes that send it
+    # PIPELINE: how it serves until its copy is whole (`until`: seconds until it serves, = load_s)
+    pipeline: PipelineMode | None = None
 
 
 def can_receive(node: NodeView) -> bool:
@@ -78,11 +93,69 @@ def multicast_arrive_s(model_bytes: int, sources: list[NodeView], receiver: Node
         model_bytes, config.multicast_blocks, group, link, config.multicast_step_latency_s)
 
 
+def head_blocks(model: ModelSpec, blocks: int) -> int:
+    """Blocks a receiver needs before it can head a pipeline, counted in a head-first order: the
+    head's (its final norm lies apart from the embeddings and the LM head: one more block), then
+    one layer's (one more where the layer straddles a cut)."""
+    block = model.weight_bytes / blocks
+    layer = (model.weight_bytes - model.head_bytes) / model.layers
+    return min(blocks, math.ceil(model.head_bytes / block) + 1 + math.ceil(layer / block) + 1)
+
+
+def pipeline_serve_steps(sources: int, receivers: int, blocks: int, need: int) -> int:
+    """Steps of a k-way multicast (k = `sources`, head-first order) until the newest of
+    `receivers` (node k + receivers - 1 of the plan, the way a burst's nodes join it) holds the
+    first `need` blocks of its sub-group's order."""
+    if sources < 1 or receivers < 1 or not 1 <= need <= blocks:
+        raise ValueError("need a source, a receiver and 1 <= need <= blocks")
+    first = tuple(range(need))  # which blocks does not matter here, only how many go first
+    node = sources + receivers - 1
+    order = kway_orders(blocks, sources, first)[(node - sources) % sources]
+    got = arrival_steps(kway_schedule(sources + receivers, sources, blocks, first))[node]
+    return max(got[b] for b in order[:need]) + 1
+
+
+def stage_bytes(model: ModelSpec) -> int:
+    """What a helper's stage may hold at most: every layer but one with their K/V for a full
+    context (the head node holds at least one layer when the pipeline starts)."""
+    remote = model.layers - 1
+    weights = share_spec(model, remote, model.layers, model.head_bytes, head=False).weight_bytes
+    return weights + model.kv_bytes_per_token * remote // model.layers * model.max_context
+
+
+def pipeline_helper(model: ModelSpec, sources: list[NodeView]) -> NodeView | None:
+    """The source with the most free memory, if it has room for the stage (`stage_bytes`)."""
+    need = stage_bytes(model)
+    roomy = [n for n in sources if not n.draining and n.memory_bytes - n.budget_bytes >= need]
+    return max(roomy, key=lambda n: (n.memory_bytes - n.budget_bytes, n.node_id), default=None)
+
+
+def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
+                  receivers: int, config: CoreConfig) -> PipelineMode | None:
+    """How the new instance would serve through a pipeline (None: it cannot: the model's shape
+    is unknown, or no source has room for the stage)."""
+    if not (config.enable_pipeline and model.layers > 1 and model.token_bytes > 0
+            and 0 < model.head_bytes < model.weight_bytes):
+        return None
+    helper = pipeline_helper(model, sources)
+    if helper is None:
+        return None
+    blocks = config.multicast_blocks
+    link = min(n.storage.multicast_bytes_per_s for n in [*sources, node])
+    steps = pipeline_serve_steps(len(sources), receivers, blocks, head_blocks(model, blocks))
+    step_s = model.weight_bytes / blocks / link + config.multicast_step_latency_s
+    serve = config.multicast_setup_s + steps * step_s + config.pipeline_setup_s \
+        + profile.engine_init_s
+    return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
+                        (helper.node_id,))
+
+
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
                    config: CoreConfig) -> StartupChoice:
-    """The quicker of loading from the node's own tiers and receiving the model by multicast
-    from the nodes of `nodes` that hold it (module doc). A node that holds the model in its DRAM
-    tier, or to which it is already on its way, loads it (`load_seconds` counts the arrival)."""
+    """The soonest of loading from the node's own tiers, receiving the model by multicast from
+    the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
+    doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
+    loads it (`load_seconds` counts the arrival)."""
     tier = load_seconds(node, model, profile)
     keep = StartupChoice(StartupMethod.TIER, tier, tier)
     storage = node.storage
@@ -95,15 +168,29 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     receivers = 1 + receivers_on_the_way(model, nodes, exclude=node.node_id)
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
     via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
+    names = tuple(sorted(n.node_id for n in sources))
+    mode = plan_pipeline(node, model, profile, sources, receivers, config)
+    if mode is not None and mode.until < min(via, tier):
+        return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)
     if via >= tier and not config.force_multicast:
         return keep
-    return StartupChoice(StartupMethod.MULTICAST, via, tier, arrive,
-                         tuple(sorted(n.node_id for n in sources)))
+    return StartupChoice(StartupMethod.MULTICAST, via, tier, arrive, names)
 
 
-def with_arrival(node: NodeView, model: str, arrive_s: float) -> NodeView:
-    """The node's view once a multicast of `model` to it is under way (lands in `arrive_s`)."""
+def with_arrival(node: NodeView, model: str, arrive_s: float,
+                 pipeline: PipelineMode | None = None) -> NodeView:
+    """The node's view once a multicast of `model` to it is under way (lands in `arrive_s`);
+    with `pipeline`, a new instance of it there serves through that pipeline meanwhile."""
     storage = node.storage
     if storage is None:
         raise ValueError(f"node {node.node_id} reports no tiers to receive into")
-    return replace(node, storage=replace(storage, arriving={**storage.arriving, model: arrive_s}))
+    pipes = storage.pipelines if pipeline is None else {**storage.pipelines, model: pipeline}
+    return replace(node, storage=replace(storage, arriving={**storage.arriving, model: arrive_s},
+                                         pipelines=pipes))
+
+
+def with_startup(node: NodeView, model: str, choice: StartupChoice) -> NodeView:
+    """The node's view with `choice` under way (unchanged for a load from its own tiers)."""
+    if choice.method is StartupMethod.TIER:
+        return node
+    return with_arrival(node, model, choice.arrive_s, choice.pipeline)

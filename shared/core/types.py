@@ -149,6 +149,23 @@ class InstanceLayout:
         return self.model.layers - sum(r.end - r.start for r in self.runs if not r.replica)
 
 
+@dataclass(frozen=True)
+class PipelineMode:
+    """An instance serving through an execution pipeline while its weights arrive by multicast
+    (λScale §4.3): its node runs the head and the layers it holds, `helpers` run the others.
+    Every iteration pays `hops` transfers of its tokens' activations (`shared.core.modules.
+    pipeline_profile`) until the node holds the whole model and switches to local execution."""
+
+    hops: int
+    hop_latency_s: float  # per transfer (framing, a round trip)
+    hop_bytes_per_s: float  # the link the activations cross
+    token_bytes: int  # one token's activations (ModelSpec.token_bytes)
+    # InstanceView: when the switch to local execution is expected (node clock); StorageView's
+    # `pipelines` (a startup not begun): seconds from the snapshot until the pipeline serves.
+    until: float
+    helpers: tuple[str, ...] = ()  # the nodes hosting the layers this node lacks
+
+
 @dataclass
 class InstanceView:
     instance_id: str
@@ -169,6 +186,10 @@ class InstanceView:
     leaves_at: float = 0.0
     # Layers run on other nodes (CoCoServe's module scaling); None: all of them here.
     layout: InstanceLayout | None = None
+    # Serving through an execution pipeline while its weights arrive (None: runs alone). Its
+    # node's ledger holds the whole instance (weights + KV: what it holds after the switch);
+    # each helper holds its stage (`shared.core.modules.stage_key`).
+    pipeline: PipelineMode | None = None
 
     @property
     def accepts(self) -> bool:
@@ -229,6 +250,10 @@ class StorageView:
     # The node's multicast link (bytes/s per connection, measured on received blocks, else
     # declared); 0: the node runs no multicast endpoint (it neither sends nor receives).
     multicast_bytes_per_s: float = 0.0
+    # λScale execute-while-load: model -> a new instance here serves through this pipeline
+    # while the model arrives (`until`: seconds until the pipeline serves); the startup the
+    # placer chose (`shared.core.startup.with_pipeline`), on its view and on the node's re-check.
+    pipelines: dict[str, PipelineMode] = field(default_factory=dict)
 
 
 @dataclass
