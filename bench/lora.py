@@ -393,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     base = ensure_model(ROOT / ".data", args.shape, args.shape)
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    result = {"command": "flock -x /tmp/slinfer-cpu.lock .venv/bin/python bench/lora.py "
+    # The command as run (a caller's `flock` around it is not visible here: the machine's load
+    # averages say how quiet the box was).
+    result = {"command": ".venv/bin/python bench/lora.py "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": machine(), "shape": args.shape, "rank": args.rank,
               "model": f"{args.shape} (shared.modelgen, random weights, "
