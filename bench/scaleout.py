@@ -336,18 +336,24 @@ def stand_in_profile(name: str):
                    load_s=60.0, engine_init_s=0.05)
 
 
-async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
+async def serve_shape(shape: str, ks: list[int], repeats: int,
+                      methods: tuple[str, ...] = ("multicast", "storage"),
+                      link_bytes_per_s: float | None = None) -> dict:
     """The burst of k requests through node workers (one process each) and a placer: k + 1
     nodes, node n0 a memory node holding the model in its DRAM tier (no room for an instance),
     n1..nk with room for one instance holding one request each. Per run, one method forced on
     the placer: multicast from n0, or every node loading from the registry (page cache
-    dropped)."""
+    dropped), or (`pipeline`) multicast with execute-while-load: n0 then has room for one
+    stage of the model's layers, so one new instance of the burst can serve through a pipeline
+    with n0 while its copy arrives (λScale §4.3). `link_bytes_per_s`: every node paces its
+    sending connections to it and declares it as its link (None: loopback, unpaced)."""
     import dataclasses
 
     import nats
     from redis.asyncio import Redis
 
     from services.node.loader import read_index
+    from shared.cluster import model_spec as cluster_spec
     from services.node.loader.direct_io import drop_page_cache
     from services.placer.placer import Placer
     from services.placer.settings import PlacerSettings
@@ -355,6 +361,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
     from shared.bus import ensure_streams
     from shared.cluster import read_nodes, save_profile
     from shared.core.config import CoreConfig
+    from shared.core.startup import stage_bytes
     from shared.core.types import InstanceStatus
     from shared.registry import ModelRegistry, model_record_from_dir
     from shared.schemas import InferenceRequest, TokenMessage
@@ -375,6 +382,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                                f"{available_bytes() / 1e9:.1f} GB available"
                             for k in ks if k not in fits},
               "profile": "stand-in (placement only; startup method forced per run)",
+              "methods": list(methods), "link_bytes_per_s": link_bytes_per_s,
               "rows": []}
     if not fits:
         return result
@@ -391,11 +399,20 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
         await ModelRegistry(redis).register(record)
         await save_profile(redis, stand_in_profile(record.name))
         one_instance = record.weight_bytes + 300 * record.kv_bytes_per_token
+        # The memory node: no room for an instance; with the pipeline method, room for one stage.
+        holder = record.weight_bytes // 2
+        if "pipeline" in methods:
+            holder = stage_bytes(cluster_spec(record)) + (4 << 20)
+            if holder >= record.weight_bytes:
+                raise RuntimeError("a stage of this model is as large as an instance")
+        link_env = {} if link_bytes_per_s is None else {
+            "SLINFER_MULTICAST_RATE_BYTES_PER_S": str(link_bytes_per_s),
+            "SLINFER_MULTICAST_LINK_BYTES_PER_S": str(link_bytes_per_s)}
         for name in names:
             env = {**os.environ, "SLINFER_NATS_URL": nats_url, "SLINFER_REDIS_URL": redis_url,
                    "SLINFER_NODE_ID": name, "SLINFER_NODE_HARDWARE": "cpu",
-                   "SLINFER_NODE_MEMORY_BYTES": str(record.weight_bytes // 2 if name == "n0"
-                                                    else one_instance),
+                   "SLINFER_NODE_MEMORY_BYTES": str(holder if name == "n0" else one_instance),
+                   **link_env,
                    "SLINFER_NODE_DRAM_CACHE_BYTES": str(size + (256 << 20)),
                    "SLINFER_NODE_DISK_CACHE_BYTES": "0", "SLINFER_DATA_DIR": str(tmp),
                    "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "1",
@@ -446,9 +463,11 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
             loop["runner"] = asyncio.create_task(placer.run(loop["stop"]))
 
         async def burst(dests: list[str], method: str) -> dict:
+            by_multicast = method in ("multicast", "pipeline")
             placer.s = dataclasses.replace(placer.s, core=CoreConfig(
                 require_matrix_accel=False,  # as the nodes run (SLINFER_REQUIRE_MATRIX_ACCEL)
-                enable_multicast=method == "multicast", force_multicast=method == "multicast"))
+                enable_multicast=by_multicast, force_multicast=by_multicast,
+                enable_pipeline=method == "pipeline"))
 
             async def unloaded() -> bool:
                 v = await views()
@@ -510,24 +529,25 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                 raise RuntimeError(f"burst {method} k={len(dests)}: {errors}")
             served_on = sorted(f.node_id for f in finals.values())
             reports = list(placer.multicast_reports)[reports_before:]
-            if method == "multicast" and (len(reports) != 1 or not reports[0].ok):
+            if method != "storage" and (len(reports) != 1 or not reports[0].ok):
                 raise RuntimeError(f"expected one multicast: {[r.to_dict() for r in reports]}")
             if method == "storage" and reports:
                 raise RuntimeError("a storage run multicast")
             return {"ready_s": [round(ready.get(d, float("nan")), 4) for d in dests],
+                    "ttft_min_s": round(min(first[r] for r in rids), 4),
                     "all_ready_s": max(ready.values()) if len(ready) == len(dests) else None,
                     "ttft_s": [round(first[r], 4) for r in rids],
                     "served_on": served_on,
                     "multicast_s": reports[0].seconds if reports else None}
 
         # One untimed burst each way (first-use costs: pool buffers, code paths).
-        for method in ("multicast", "storage"):
+        for method in methods:
             await burst(names[1:2], method)
         for k in sorted(fits):
             dests = names[1:k + 1]
-            runs = {"multicast": [], "storage": []}
+            runs = {method: [] for method in methods}
             for _ in range(repeats):
-                for method in ("multicast", "storage"):
+                for method in methods:
                     runs[method].append(await burst(dests, method))
             row = {"k": k}
             for method, rs in runs.items():
@@ -537,9 +557,11 @@ async def serve_shape(shape: str, ks: list[int], repeats: int) -> dict:
                 row[f"{method}_ttft_max_s"] = median([max(r["ttft_s"]) for r in rs])
                 row[f"{method}_ttft_median_s"] = median([statistics.median(r["ttft_s"])
                                                          for r in rs])
+                row[f"{method}_ttft_min_s"] = median([r["ttft_min_s"] for r in rs])
                 row[f"{method}_runs"] = rs
-            row["storage_over_multicast_ready"] = round(row["storage_all_ready_s"]
-                                                        / row["multicast_all_ready_s"], 3)
+            if "storage" in runs and "multicast" in runs:
+                row["storage_over_multicast_ready"] = round(row["storage_all_ready_s"]
+                                                            / row["multicast_all_ready_s"], 3)
             print(json.dumps({k2: v for k2, v in row.items() if not k2.endswith("_runs")}),
                   flush=True)
             result["rows"].append(row)
@@ -614,6 +636,35 @@ def served(args, argv: list[str] | None) -> int:
                    lambda shape, ks: asyncio.run(serve_shape(shape, ks, args.repeats)))
 
 
+def execute_while_load(args, argv: list[str] | None) -> int:
+    """The burst multicast with and without execute-while-load, the link paced (`--link-mbps`)."""
+    link = args.link_mbps * 1e6
+    return _record(args, argv, args.ewl, "ewl",
+                   f"loopback TCP between node worker processes of this machine, every sending "
+                   f"connection paced to {args.link_mbps:g} MB/s",
+                   lambda shape, ks: asyncio.run(serve_shape(shape, ks, args.repeats,
+                                                             ("multicast", "pipeline"), link)))
+
+
+def ewl_table(results: Path) -> str:
+    """The BENCHMARKS rows of the recorded --ewl runs (scaleout_ewl_*.json)."""
+    lines = ["| shape (bytes) | k | link (MB/s) | first TTFT at t = 0, multicast / pipeline (s) | "
+             "TTFT median / max, multicast (s) | TTFT median / max, pipeline (s) | the "
+             "multicast itself, multicast / pipeline run (s) |", "|---|---|---|---|---|---|---|"]
+    for path in sorted(results.glob("scaleout_ewl_*.json")):
+        r = json.loads(path.read_text())
+        for row in r["rows"]:
+            mc = [median([x["multicast_s"] for x in row[f"{m}_runs"]]) for m in
+                  ("multicast", "pipeline")]
+            lines.append(
+                f"| {r['shape']} ({r['model_bytes'] / 1e6:.0f} MB) | {row['k']} | "
+                f"{r['link_bytes_per_s'] / 1e6:g} | {row['multicast_ttft_min_s']:.2f} / "
+                f"{row['pipeline_ttft_min_s']:.2f} | {row['multicast_ttft_median_s']:.2f} / "
+                f"{row['multicast_ttft_max_s']:.2f} | {row['pipeline_ttft_median_s']:.2f} / "
+                f"{row['pipeline_ttft_max_s']:.2f} | {mc[0]:.2f} / {mc[1]:.2f} |")
+    return "\n".join(lines)
+
+
 def measured(args, argv: list[str] | None) -> int:
     return _record(args, argv, args.measure, "measured",
                    "loopback TCP between processes of this machine",
@@ -632,6 +683,13 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. small,llama-3.2-1b")
     p.add_argument("--served-table", action="store_true",
                    help="print the BENCHMARKS table of the recorded --serve results")
+    p.add_argument("--ewl", metavar="SHAPES",
+                   help="the burst through node workers and the placer, multicast with and "
+                        "without execute-while-load (λScale §4.3) over a paced link")
+    p.add_argument("--link-mbps", type=float, default=100.0,
+                   help="--ewl: the link every node paces its sends to (MB/s)")
+    p.add_argument("--ewl-table", action="store_true",
+                   help="print the BENCHMARKS table of the recorded --ewl results")
     p.add_argument("--ks", help="destination counts to measure (default 2,4,8; those that do "
                                 "not fit in memory are skipped and recorded)")
     p.add_argument("--repeats", type=int, default=3)
@@ -642,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.served_table:
         print(served_table(Path(args.results)))
         return 0
+    if args.ewl_table:
+        print(ewl_table(Path(args.results)))
+        return 0
+    if args.ewl:
+        return execute_while_load(args, argv)
     if args.serve:
         return served(args, argv)
     return measured(args, argv) if args.measure else modelled(args, argv)

@@ -231,7 +231,8 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
             if node.storage is not None:  # which checkpoints it holds or receives: visible ones only
                 node.storage = dataclasses.replace(
                     node.storage, holds=_visible_keys(node.storage.holds, visible),
-                    arriving=_visible_keys(node.storage.arriving, visible))
+                    arriving=_visible_keys(node.storage.arriving, visible),
+                    pipelines=_visible_keys(node.storage.pipelines, visible))
         nodes.append(node)
     return nodes
 

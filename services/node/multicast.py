@@ -326,6 +326,35 @@ class MulticastEndpoint:
                     return None
                 self._outcome_cond.wait(min(left, 0.5))
 
+    def wait_blocks(self, model_path: str, ready, timeout_s: float
+                    ) -> tuple[Manifest, HostCheckpoint, frozenset[int]] | None:
+        """(A worker thread) Block until a transfer of `model_path` to this node holds blocks
+        for which `ready(manifest, have)` is true (or holds all of them); then its manifest,
+        its buffers (the blocks in `have` hold the model's bytes, the others not yet) and
+        `have`. None when no such transfer came within `timeout_s`, or the endpoint stopped.
+        Execute-while-load (services/node/pipeline_mode.py) runs layers from these buffers."""
+        key = _key(model_path)
+        deadline = time.monotonic() + timeout_s
+        while not self._closed:
+            with self._lock:
+                t = next((t for t in self._transfers.values()
+                          if t.receiving and _key(t.manifest.model_path) == key), None)
+            left = deadline - time.monotonic()
+            if t is None:
+                if left <= 0:
+                    return None
+                time.sleep(min(left, 0.02))  # the coordinator's prepare has not come yet
+                continue
+            with t.cond:
+                while not (t.complete or ready(t.manifest, t.have)):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed or (t.epoch is not None and t.epoch.stopping.is_set()
+                                                     and not t.complete):
+                        return None
+                    t.cond.wait(min(left, 0.5))
+                return t.manifest, t.host, frozenset(t.have)
+        return None
+
     def _ended(self, t: _Transfer) -> None:
         """A transfer this node received by is over (complete or not): tell `wait_for_model`."""
         if t.outcome_told:

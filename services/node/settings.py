@@ -45,6 +45,9 @@ class NodeSettings:
     multicast_port: int = 0
     multicast_advertise_host: str | None = None
     multicast_link_bytes_per_s: float = 1.25e9  # a 10 Gb/s link
+    # Pace every connection this node sends blocks on to this rate (None: as fast as it goes):
+    # a slower link on one machine, for tests and benchmarks of execute-while-load.
+    multicast_rate_bytes_per_s: float | None = None
     # Artifact pre-loading (ServerlessLoRA §4.1, services/node/preload.py): re-planned this
     # often from the rates the node sees; 0 = off.
     preload_interval_s: float = 5.0
@@ -83,6 +86,8 @@ class NodeSettings:
             multicast_advertise_host=env_str("SLINFER_MULTICAST_ADVERTISE_HOST", "") or None,
             multicast_link_bytes_per_s=env_float("SLINFER_MULTICAST_LINK_BYTES_PER_S", 1.25e9,
                                                  minimum=1.0),
+            multicast_rate_bytes_per_s=env_float("SLINFER_MULTICAST_RATE_BYTES_PER_S", 0.0,
+                                                 minimum=0.0) or None,
             preload_interval_s=env_float("SLINFER_PRELOAD_INTERVAL_S", 5.0, minimum=0.0),
         )
 

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from services.node.engines import KVCacheFull, SamplingParams, create_engine, resolve_engine
 from services.node.engines.base import Engine
 from services.node.observe import NodeObserver
+from services.node.pipeline_mode import PipelineStarts
 from services.node.preload import PreloadRecord, preload_loop
 from services.node.settings import NodeSettings
 from services.node.tiers import ModelNames, model_key, storage_view
@@ -46,7 +47,8 @@ from shared.core.iteration import IterationKind, predict_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult, Eviction, NodeScheduler, StepPlan, new_node
 from shared.core.perf_model import PerfModel
-from shared.core.types import AdapterSpec, Hardware, InstanceStatus, RequestView, adapter_owner
+from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, PipelineMode, RequestView,
+                               adapter_owner)
 from shared.model_state import profile_joining_kind
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -77,6 +79,7 @@ class Arrival:
     model_path: str
     expected_at: float  # wall clock: when the core expects it in the DRAM tier
     since: float  # monotonic: when the node was told (an outcome before this is another transfer)
+    pipeline: PipelineMode | None = None  # a new instance serves through it meanwhile (λScale)
 
 
 @dataclass(frozen=True)
@@ -229,12 +232,14 @@ class NodeWorker:
         self._joined = False  # queued the profiling jobs this node's hardware kind lacks
         self.multicast: MulticastEndpoint | None = None  # sends and receives models (λScale)
         self.arriving: dict[str, Arrival] = {}  # model name -> its multicast to this node
+        self.pipelines = PipelineStarts(self)  # execute-while-load (services/node/pipeline_mode.py)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         # Import the engine stack now, not inside the first cold start (it takes seconds).
         await asyncio.to_thread(warm_imports)
         self.loader = await asyncio.to_thread(self._new_loader)
+        self.pipelines.start()
         await self._start_multicast()
         await ensure_streams(self.js)
         await self._load_profiles()
@@ -310,7 +315,8 @@ class NodeWorker:
 
         endpoint = MulticastEndpoint(self.nc, self.s.node_id, self.loader, self.s.multicast_host,
                                      self.s.multicast_port,
-                                     advertise_host=self.s.multicast_advertise_host)
+                                     advertise_host=self.s.multicast_advertise_host,
+                                     rate_bytes_per_s=self.s.multicast_rate_bytes_per_s)
         await endpoint.start()
         self.multicast = endpoint
         log.info("node %s: multicast endpoint at %s:%d", self.s.node_id, *endpoint.address)
@@ -406,6 +412,7 @@ class NodeWorker:
             self.sched.node.storage = replace(
                 storage_view(self.loader.tiers_report(), self.model_names.names),
                 arriving={m: max(0.0, a.expected_at - now) for m, a in self.arriving.items()},
+                pipelines={m: a.pipeline for m, a in self.arriving.items() if a.pipeline},
                 multicast_bytes_per_s=self._multicast_link())
 
     def _view(self):
@@ -511,7 +518,7 @@ class NodeWorker:
                 or record.name in self.arriving:
             return False
         self.arriving[record.name] = Arrival(record.path, time.time() + max(0.0, cmd.multicast_s),
-                                             time.monotonic())
+                                             time.monotonic(), cmd.pipeline)
         self._refresh_storage()
         return True
 
@@ -1091,12 +1098,15 @@ class NodeWorker:
         kv_bytes = max(0, op.bytes_after - record.weight_bytes)
         if op.kind is MemOpKind.LOAD:
             load = self._loading.pop(op.instance_id, None)
-            self._await_arrival(record)
-            engine = create_engine(record.engine, record.path, device=self.s.device,
-                                   kv_capacity_bytes=kv_bytes, loader=self.loader)
             started = time.perf_counter()
-            try:
-                engine.load()
+            try:  # λScale: serve through a pipeline while the model arrives, if so planned
+                engine = self.pipelines.load(op.instance_id, record, kv_bytes)
+                if engine is None:
+                    self._await_arrival(record)
+                    engine = create_engine(record.engine, record.path, device=self.s.device,
+                                           kv_capacity_bytes=kv_bytes, loader=self.loader)
+                    started = time.perf_counter()
+                    engine.load()
             except BaseException:
                 if load is not None:
                     load.ok, load.seconds = False, time.perf_counter() - started
@@ -1109,9 +1119,10 @@ class NodeWorker:
                 load.bytes = int(info.get("bytes", 0) or 0)
                 self.obs.load_done(load)
             self.engines[op.instance_id] = engine
-        elif op.kind is MemOpKind.SCALE:
-            self.engines[op.instance_id].resize_kv(kv_bytes)
+        elif op.kind is MemOpKind.SCALE:  # (a pipelined engine's pool is its layers' share)
+            self.engines[op.instance_id].resize_kv(self.pipelines.kv_share(op.instance_id, kv_bytes))
         else:
+            self.pipelines.unloaded(op.instance_id)
             engine = self.engines.pop(op.instance_id, None)
             if engine is not None:
                 engine.unload()

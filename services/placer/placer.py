@@ -54,7 +54,7 @@ from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
-from shared.core.startup import StartupChoice, StartupMethod
+from shared.core.startup import StartupChoice, StartupMethod, stage_bytes
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -429,6 +429,7 @@ class Placer:
                     dests.append(plan.node_id)
                 if startup.pipeline is not None:
                     self._head_first.add((record.path, startup.sources))
+                    nodes = _with_stage(nodes, startup, model_spec(record))
             if reply.migrating:
                 outcome["slinfer.placement.migrating_live"] = list(reply.migrating)
             await self._placed(p, plan, reply)
@@ -506,6 +507,14 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
         if plan.preempt_why:
             attrs["slinfer.placement.preempt_why"] = plan.preempt_why
     return attrs
+
+
+def _with_stage(nodes: list[NodeView], startup: StartupChoice, spec) -> list[NodeView]:
+    """The placer's view once the pipeline's helper reserved its stage (the next decision of
+    this turn must not count the same room; the helper's own view follows at its heartbeat)."""
+    need = stage_bytes(spec)
+    return [replace(n, budget_bytes=n.budget_bytes + need)
+            if n.node_id in startup.pipeline.helpers else n for n in nodes]
 
 
 def _startup_label(startup: StartupChoice) -> str:

@@ -164,6 +164,7 @@ class PipelineMode:
     # `pipelines` (a startup not begun): seconds from the snapshot until the pipeline serves.
     until: float
     helpers: tuple[str, ...] = ()  # the nodes hosting the layers this node lacks
+    stages: tuple[str, ...] = ()  # once it serves: its stages' addresses (host:port) on them
 
 
 @dataclass
