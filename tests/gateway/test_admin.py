@@ -13,8 +13,8 @@ import pytest
 from redis import Redis as SyncRedis
 
 from shared import wire
-from shared.core.types import (SLO, Hardware, InstanceView, ModelSpec, NodeView, RequestView,
-                               StorageView)
+from shared.core.types import (SLO, Hardware, InstanceView, ModelSpec, NodeView, PipelineMode,
+                               RequestView, StorageView)
 from shared.registry import model_id
 from shared.subjects import NODES_SET, node_key
 from tests.gateway.conftest import PRIVATE_A, PUBLIC_MODEL, copy_model, start_gateway
@@ -221,6 +221,11 @@ def test_lora_adapter_inherits_from_base(client_a, tenant_models):
     assert client_a.delete("/admin/models/a-lora").status_code == 200
 
 
+PIPELINE = PipelineMode(2, 0.002, 1e8, 2048, 3.0, ("cpu-1",))
+PIPELINE_JSON = {"hops": 2, "hop_latency_s": 0.002, "hop_bytes_per_s": 1e8, "token_bytes": 2048,
+                 "until": 3.0, "helpers": ["cpu-1"], "stages": []}
+
+
 def _node(node_id: str, models: list[str]) -> NodeView:
     instances = [InstanceView(instance_id=f"{node_id}-{i}", node_id=node_id,
                               model=ModelSpec(m, weight_bytes=1000 + i, kv_bytes_per_token=10,
@@ -229,7 +234,8 @@ def _node(node_id: str, models: list[str]) -> NodeView:
                               requests=[RequestView(f"req-{m}", m, 5, 0.0, SLO(1.0, 0.25))])
                  for i, m in enumerate(models)]
     storage = StorageView({"dram": 2e10, "disk": 1e9}, {m: "dram" for m in models}, 0.5,
-                          arriving={m: 1.5 for m in models}, multicast_bytes_per_s=1e9)
+                          arriving={m: 1.5 for m in models}, multicast_bytes_per_s=1e9,
+                          pipelines={m: PIPELINE for m in models})
     return NodeView(node_id=node_id, hardware=Hardware.CPU, memory_bytes=1 << 30, matrix_accel=True,
                     instances=instances, budget_bytes=5000, heartbeat=12.5, storage=storage)
 
@@ -252,7 +258,8 @@ def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
         visible = {PUBLIC_MODEL: "dram", PRIVATE_A: "dram"}
         assert nodes[0]["storage"] == {"bytes_per_s": {"dram": 2e10, "disk": 1e9}, "holds": visible,
                                        "pending_s": 0.5, "arriving": {m: 1.5 for m in visible},
-                                       "multicast_bytes_per_s": 1e9}
+                                       "multicast_bytes_per_s": 1e9,
+                                       "pipelines": {m: PIPELINE_JSON for m in visible}}
 
         inst = {i["model"]: i for i in client_a.get("/admin/instances").json()["data"]}
         assert set(inst) == {PUBLIC_MODEL, PRIVATE_A}  # its own private one, by its own name
