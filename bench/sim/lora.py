@@ -24,9 +24,10 @@ import platform
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench.sim.runner import run_plan
 
 if TYPE_CHECKING:
     from sim.simulate import SimConfig
@@ -71,20 +72,6 @@ def plan(seeds: list[int]) -> dict[str, SimConfig]:
     return runs
 
 
-def run_one(args: tuple[str, SimConfig, str]) -> tuple[str, dict]:
-    from sim.report import dumps
-    from sim.simulate import simulate
-    key, cfg, out = args
-    t0 = time.perf_counter()
-    outcome = simulate(cfg)
-    path = Path(out) / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(outcome.report))
-    row = row_of(outcome.report)
-    row["wall_s"] = round(time.perf_counter() - t0, 2)
-    return key, row
-
-
 def row_of(report: dict) -> dict:
     """A run's figures in the summary (--rebuild-summary re-reads them from the reports)."""
     row = {k: report[k] for k in KEYS}
@@ -102,33 +89,26 @@ def rebuild_summary(out: Path) -> None:
     path.write_text(json.dumps(summary, indent=1, sort_keys=True))
 
 
+def summary_row(key: str, cfg: SimConfig, outcome) -> dict:
+    del key, cfg
+    return row_of(outcome.report)
+
+
 def reproduce(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() and not args.fresh else {}
-    summary.setdefault("runs", {})
-    runs = plan(args.seeds)
-    todo = [k for k in runs if k not in summary["runs"]]
-    started = time.perf_counter()
-    load_before = os.getloadavg()
-    print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already in {summary_path}", flush=True)
-    # the shared (slowest) runs first, so the pool's last minutes are not one long run
-    todo.sort(key=lambda k: ("shared" not in k and "backbones" not in k, k))
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for i, (key, row) in enumerate(pool.map(run_one, [(k, runs[k], str(out)) for k in todo])):
-            summary["runs"][key] = row
-            summary["meta"] = {
-                "command": "python -m bench.sim.lora " + " ".join(sys.argv[1:]),
+    def meta(elapsed: float, load_before: tuple[float, ...]) -> dict:
+        return {"command": "python -m bench.sim.lora " + " ".join(sys.argv[1:]),
                 "seeds": args.seeds, "jobs": args.jobs, "date": time.strftime("%Y-%m-%d"),
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                            f"Python {platform.python_version()}",
                 "load_average_before": [round(x, 2) for x in load_before],
                 "load_average_now": [round(x, 2) for x in os.getloadavg()],
-                "wall_s_last_invocation": round(time.perf_counter() - started, 1)}
-            summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
-            print(f"[{i + 1}/{len(todo)}] {key:40s} slo={row['slo_attainment']:.3f} "
-                  f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s", flush=True)
+                "wall_s_last_invocation": round(elapsed, 1)}
+
+    # the shared (slowest) runs first, so the pool's last minutes are not one long run
+    run_plan(plan(args.seeds), Path(args.out), jobs=args.jobs, fresh=args.fresh, row=summary_row,
+             order=lambda k: ("shared" not in k and "backbones" not in k, k), meta=meta,
+             describe=lambda row: f"slo={row['slo_attainment']:.3f} "
+                                  f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s")
     return 0
 
 

@@ -22,17 +22,15 @@ summary.json holds every run's headline numbers; the table module turns it into 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.sim.runner import run_plan
 from sim.plots import ttft_cdf
-from sim.report import dumps
-from sim.simulate import SimConfig, simulate
+from sim.simulate import SimConfig
 
 SYSTEMS = ("sllm", "sllm+c", "sllm+c+s", "slinfer")
 SIZES = ("3b", "7b", "13b")
@@ -95,29 +93,25 @@ def plan(seeds: list[int], groups: set[str], sensitivity_seeds: int = 1) -> dict
     return runs
 
 
-def run_one(args: tuple[str, SimConfig, str]) -> tuple[str, dict, tuple | None]:
-    key, cfg, out = args
-    t0 = time.perf_counter()
-    outcome = simulate(cfg)
-    wall = time.perf_counter() - t0
-    path = Path(out) / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(outcome.report))
-    row = {k: outcome.report[k] for k in HEADLINE_KEYS}
-    row["wall_s"] = round(wall, 2)
-    cdf = None
-    if key.startswith("headline/") and "/128/" in key and key.endswith("/s0"):
-        xs, ys = ttft_cdf(outcome)
-        step = max(1, len(xs) // 200)
-        cdf = (xs[::step], ys[::step])
-    return key, row, cdf
+def row_of(key: str, cfg: SimConfig, outcome) -> dict:
+    del key, cfg
+    return {k: outcome.report[k] for k in HEADLINE_KEYS}
 
 
-def _meta(args: argparse.Namespace, argv: list[str] | None, started: float) -> dict:
+def cdf_of(key: str, outcome) -> tuple[str, tuple] | None:
+    """The TTFT CDF (about 200 points) of the 128-model headline runs of seed 0, for the plots."""
+    if not (key.startswith("headline/") and "/128/" in key and key.endswith("/s0")):
+        return None
+    xs, ys = ttft_cdf(outcome)
+    step = max(1, len(xs) // 200)
+    return "cdfs", (xs[::step], ys[::step])
+
+
+def _meta(args: argparse.Namespace, argv: list[str] | None, elapsed: float) -> dict:
     return {"command": "python -m bench.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv),
             "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                                              f"Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d"), "wall_s_last_invocation": round(time.perf_counter() - started, 1),
+            "date": time.strftime("%Y-%m-%d"), "wall_s_last_invocation": round(elapsed, 1),
             "jobs": args.jobs, "sensitivity_seeds": args.sensitivity_seeds,
             **({"note": args.note} if args.note else {})}
 
@@ -136,29 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true",
                    help="run everything again (default: keep the runs summary.json already holds)")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     runs = plan(args.seeds, set(args.groups), args.sensitivity_seeds)
-    summary_path = out / "summary.json"
-    summary = {} if args.fresh or not summary_path.exists() else json.loads(summary_path.read_text())
-    summary.setdefault("runs", {})
-    summary.setdefault("cdfs", {})
-    # The summary is written after every run, so a reproduction that is stopped (it takes hours
-    # on two cores) goes on where it stopped when started again.
-    todo = [k for k in runs if k not in summary["runs"]]
-    started = time.perf_counter()
     # Slowest first (SLINFER at 128 models), so the pool's last minutes are not one long run.
-    order = sorted(todo, key=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k))
-    print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already in {summary_path}", flush=True)
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for i, (key, row, cdf) in enumerate(pool.map(run_one, [(k, runs[k], str(out)) for k in order])):
-            summary["runs"][key] = row
-            if cdf is not None:
-                summary["cdfs"][key] = cdf
-            summary["meta"] = _meta(args, argv, started)
-            summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
-            print(f"[{i + 1}/{len(todo)}] {key:45s} slo={row['slo_attainment']:.3f} "
-                  f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s", flush=True)
+    run_plan(runs, Path(args.out), jobs=args.jobs, fresh=args.fresh, row=row_of, attach=cdf_of,
+             sections=("runs", "cdfs"),
+             order=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k),
+             meta=lambda elapsed, _load: _meta(args, argv, elapsed),
+             describe=lambda row: f"slo={row['slo_attainment']:.3f} "
+                                  f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s")
     return 0
 
 

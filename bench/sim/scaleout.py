@@ -36,12 +36,12 @@ import platform
 import re
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from sim.report import dumps, percentile
+from bench.sim.runner import run_plan
+from sim.report import percentile
 from sim.scaleout import Spikes
-from sim.simulate import SimConfig, build_cluster, simulate
+from sim.simulate import SimConfig, build_cluster
 
 SIZES = ("7b", "13b")
 LINKS = (100.0, 400.0)
@@ -96,13 +96,15 @@ def ttfts(requests: list) -> list[float]:
     return [r.ttft if r.ttft is not None and not r.dropped else math.inf for r in requests]
 
 
-def row_of(cfg: SimConfig, outcome, wall: float) -> dict:
+def row_of(key: str, cfg: SimConfig, outcome) -> dict:
+    """A run's summary row (infinite TTFTs as "inf": JSON has no infinity)."""
+    del key
     rep = outcome.report
     reqs = outcome.result.requests
     spiked = spike_requests(cfg, reqs)
     all_t, spike_t = ttfts(reqs), ttfts(spiked)
     gpu_s = rep["avg_gpu_nodes_used"] * rep["sim_seconds"]
-    return {
+    return _json_safe({
         "requests": rep["requests"], "slo_attainment": rep["slo_attainment"],
         "spike_requests": len(spiked),
         "spike_dropped": sum(1 for r in spiked if r.dropped or r.first_token_at is None),
@@ -116,19 +118,8 @@ def row_of(cfg: SimConfig, outcome, wall: float) -> dict:
         "decode_tokens_per_s_per_gpu": rep["decode_tokens_per_s_per_node"]["gpu"],
         "decode_tokens": round(rep["decode_tokens_per_s_per_node"]["gpu"] * gpu_s),
         "loads_by_tier": rep["loads_by_tier"], "cold_starts": rep["cold_starts"],
-        "cocoserve": rep.get("cocoserve", {}), "wall_s": round(wall, 1),
-    }
-
-
-def run_one(args: tuple[str, SimConfig, str]) -> tuple[str, dict]:
-    key, cfg, out = args
-    t0 = time.perf_counter()
-    outcome = simulate(cfg)
-    wall = time.perf_counter() - t0
-    path = Path(out) / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(outcome.report))
-    return key, row_of(cfg, outcome, wall)
+        "cocoserve": rep.get("cocoserve", {}),
+    })
 
 
 def _json_safe(x):
@@ -140,33 +131,23 @@ def _json_safe(x):
 
 
 def run_all(args, argv: list[str] | None) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() and not args.fresh else {}
-    summary.setdefault("runs", {})
-    runs = plan(args.seeds)
-    todo = [k for k in runs if k not in summary["runs"]]
-    started = time.perf_counter()
-    load_before = os.getloadavg()
-    order = sorted(todo, key=lambda k: ("sllm" in k, k))  # the slow SLINFER runs first
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for i, (key, row) in enumerate(pool.map(run_one, [(k, runs[k], str(out)) for k in order])):
-            summary["runs"][key] = _json_safe(row)
-            summary["meta"] = {
-                "command": ".venv/bin/python -m bench.sim.scaleout "
-                           + " ".join(sys.argv[1:] if argv is None else argv),
-                "machine": f"{platform.machine()}, {os.cpu_count()} vCPU Xeon, 24 GB, Python "
-                           f"{platform.python_version()}",
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "load_average_before": [round(x, 2) for x in load_before],
-                "load_average_after": [round(x, 2) for x in os.getloadavg()],
-                "seeds": args.seeds, "jobs": args.jobs, "setting": {**BASE, "spikes": SPIKES},
-                "wall_s_last_invocation": round(time.perf_counter() - started, 1)}
-            summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
-            print(f"[{i + 1}/{len(todo)}] {key:40s} slo={row['slo_attainment']:.3f} "
-                  f"spike p90={row['spike_ttft_p90']} gpu-s={row['gpu_node_seconds']} "
-                  f"wall={row['wall_s']}s", flush=True)
+    def meta(elapsed: float, load_before: tuple[float, ...]) -> dict:
+        return {
+            "command": ".venv/bin/python -m bench.sim.scaleout "
+                       + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": f"{platform.machine()}, {os.cpu_count()} vCPU Xeon, 24 GB, Python "
+                       f"{platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "seeds": args.seeds, "jobs": args.jobs, "setting": {**BASE, "spikes": SPIKES},
+            "wall_s_last_invocation": round(elapsed, 1)}
+
+    run_plan(plan(args.seeds), Path(args.out), jobs=args.jobs, fresh=args.fresh, row=row_of,
+             wall_digits=1, order=lambda k: ("sllm" in k, k),  # the slow SLINFER runs first
+             meta=meta, describe=lambda row: f"slo={row['slo_attainment']:.3f} spike "
+                                             f"p90={row['spike_ttft_p90']} gpu-s="
+                                             f"{row['gpu_node_seconds']} wall={row['wall_s']}s")
     return 0
 
 
