@@ -45,6 +45,13 @@ class CoreConfig:
     # unloaded at once, their requests recompute elsewhere). The services default to live
     # (SLINFER_LIVE_PREEMPTION); the simulator executes preemptions stop-and-resume.
     live_preemption: bool = False
+    # Burst scale-out (shared/core/burst.py, λScale §7.5): a placement that starts an instance
+    # of a model whose recent arrivals outgrow it starts the instances they need at once, on
+    # distinct nodes, so one multicast feeds them all. Off by default: SLINFER's §IX runs add one
+    # instance per placement; the λScale simulator runs turn it on.
+    burst_scaleout: bool = False
+    burst_window_s: float = 1.0  # arrivals in this window set the model's recent rate
+    burst_max: int = 8  # instances one burst starts at most (the one for the request included)
 
     def __post_init__(self) -> None:
         if self.watermark < 0:
@@ -57,5 +64,7 @@ class CoreConfig:
                 or self.multicast_step_latency_s < 0 or self.pipeline_setup_s < 0 \
                 or self.pipeline_hop_latency_s < 0:
             raise ValueError("multicast_blocks must be >= 1 and its latencies >= 0")
+        if not self.burst_window_s > 0 or self.burst_max < 1:
+            raise ValueError("burst_window_s must be > 0 and burst_max >= 1")
         if self.shadow_max_steps < 1:
             raise ValueError("shadow_max_steps must be >= 1")

@@ -260,7 +260,16 @@ class NodeScheduler:
         ops = (*self.ledger.running(), *self.ledger.parked())
         return {owner[0] for op in ops if (owner := adapter_owner(op.instance_id)) is not None}
 
-    def _admit_new(self, request: RequestView, model: ModelSpec, admission: Admission,
+    def start_instance(self, like: RequestView, model: ModelSpec, now: float) -> AdmitResult:
+        """Start an instance of `model` with no request yet (a burst's extra instance,
+        `shared.core.burst`): checked and sized as a new instance for `like` would be, which
+        stays with its own instance elsewhere; requests join this one by later placements."""
+        admission = evaluate(self.view(), None, like, model, self.perf, now, self.config)
+        if not admission.ok:
+            return AdmitResult(admission)
+        return self._admit_new(None, model, admission, now)
+
+    def _admit_new(self, request: RequestView | None, model: ModelSpec, admission: Admission,
                    now: float) -> AdmitResult:
         iid = f"{model.name}@{self.node.node_id}#{self._next_instance}"
         self._next_instance += 1
@@ -268,7 +277,8 @@ class NodeScheduler:
         inst = InstanceView(iid, model, self.node.node_id, InstanceStatus.LOADING, kv_bytes=kv,
                             ready_at=now, last_active=now,  # through a pipeline: the startup's
                             pipeline=new_instance_view(self.node, model, now).pipeline)
-        inst.requests.append(replace(request, grace_s=admission.grace_s))
+        if request is not None:
+            inst.requests.append(replace(request, grace_s=admission.grace_s))
         self.node.instances.append(inst)
         ok, ops = self.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)
         assert ok, "evaluate() approved the budget"

@@ -1,0 +1,105 @@
+"""Burst scale-out (λScale §3, §7.5): a model whose demand outgrows the instance being started
+gets the instances that demand needs started together, so that one multicast feeds them all
+(k -> N, `shared.core.multicast`) and its destinations can form execute-while-load pipelines,
+instead of one instance per placement, each started only once the previous one is full.
+
+The decision, at a placement that starts a new instance of model M (`place` said NEW_INSTANCE):
+- per instance, c: the most requests one of M's instances holds. Every one of them has just
+  refused this request, so each is full at its batch: what an instance takes within the SLO, as
+  the shadow validation measured it. No instance of M: no burst (nothing measured yet, and a
+  single arrival is no burst).
+- demand: M's arrivals within the last `burst_window_s` (this request's included), as a rate,
+  times the startup of the new instance (the requests that arrive while it starts and that the
+  full instances will not take), plus M's requests queued at the placer.
+- start ceil(demand / c) instances now, this request's among them, at most `burst_max`; the extra
+  ones on nodes that serve no instance of M yet (λScale scales out onto more GPUs: M's instances
+  on a node have just refused this request, and another instance there would share their GPU),
+  one per node, in `new_instance_order`'s order where a new instance for a request like this one
+  is admitted (`evaluate`), each empty until requests join it.
+
+Behind `CoreConfig.burst_scaleout` (off by default). Pure: views and numbers in, a `BurstPlan`
+out; the simulator starts the extra instances (`NodeScheduler.start_instance`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.core.admission import Admission
+from shared.core.config import CoreConfig
+from shared.core.evaluate import evaluate, node_check, slo_check
+from shared.core.perf_model import PerfModel
+from shared.core.placement import PlaceAction, PlacementPlan, new_instance_order
+from shared.core.types import ModelSpec, NodeView, RequestView
+
+
+@dataclass(frozen=True)
+class BurstSize:
+    instances: int  # to start now, the placed request's included (1: no burst)
+    demand: float  # requests expected to need a new instance while it starts
+    per_instance: int  # what one instance of the model takes (0: none to measure)
+
+
+@dataclass(frozen=True)
+class BurstSpot:
+    node_id: str
+    admission: Admission  # a new instance there, validated with the placed request as stand-in
+
+
+@dataclass(frozen=True)
+class BurstPlan:
+    size: BurstSize
+    spots: tuple[BurstSpot, ...] = ()  # the extra instances (fewer than asked when nodes lack room)
+
+
+def per_instance(model: str, nodes: Sequence[NodeView]) -> int:
+    """The most requests one accepting instance of `model` holds (0: it has none)."""
+    return max((len(i.requests) for n in nodes for i in n.instances
+                if i.model.name == model and i.accepts), default=0)
+
+
+def recent_rate(arrivals: Sequence[float], now: float, window_s: float) -> float:
+    """Arrivals per second within (now - window_s, now]."""
+    return sum(1 for t in arrivals if now - window_s < t <= now) / window_s
+
+
+def burst_size(per: int, rate: float, startup_s: float, queued: int, config: CoreConfig) -> BurstSize:
+    """How many instances to start at once (module doc): ceil(demand / per), within 1..burst_max."""
+    if rate < 0 or startup_s < 0 or queued < 0 or per < 0:
+        raise ValueError("rate, startup_s, queued and per must be >= 0")
+    demand = rate * startup_s + queued
+    if per == 0:
+        return BurstSize(1, demand, 0)
+    return BurstSize(max(1, min(config.burst_max, math.ceil(demand / per))), demand, per)
+
+
+def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
+               nodes: list[NodeView], perf: PerfModel, now: float, config: CoreConfig,
+               arrivals: Sequence[float], queued: int = 0) -> BurstPlan:
+    """The burst that goes with `plan` (`place`'s answer for `request`, on the same views):
+    no extra instance unless the plan starts one and `config.burst_scaleout` is on. `arrivals`:
+    the model's recent arrival times (the placer keeps them); `queued`: its requests waiting
+    at the placer besides this one."""
+    if not config.burst_scaleout or plan.action is not PlaceAction.NEW_INSTANCE:
+        return BurstPlan(BurstSize(1, 0.0, 0))
+    startup = next((a.startup_s for a in reversed(plan.attempts)
+                    if a.node_id == plan.node_id and a.instance_id is None
+                    and a.startup_s is not None), 0.0)
+    size = burst_size(per_instance(model.name, nodes),
+                      recent_rate(arrivals, now, config.burst_window_s), startup, queued, config)
+    if size.instances <= 1:
+        return BurstPlan(size)
+    eligible = [n for n in nodes if n.node_id != plan.node_id
+                and not any(i.model.name == model.name for i in n.instances)
+                and node_check(n, config) is None
+                and slo_check(perf.get(model.name, n.hardware), request, config) is None]
+    spots: list[BurstSpot] = []
+    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
+        if len(spots) == size.instances - 1:
+            break
+        adm = evaluate(spot.node, None, request, model, perf, now, config)
+        if adm.ok:
+            spots.append(BurstSpot(spot.node.node_id, adm))
+    return BurstPlan(size, tuple(spots))

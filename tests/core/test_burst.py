@@ -1,0 +1,116 @@
+"""Burst scale-out (shared/core/burst.py): how many instances a burst starts at once, where, and
+the node's start of an instance with no request yet."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.core.admission import AdmitReason
+from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
+from shared.core.config import CoreConfig
+from shared.core.placement import PlaceAction, PlacementPlan, place
+from shared.core.types import Hardware, InstanceStatus
+from tests.core.factories import flat_profile, model, node, perf_for, request
+
+ON = CoreConfig(burst_scaleout=True)
+
+
+def test_demand_is_the_recent_rate_over_the_startup_plus_the_queue():
+    assert recent_rate([0.1, 0.5, 0.9, 1.0], now=1.0, window_s=1.0) == 4.0
+    assert recent_rate([0.0, 0.5], now=1.0, window_s=1.0) == 1.0  # (now - window, now]
+    size = burst_size(per=5, rate=20.0, startup_s=1.1, queued=3, config=ON)
+    assert size == BurstSize(math.ceil((22 + 3) / 5), pytest.approx(25.0), 5)
+
+
+def test_no_instance_to_measure_means_no_burst_and_the_cap_holds():
+    assert burst_size(0, 100.0, 2.0, 10, ON).instances == 1
+    assert burst_size(1, 100.0, 2.0, 0, ON).instances == ON.burst_max
+    assert burst_size(10, 1.0, 1.0, 0, ON).instances == 1  # one instance covers it
+    with pytest.raises(ValueError):
+        burst_size(1, -1.0, 1.0, 0, ON)
+    with pytest.raises(ValueError):
+        CoreConfig(burst_max=0)
+    with pytest.raises(ValueError):
+        CoreConfig(burst_window_s=0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(per=st.integers(0, 60), rate=st.floats(0, 200), startup=st.floats(0, 20),
+       queued=st.integers(0, 100), cap=st.integers(1, 16), more=st.floats(0, 50))
+def test_a_burst_is_the_fewest_instances_that_cover_the_demand_within_the_cap(
+        per, rate, startup, queued, cap, more):
+    config = CoreConfig(burst_scaleout=True, burst_max=cap)
+    size = burst_size(per, rate, startup, queued, config)
+    assert 1 <= size.instances <= cap
+    if per:
+        # covers the demand unless capped, and one instance fewer would not
+        assert size.instances * per >= min(size.demand, cap * per) - 1e-9
+        assert size.instances == 1 or (size.instances - 1) * per < size.demand
+    assert burst_size(per, rate + more, startup, queued, config).instances >= size.instances
+
+
+def _cluster(config: CoreConfig, nodes: int = 4, full: int = 3):
+    """Node n0 holds a loading instance of m with `full` requests; a request more misses its
+    TTFT there (each prefill 0.3 s, TTFT SLO 1 s), so `place` starts a new instance."""
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=1.0))
+    scheds = [node(f"n{i}", perf=perf, config=config) for i in range(nodes)]
+    for i in range(full):
+        assert scheds[0].admit(request(f"q{i}"), scheds[0].node.instances[0].instance_id
+                               if i else None, spec, 0.0).admission.ok
+    return spec, perf, scheds
+
+
+def test_a_burst_starts_the_instances_its_arrivals_need_on_other_nodes():
+    spec, perf, scheds = _cluster(ON)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    plan = place(new, spec, views, perf, 0.5, ON)
+    assert plan.action is PlaceAction.NEW_INSTANCE  # (packed beside the full one on n0)
+    arrivals = [0.5 - 0.1 * i for i in range(8)]  # 8 in the last second: 8/s over a 1 s startup
+    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    assert burst.size.per_instance == 3 and burst.size.instances == math.ceil(8 * 1.0 / 3)
+    nodes = [s.node_id for s in burst.spots]
+    assert len(nodes) == burst.size.instances - 1 == len(set(nodes))
+    assert plan.node_id not in nodes and "n0" not in nodes  # n0 serves m already
+    assert all(s.admission.ok for s in burst.spots)
+
+
+def test_nodes_bound_a_burst_and_it_is_off_by_default_and_for_other_plans():
+    spec, perf, scheds = _cluster(ON, nodes=2)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    plan = place(new, spec, views, perf, 0.5, ON)
+    arrivals = [0.5] * 40
+    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    assert burst.size.instances == ON.burst_max  # 40/s over a 1 s startup, 3 per instance
+    # n0 serves m already (its instance refused): the one other node, unless the plan took it
+    assert [s.node_id for s in burst.spots] == ([] if plan.node_id == "n1" else ["n1"])
+    off = plan_burst(plan, new, spec, views, perf, 0.5, CoreConfig(), arrivals)
+    assert off.size.instances == 1 and not off.spots
+    routed = PlacementPlan(PlaceAction.ROUTE, "n0", views[0].instances[0].instance_id)
+    assert plan_burst(routed, new, spec, views, perf, 0.5, ON, arrivals).spots == ()
+
+
+def test_a_node_starts_an_empty_instance_that_later_requests_join():
+    spec, perf, scheds = _cluster(ON, nodes=2, full=0)
+    sched = scheds[1]
+    result = sched.start_instance(request("like"), spec, 0.0)
+    assert result.admission.ok and result.start_ops
+    inst = sched.node.instance(result.instance_id)
+    assert inst.status is InstanceStatus.LOADING and inst.requests == []
+    assert sched.node.budget_bytes >= spec.weight_bytes
+    joined = sched.admit(request("r"), result.instance_id, spec, 0.1)
+    assert joined.admission.ok and [r.request_id for r in inst.requests] == ["r"]
+    assert joined.admission.grace_s == pytest.approx(0.9)  # what is left of the load
+
+
+def test_a_node_without_room_refuses_an_empty_instance():
+    spec = model("m", weight_gb=100.0)
+    perf = perf_for(flat_profile("m", Hardware.GPU))
+    result = node("n0", perf=perf, config=ON).start_instance(request("like"), spec, 0.0)
+    assert result.admission.reason is AdmitReason.MEMORY and result.instance_id is None
