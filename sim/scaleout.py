@@ -47,6 +47,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shared.core.config import CoreConfig
 from shared.core.multicast import (DEFAULT_BLOCKS, Block, cut_blocks, execution_pipelines,
                                    kway_schedule, subgroups)
 from shared.core.perf_model import Profile
@@ -376,6 +377,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cocoserve-empty-hosts", action="store_true",
                    help="CoCoServe may also put replicas on empty nodes (default: only on nodes "
                         "that already hold an instance, CoCoServe's idle fragments)")
+    g.add_argument("--burst", action="store_true",
+                   help="slinfer: a new instance of a model whose recent arrivals outgrow it "
+                        "starts the instances they need at once (shared/core/burst.py)")
     g.add_argument("--spikes", type=int, default=0, help="load spikes added to the workload")
     g.add_argument("--spike-requests", type=int, default=200)
     g.add_argument("--spike-window", type=float, default=10.0)
@@ -391,6 +395,8 @@ def extra_from(args: argparse.Namespace) -> dict[str, Any]:
     if args.cocoserve:
         extra["cocoserve"] = {"link_gbps": args.link_gbps or 100.0,
                               "empty_hosts": args.cocoserve_empty_hosts}
+    if args.burst:
+        extra["burst"] = {}
     if args.spikes:
         extra["spikes"] = {"count": args.spikes, "requests": args.spike_requests,
                            "window_s": args.spike_window}
@@ -399,6 +405,23 @@ def extra_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_of(extra: dict[str, Any]) -> ScaleoutConfig | None:
     return ScaleoutConfig(**extra["scaleout"]) if "scaleout" in extra else None
+
+
+def burst_settings(extra: dict[str, Any]) -> dict[str, Any]:
+    """CoreConfig's burst scale-out fields from SimConfig.extra["burst"] ({} for the defaults,
+    or window_s / max); none without it, so a default run's config is CoreConfig's."""
+    if "burst" not in extra:
+        return {}
+    burst = dict(extra["burst"])
+    unknown = set(burst) - {"window_s", "max"}
+    if unknown:
+        raise ValueError(f"burst: unknown settings {sorted(unknown)} (window_s, max)")
+    out: dict[str, Any] = {"burst_scaleout": True}
+    if "window_s" in burst:
+        out["burst_window_s"] = float(burst["window_s"])
+    if "max" in burst:
+        out["burst_max"] = int(burst["max"])
+    return out
 
 
 def spikes_of(extra: dict[str, Any]) -> Spikes | None:
@@ -423,6 +446,10 @@ def check(cfg: Any) -> None:
                              "in every node's DRAM (the default) no node needs the network")
     if "cocoserve" in extra and cfg.system != "slinfer":
         raise ValueError("--cocoserve runs on the slinfer system only")
+    if "burst" in extra:
+        if cfg.system != "slinfer":
+            raise ValueError("--burst runs on the slinfer system only (the core decides it)")
+        CoreConfig(**burst_settings(extra))  # its own range checks
     spikes_of(extra)
 
 

@@ -102,7 +102,8 @@ class SimConfig:
         return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
                           enable_cpu=not self.no_cpu, enable_sharing=not self.no_sharing,
                           enable_consolidation=not self.no_consolidation,
-                          pack_new_instances=not self.no_packing)
+                          pack_new_instances=not self.no_packing,
+                          **scaleout.burst_settings(self.extra))
 
 
 def model_sizes(cfg: SimConfig) -> list[str]:

@@ -19,8 +19,10 @@ prediction, as a real node does).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 
+from shared.core.burst import plan_burst
 from shared.core.config import CoreConfig
 from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
@@ -70,6 +72,9 @@ class SlinferSystem:
         self.reqs: dict[str, SimRequest] = {}  # every request the system has seen, by id
         self.queue: list[RequestView] = []  # placed nowhere yet (QUEUE), FIFO
         self._born: dict[str, float] = {}  # instance id -> creation time (lifetime accounting)
+        # model -> its arrival times within the burst window (the placer's record for
+        # `shared.core.burst`; kept only with burst scale-out on)
+        self._arrivals: dict[str, deque[float]] = {}
         self.loop: EventLoop | None = None
         self.rec: Recorder | None = None
 
@@ -79,6 +84,11 @@ class SlinferSystem:
 
     def on_arrival(self, req: SimRequest) -> None:
         self.reqs[req.rid] = req
+        if self.config.burst_scaleout:
+            seen = self._arrivals.setdefault(req.model, deque())
+            seen.append(req.arrival)
+            while seen[0] <= req.arrival - self.config.burst_window_s:
+                seen.popleft()
         spec = self.models[req.model]
         view = RequestView(req.rid, req.model, req.input_len, req.arrival, req.slo,
                            max_tokens=max(1, spec.max_context - req.input_len))
@@ -162,7 +172,29 @@ class SlinferSystem:
             return False
         if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
             return self._preempt_and_admit(plan, view)
-        return self._admit(plan.node_id, plan.instance_id, view)
+        placed = self._admit(plan.node_id, plan.instance_id, view)
+        if placed and plan.action is PlaceAction.NEW_INSTANCE and self.config.burst_scaleout:
+            self._burst(plan, view, model)
+        return placed
+
+    def _burst(self, plan: PlacementPlan, view: RequestView, model: ModelSpec) -> None:
+        """λScale's burst scale-out (`shared.core.burst`): the instances the model's recent
+        arrivals need start now, beside the one just started, so one multicast feeds them."""
+        now = self.loop.now
+        queued = sum(1 for v in self.queue if v.model == view.model and v is not view)
+        burst = plan_burst(plan, view, model, self._views(view.model), self.perf, now,
+                           self.config, self._arrivals.get(view.model, ()), queued)
+        for spot in burst.spots:
+            sn = self.nodes[spot.node_id]
+            self._sync_storage(sn, view.model)
+            result = sn.sched.start_instance(view, model, now)
+            self._start_ops(sn, result.start_ops)
+            if not result.admission.ok:
+                self.rec.count("node_rejections")
+                continue
+            self.rec.count("cold_starts")
+            self.rec.count("burst_instances")
+            self._born[result.instance_id] = now
 
     def _adapter(self, view: RequestView) -> AdapterSpec | None:
         """The LoRA adapter the request runs through on its backbone's instance (sim/lora.py

@@ -185,3 +185,47 @@ def test_cli_flags_reach_the_config_and_a_default_run_has_none():
                                            "--spikes", "4", "--no-execute-while-load"]))
     assert cfg.extra["scaleout"] == {"link_gbps": 400.0, "blocks": 16, "execute_while_load": False}
     assert cfg.extra["spikes"] == {"count": 4, "requests": 200, "window_s": 10.0}
+
+
+def test_a_burst_starts_its_instances_together_and_they_serve_in_a_pipeline_while_loading(
+        monkeypatch):
+    """200 requests of one 7B model in 2 s (the model in one node's DRAM, 100 Gb/s links). With
+    burst scale-out (shared/core/burst.py) the instances the arrivals need start at one instant
+    on nodes that serve no instance of it yet, as destinations of one multicast, and serve in
+    execute-while-load pipelines before they hold the whole model; without it they start one
+    per placement."""
+    import sim.slinfer_system as system_module
+
+    reqs = [(i / 100, 0, 1024, 200) for i in range(200)]
+    extra = {"spikes": {"count": 1, "requests": 1, "window_s": 1.0},
+             "scaleout": {"link_gbps": 100.0}}
+    starts: dict[float, list[tuple[str, str]]] = {}  # load start time -> (node, how)
+    real = system_module.start_load
+
+    def spy(mc, storage, model, nbytes, node, holders, now, iid):
+        how, seconds = real(mc, storage, model, nbytes, node, holders, now, iid)
+        starts.setdefault(now, []).append((node, how))
+        return how, seconds
+
+    monkeypatch.setattr(system_module, "start_load", spy)
+    _, one, m1, _ = run_requests("slinfer", "7b", 0, 8, 1, reqs, storage="tiered", extra=extra)
+    one_widest = max(len(v) for v in starts.values())
+    starts.clear()
+    _, burst, mb, _ = run_requests("slinfer", "7b", 0, 8, 1, reqs, storage="tiered",
+                                   extra={**extra, "burst": {}})
+    assert "burst_instances" not in m1.counters and mb.counters["burst_instances"] >= 3
+    widest = max(starts.values(), key=len)
+    assert len(widest) >= 3 and len({n for n, _ in widest}) == len(widest) > one_widest
+    assert sum(how == "pipeline" for _, how in widest) >= 2
+    assert sum(r.slo_met for r in burst) >= sum(r.slo_met for r in one) - 2
+
+
+def test_burst_settings_are_checked():
+    with pytest.raises(ValueError, match="slinfer"):
+        SimConfig(system="sllm", extra={"burst": {}})
+    with pytest.raises(ValueError, match="unknown"):
+        SimConfig(extra={"burst": {"window": 1.0}})
+    with pytest.raises(ValueError, match="burst_max"):
+        SimConfig(extra={"burst": {"max": 0}})
+    assert SimConfig(extra={"burst": {"max": 3}}).core_config().burst_max == 3
+    assert not SimConfig().core_config().burst_scaleout
