@@ -160,6 +160,19 @@ class Startup:
     hops: int = 0  # pipeline nodes while it serves before full_s (0: serves locally only)
 
 
+@dataclass(frozen=True)
+class Load:
+    """One load the multicaster saw (for the benchmarks' account of how a spike scaled out)."""
+
+    at: float
+    model: str
+    node: str
+    how: str  # the node's own tier, "multicast" or "pipeline"
+    ready_s: float
+    sources: int = 0  # multicast: the session's sources (k)
+    dests: int = 0  # multicast: its destinations so far, this one included
+
+
 @dataclass
 class _Session:
     model: str
@@ -190,6 +203,7 @@ class Multicaster:
         self.link_free: dict[str, float] = {}  # node -> when its link is free
         self.arriving: dict[tuple[str, str], float] = {}  # (node, model) -> when it has it all
         self.modes: dict[str, _Mode] = {}  # instance id -> serving in a pipeline until
+        self.loads: list[Load] = []  # every load started through `start_load`, in order
 
     # --- startup ------------------------------------------------------------------------------
     def holds(self, node: str, model: str, now: float) -> bool:
@@ -300,12 +314,17 @@ def start_load(mc: Multicaster, storage: Any, model: str, nbytes: int, node: str
         tier, seconds = storage.load(model, nbytes, now)
         if not cached:
             mc.note_arriving(node, model, now + seconds)
+        mc.loads.append(Load(now, model, node, tier, seconds))
         return tier, seconds
     startup = mc.start(model, nbytes, node, holders, now, instance_id)
     storage.cache(model, nbytes)  # the received checkpoint lands in the node's DRAM tier
     if not cached:
         mc.note_arriving(node, model, now + startup.full_s)
-    return ("pipeline" if startup.hops else MULTICAST_TIER), startup.ready_s
+    how = "pipeline" if startup.hops else MULTICAST_TIER
+    session = mc.sessions[model]
+    mc.loads.append(Load(now, model, node, how, startup.ready_s, len(session.sources),
+                         len(session.dests)))
+    return how, startup.ready_s
 
 
 def annotate(view: StorageView, mc: Multicaster, storage: Any, model: str, nbytes: int,
@@ -409,18 +428,20 @@ def config_of(extra: dict[str, Any]) -> ScaleoutConfig | None:
 
 def burst_settings(extra: dict[str, Any]) -> dict[str, Any]:
     """CoreConfig's burst scale-out fields from SimConfig.extra["burst"] ({} for the defaults,
-    or window_s / max); none without it, so a default run's config is CoreConfig's."""
+    or window_s / max / max_startup_s); none without it, so a default run's config is CoreConfig's."""
     if "burst" not in extra:
         return {}
     burst = dict(extra["burst"])
-    unknown = set(burst) - {"window_s", "max"}
+    unknown = set(burst) - {"window_s", "max", "max_startup_s"}
     if unknown:
-        raise ValueError(f"burst: unknown settings {sorted(unknown)} (window_s, max)")
+        raise ValueError(f"burst: unknown settings {sorted(unknown)} (window_s, max, max_startup_s)")
     out: dict[str, Any] = {"burst_scaleout": True}
     if "window_s" in burst:
         out["burst_window_s"] = float(burst["window_s"])
     if "max" in burst:
         out["burst_max"] = int(burst["max"])
+    if "max_startup_s" in burst:
+        out["burst_max_startup_s"] = float(burst["max_startup_s"])
     return out
 
 

@@ -203,6 +203,7 @@ class SimOutcome:
     report: dict[str, Any]
     metrics: Metrics
     result: RunResult
+    system: Any = None  # the system that ran (for benchmarks that look inside it)
 
 
 def simulate(cfg: SimConfig, on_progress: Callable[[float], None] | None = None) -> SimOutcome:
@@ -214,7 +215,7 @@ def simulate(cfg: SimConfig, on_progress: Callable[[float], None] | None = None)
     requests = build_requests(cfg, cluster)
     metrics = Metrics()
     result = run(system, requests, metrics, horizon=cfg.duration + DRAIN_S, on_progress=on_progress)
-    return SimOutcome(build_report(result, metrics, params_of(cfg)), metrics, result)
+    return SimOutcome(build_report(result, metrics, params_of(cfg)), metrics, result, system)
 
 
 def load_mix(path: str) -> dict[str, float]:

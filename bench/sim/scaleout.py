@@ -41,6 +41,7 @@ import platform
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.sim.runner import run_plan
@@ -101,12 +102,32 @@ def plan(seeds: list[int], group: str = "lambda") -> dict[str, SimConfig]:
     return runs
 
 
-def spike_requests(cfg: SimConfig, requests: list) -> list:
+def spike_windows(cfg: SimConfig) -> list[tuple[str, float, float]]:
+    """(spiked model, start, end) of each spike of the run."""
     spikes = Spikes(**cfg.extra["spikes"])
     names = sorted(build_cluster(cfg).specs)
-    windows = list(zip(spikes.models(names, cfg.seed), spikes.times(cfg.duration)))
-    return [r for r in requests
-            if any(r.model == m and t0 <= r.arrival < t0 + spikes.window_s for m, t0 in windows)]
+    return [(m, t0, t0 + spikes.window_s)
+            for m, t0 in zip(spikes.models(names, cfg.seed), spikes.times(cfg.duration))]
+
+
+def spike_requests(cfg: SimConfig, requests: list) -> list:
+    windows = spike_windows(cfg)
+    return [r for r in requests if any(r.model == m and t0 <= r.arrival < t1 for m, t0, t1 in windows)]
+
+
+def spike_loads(cfg: SimConfig, outcome) -> dict:
+    """How the spiked models' instances got their weights during their spikes (runs with a
+    link only: the multicaster's record): loads by how, the multicasts' mean number of sources,
+    and how many loads shared a multicast with another destination."""
+    mc = getattr(outcome.system, "scaleout", None)
+    if mc is None:
+        return {}
+    windows = spike_windows(cfg)
+    loads = [ld for ld in mc.loads if any(ld.model == m and t0 <= ld.at < t1 for m, t0, t1 in windows)]
+    sent = [ld for ld in loads if ld.sources]
+    return {"spike_loads": dict(sorted(Counter(ld.how for ld in loads).items())),
+            "spike_multicast_sources_mean": sum(ld.sources for ld in sent) / len(sent) if sent else None,
+            "spike_loads_sharing_a_multicast": sum(1 for ld in sent if ld.dests >= 2)}
 
 
 def ttfts(requests: list) -> list[float]:
@@ -136,8 +157,8 @@ def row_of(key: str, cfg: SimConfig, outcome) -> dict:
         "decode_tokens": round(rep["decode_tokens_per_s_per_node"]["gpu"] * gpu_s),
         "loads_by_tier": rep["loads_by_tier"], "cold_starts": rep["cold_starts"],
         "cocoserve": rep.get("cocoserve", {}),
-        **({"burst_instances": outcome.metrics.counters.get("burst_instances", 0)}
-           if key.startswith("lambda/") else {}),
+        **({"burst_instances": outcome.metrics.counters.get("burst_instances", 0),
+            **spike_loads(cfg, outcome)} if key.startswith("lambda/") else {}),
     })
 
 

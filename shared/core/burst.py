@@ -4,15 +4,19 @@ gets the instances that demand needs started together, so that one multicast fee
 instead of one instance per placement, each started only once the previous one is full.
 
 The decision, at a placement that starts a new instance of model M (`place` said NEW_INSTANCE):
-- per instance, c: the most requests one of M's instances holds. Every one of them has just
-  refused this request, so each is full at its batch: what an instance takes within the SLO, as
-  the shadow validation measured it. No instance of M: no burst (nothing measured yet, and a
-  single arrival is no burst).
+- per instance, c: the most requests one of M's instances holds among those that have just
+  refused this request as full (the shadow validation's refusals: its first token or another
+  request's would be late, or a decode round would break the TPOT): what an instance takes
+  within the SLO, as the validation measured it. None refused so (no instance of M yet, or
+  refusals for memory only): no burst (nothing measured; a single arrival is no burst, and a
+  node out of memory is not a model out of instances).
 - demand: M's arrivals within the last `burst_window_s` (this request's included), as a rate,
   times the startup of the new instance (the requests that arrive while it starts and that the
   full instances will not take), plus M's requests queued at the placer.
-- start ceil(demand / c) instances now, this request's among them, at most `burst_max`; the extra
-  ones on nodes that serve no instance of M yet (λScale scales out onto more GPUs: M's instances
+- start ceil(demand / c) instances now, this request's among them, at most `burst_max`, when
+  the new instance starts within `burst_max_startup_s` (λScale's regime: by multicast or from a
+  local copy; instances that read a slow tier would all be late anyway, and share it); the extra
+  ones on nodes that serve no instance of M yet, whose startup is within that bound too (λScale scales out onto more GPUs: M's instances
   on a node have just refused this request, and another instance there would share their GPU),
   one per node, in `new_instance_order`'s order where a new instance for a request like this one
   is admitted (`evaluate`), each empty until requests join it.
@@ -27,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.core.admission import Admission
+from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.perf_model import PerfModel
@@ -54,10 +58,18 @@ class BurstPlan:
     spots: tuple[BurstSpot, ...] = ()  # the extra instances (fewer than asked when nodes lack room)
 
 
-def per_instance(model: str, nodes: Sequence[NodeView]) -> int:
-    """The most requests one accepting instance of `model` holds (0: it has none)."""
-    return max((len(i.requests) for n in nodes for i in n.instances
-                if i.model.name == model and i.accepts), default=0)
+# Refusals that say an instance has no room for the request's work within the SLO (the shadow
+# validation's cases); a refusal for memory or a stale view says nothing about its capacity.
+FULL = frozenset({AdmitReason.TTFT_MISS, AdmitReason.HEADROOM, AdmitReason.TPOT_BUDGET,
+                  AdmitReason.HORIZON})
+
+
+def per_instance(plan: PlacementPlan, nodes: Sequence[NodeView]) -> int:
+    """The most requests one of the instances that refused the request as full holds (0: none
+    did: no measure of what an instance takes)."""
+    full = {a.instance_id for a in plan.attempts if a.instance_id is not None and a.reason in FULL}
+    return max((len(i.requests) for n in nodes for i in n.instances if i.instance_id in full),
+               default=0)
 
 
 def recent_rate(arrivals: Sequence[float], now: float, window_s: float) -> float:
@@ -87,7 +99,9 @@ def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
     startup = next((a.startup_s for a in reversed(plan.attempts)
                     if a.node_id == plan.node_id and a.instance_id is None
                     and a.startup_s is not None), 0.0)
-    size = burst_size(per_instance(model.name, nodes),
+    if startup > config.burst_max_startup_s:
+        return BurstPlan(BurstSize(1, 0.0, 0))
+    size = burst_size(per_instance(plan, nodes),
                       recent_rate(arrivals, now, config.burst_window_s), startup, queued, config)
     if size.instances <= 1:
         return BurstPlan(size)
@@ -99,6 +113,8 @@ def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
     for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
         if len(spots) == size.instances - 1:
             break
+        if spot.startup_s > config.burst_max_startup_s:
+            continue
         adm = evaluate(spot.node, None, request, model, perf, now, config)
         if adm.ok:
             spots.append(BurstSpot(spot.node.node_id, adm))

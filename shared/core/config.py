@@ -52,6 +52,9 @@ class CoreConfig:
     burst_scaleout: bool = False
     burst_window_s: float = 1.0  # arrivals in this window set the model's recent rate
     burst_max: int = 8  # instances one burst starts at most (the one for the request included)
+    # Only instances that can start within this burst together (λScale's regime: multicast or a
+    # local copy); slower starts gain nothing from starting at once and share the slow tier.
+    burst_max_startup_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.watermark < 0:
@@ -64,7 +67,8 @@ class CoreConfig:
                 or self.multicast_step_latency_s < 0 or self.pipeline_setup_s < 0 \
                 or self.pipeline_hop_latency_s < 0:
             raise ValueError("multicast_blocks must be >= 1 and its latencies >= 0")
-        if not self.burst_window_s > 0 or self.burst_max < 1:
-            raise ValueError("burst_window_s must be > 0 and burst_max >= 1")
+        if not self.burst_window_s > 0 or self.burst_max < 1 or self.burst_max_startup_s < 0:
+            raise ValueError("burst_window_s must be > 0, burst_max >= 1, "
+                             "burst_max_startup_s >= 0")
         if self.shadow_max_steps < 1:
             raise ValueError("shadow_max_steps must be >= 1")

@@ -114,3 +114,14 @@ def test_a_node_without_room_refuses_an_empty_instance():
     perf = perf_for(flat_profile("m", Hardware.GPU))
     result = node("n0", perf=perf, config=ON).start_instance(request("like"), spec, 0.0)
     assert result.admission.reason is AdmitReason.MEMORY and result.instance_id is None
+
+
+def test_a_slow_start_is_no_burst_and_slow_nodes_are_left_out():
+    spec, perf, scheds = _cluster(ON)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    plan = place(new, spec, views, perf, 0.5, ON)
+    arrivals = [0.5] * 40
+    slow = CoreConfig(burst_scaleout=True, burst_max_startup_s=0.5)  # every load takes 1 s
+    assert plan_burst(plan, new, spec, views, perf, 0.5, slow, arrivals).size.instances == 1
+    assert plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals).size.instances > 1
