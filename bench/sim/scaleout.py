@@ -226,63 +226,6 @@ def _rows(summary: dict, prefix: str) -> list[dict]:
     return [r for k, r in sorted(summary["runs"].items()) if k.rsplit("/", 1)[0] == prefix]
 
 
-def _loads(rows: list[dict]) -> str:
-    total: dict[str, int] = {}
-    for r in rows:
-        for k, v in r["loads_by_tier"].items():
-            total[k] = total.get(k, 0) + v
-    return " / ".join(f"{k} {v / len(rows):.0f}" for k, v in sorted(total.items())) or "-"
-
-
-def lambda_table(summary: dict) -> str:
-    meta = summary.get("meta", {})
-    lines = [
-        BEGIN_L,
-        "#### In the cluster simulator: load spikes over 8 GPU nodes (`bench/sim/scaleout.py`)",
-        "",
-        f"Command: `{meta.get('command', '?')}`, then `.venv/bin/python -m bench.sim.scaleout --table "
-        f"--write bench/BENCHMARKS.md`. Machine: {meta.get('machine', '?')}; load average "
-        f"{meta.get('load_average_before')} before, {meta.get('load_average_after')} after "
-        f"(other sessions' work alongside). Seeds {meta.get('seeds')}; reports in "
-        "`bench/results/sim/scaleout/`, rows in its `summary.json`.",
-        "",
-        "Setting: the Azure Functions sample for 32 models plus 6 load spikes (200 requests of one "
-        "model in 10 s, every 5 minutes; the spiked model's checkpoint starts in one node's DRAM "
-        "tier), 8 A100 nodes, no CPU nodes, checkpoint tiers cold at the start (64 GB DRAM + 1 TB "
-        "NVMe cache per node, registry at 10 Gb/s), 30 minutes. **sllm** is the ServerlessLLM-style "
-        "baseline (exclusive GPUs, every instance loads from its own node's tiers); **sllm + "
-        "multicast** is λScale's setting (the same instance-level scaling; a new instance receives "
-        "the model from the nodes holding it, `sim/scaleout.py`, timed by `shared.core.multicast`'s "
-        "k-way binomial plan with 16 blocks, execute-while-load pipelines unless noted). Spike "
-        "columns: the spiked model's requests in each spike's 10 s; a dropped request counts as "
-        "infinitely late (∞).",
-        "",
-        "| size | system | link | SLO attain. (spikes) | TTFT p50 / p90 / p99, all (s) | spikes: dropped, TTFT p50 / p90 / p99 (s) | spikes' TTFT p50 / p90, no link over this | GPU node-s (vs no link) | loads per run (by tier) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for size in SIZES:
-        for system in ("sllm", "slinfer"):
-            base = _rows(summary, f"lambda/{size}/{system}/none")
-            for name in LAMBDA_VARIANTS:
-                rows = _rows(summary, f"lambda/{size}/{system}/{name}")
-                if not rows:
-                    continue
-                label = {"none": "none (tiers)", "100": "100 Gb/s", "400": "400 Gb/s",
-                         "100-no-ewl": "100 Gb/s, no execute-while-load"}[name]
-                lines.append(
-                    f"| {size} | {system} | {label} | {_f(_mean(rows, 'slo_attainment'), '{:.3f}')} "
-                    f"({_f(_mean(rows, 'spike_slo_attainment'), '{:.3f}')}) | "
-                    f"{_f(_mean(rows, 'ttft_p50'))} / {_f(_mean(rows, 'ttft_p90'))} / {_f(_mean(rows, 'ttft_p99'))} | "
-                    f"{_pct(rows)}, {_f(_mean(rows, 'spike_ttft_p50'))} / {_f(_mean(rows, 'spike_ttft_p90'))} / "
-                    f"{_f(_mean(rows, 'spike_ttft_p99'))} | "
-                    f"{'-' if name == 'none' else _ratio(_mean(base, 'spike_ttft_p50'), _mean(rows, 'spike_ttft_p50')) + ' / ' + _ratio(_mean(base, 'spike_ttft_p90'), _mean(rows, 'spike_ttft_p90'))} | "
-                    f"{_f(_mean(rows, 'gpu_node_seconds'), '{:.0f}')}"
-                    f"{'' if name == 'none' else ' (' + _ratio(_mean(rows, 'gpu_node_seconds'), _mean(base, 'gpu_node_seconds')) + ')'}"
-                    f" | {_loads(rows)} |")
-    lines += ["", END_L]
-    return "\n".join(lines)
-
-
 def cocoserve_table(summary: dict) -> str:
     meta = summary.get("meta", {})
     lines = [
@@ -345,6 +288,7 @@ def write_section(text: str, path: Path, begin: str, end: str, anchor: str) -> N
 def table(args) -> int:
     summary = json.loads((Path(args.out) / "summary.json").read_text())
     if args.group == "lambda":
+        from bench.sim.lambda_section import lambda_table
         text, begin, end, anchor = lambda_table(summary), BEGIN_L, END_L, "<!-- scale-out simulator goes here -->"
     else:
         text, begin, end, anchor = cocoserve_table(summary), BEGIN_C, END_C, "<!-- CoCoServe simulator goes here -->"
