@@ -20,8 +20,8 @@ LINKS = {"none": "none (tiers)", "100": "100 Gb/s", "400": "400 Gb/s",
 OWN_TIERS = ("dram", "disk", "registry")
 
 
-def rows(summary: dict, size: str, system: str, variant: str) -> list[dict]:
-    return _rows(summary, f"lambda/{size}/{system}/{variant}")
+def rows(summary: dict, size: str, system: str, variant: str, group: str = "lambda") -> list[dict]:
+    return _rows(summary, f"{group}/{size}/{system}/{variant}")
 
 
 def _range(rs: list[dict], key: str) -> str:
@@ -58,7 +58,7 @@ def _spike_loads_cell(rs: list[dict], variant: str) -> str:
             f"(k {_sources(rs)}, {s['shared']:.1f} shared)")
 
 
-def table_lines(summary: dict) -> list[str]:
+def table_lines(summary: dict, group: str = "lambda") -> list[str]:
     lines = [
         "| size | system | link | SLO attain. (spikes) | TTFT p50 / p90 / p99, all (s) | spikes: "
         "dropped, TTFT p50 / p90 [seeds' range] / p99 (s) | spikes' TTFT p50 / p90: no link ÷ "
@@ -68,9 +68,9 @@ def table_lines(summary: dict) -> list[str]:
     ]
     for size in SIZES:
         for system, label in SYSTEMS.items():
-            base = rows(summary, size, system, "none")
+            base = rows(summary, size, system, "none", group)
             for variant in LAMBDA_VARIANTS:
-                rs = rows(summary, size, system, variant)
+                rs = rows(summary, size, system, variant, group)
                 if not rs:
                     continue
                 vs_base = "-" if variant == "none" else (
@@ -126,11 +126,21 @@ def section(summary: dict, findings: list[str]) -> str:
         "",
         *table_lines(summary),
         "",
+        *fast_lines(summary),
         *findings,
         "",
         END_L,
     ]
     return "\n".join(lines)
+
+
+def fast_lines(summary: dict) -> list[str]:
+    """The sensitivity runs: the same spikes within 2 s (7B, the first seed)."""
+    if not any(k.startswith("lambda-fast/") for k in summary["runs"]):
+        return []
+    return ["Sensitivity: the same spikes arriving within 2 s instead of 10 (100 requests/s), "
+            "7B, the first seed (`lambda-fast/...`); no-link columns n/a (not run):", "",
+            *table_lines(summary, "lambda-fast"), ""]
 
 
 def plan_seconds(size: str, gbps: float, nodes: int = 8, sources: int = 1) -> float:

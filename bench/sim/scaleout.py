@@ -18,7 +18,8 @@ Groups (one per invocation, each with its own results folder, summary and BENCHM
   slinfer (one new instance per placement) and slinfer+burst (λScale's burst scale-out,
   `shared.core.burst`: the instances a burst needs start together, so one multicast feeds them),
   each with no link (tiers only), multicast over 100 and 400 Gb/s links, and (sllm,
-  slinfer+burst) 100 Gb/s without execute-while-load;
+  slinfer+burst) 100 Gb/s without execute-while-load; and lambda-fast/7b/...: the spikes within
+  2 s instead of 10 (the first seed, 100 Gb/s);
 - cocoserve (bench/results/sim/scaleout): cocoserve/<size>/<models>/<variant>: slinfer with
   CoCoServe's module scaling (layer transfers over 100 and 400 Gb/s) against slinfer's
   instance-level scaling ("none"), with 32 models and with 8 (a lighter background, so that
@@ -66,12 +67,19 @@ GROUPS = {"lambda": "bench/results/sim/lambda_scale", "cocoserve": "bench/result
 LAMBDA_SYSTEMS = ("sllm", "slinfer", "slinfer+burst")
 
 
-def lambda_config(size: str, system: str, variant: str, seed: int) -> SimConfig | None:
+# Sensitivity (7B, the first seed): the same spikes arriving within 2 s instead of 10 (100 req/s).
+FAST_SPIKES = {**SPIKES, "window_s": 2.0}
+FAST_RUNS = (("sllm", "100"), ("slinfer", "100"), ("slinfer+burst", "100"),
+             ("slinfer+burst", "100-no-ewl"))
+
+
+def lambda_config(size: str, system: str, variant: str, seed: int,
+                  spikes: dict | None = None) -> SimConfig | None:
     """One run of the lambda group (None: a combination it does not run)."""
     link = LAMBDA_VARIANTS[variant]
     if system == "slinfer" and variant == "100-no-ewl":
         return None
-    extra: dict = {"spikes": dict(SPIKES)}
+    extra: dict = {"spikes": dict(spikes or SPIKES)}
     if link is not None:
         extra["scaleout"] = {"link_gbps": link[0], "blocks": 16, "execute_while_load": link[1]}
     if system == "slinfer+burst":
@@ -90,6 +98,10 @@ def plan(seeds: list[int], group: str = "lambda") -> dict[str, SimConfig]:
                         cfg = lambda_config(size, system, variant, seed)
                         if cfg is not None:
                             runs[f"lambda/{size}/{system}/{variant}/s{seed}"] = cfg
+                if size == "7b" and seed == seeds[0]:
+                    for system, variant in FAST_RUNS:
+                        runs[f"lambda-fast/{size}/{system}/{variant}/s{seed}"] = lambda_config(
+                            size, system, variant, seed, FAST_SPIKES)
                 continue
             for models in COCO_MODELS:
                 for name, link in COCO_VARIANTS.items():
@@ -158,7 +170,7 @@ def row_of(key: str, cfg: SimConfig, outcome) -> dict:
         "loads_by_tier": rep["loads_by_tier"], "cold_starts": rep["cold_starts"],
         "cocoserve": rep.get("cocoserve", {}),
         **({"burst_instances": outcome.metrics.counters.get("burst_instances", 0),
-            **spike_loads(cfg, outcome)} if key.startswith("lambda/") else {}),
+            **spike_loads(cfg, outcome)} if key.startswith("lambda") else {}),
     })
 
 
