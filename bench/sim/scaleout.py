@@ -313,7 +313,7 @@ def table(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--group", choices=sorted(GROUPS), default="lambda",
+    p.add_argument("--group", choices=sorted(GROUPS), required=True,
                    help="which runs (and which BENCHMARKS section with --table)")
     p.add_argument("--out", help="results folder (default: the group's, see GROUPS)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
