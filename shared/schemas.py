@@ -135,6 +135,18 @@ class CommandKind(str, enum.Enum):
     MIGRATE_ABORT = "migrate_abort"  # source -> destination: forget it, the source keeps it
     # Operator -> node: migrate every request off and take no new work (the view says draining).
     DRAIN = "drain"
+    # CoCoServe module scaling (services/node/layer_moves.py). To a host: serve decoder layers
+    # [layer_start, layer_end) of `model` for instance `instance_id` of node `stage_node`,
+    # holding `stage_bytes` in its memory ledger first; the reply's stage_address is the stage.
+    HOST_LAYERS = "host_layers"
+    RELEASE_LAYERS = "release_layers"  # to a host: stop serving them and free their bytes
+    # To the owner, between two iterations: move those layers (with their K/V) to the stage at
+    # `stage_address` on `stage_node` / replicate them there / take them back / stop using the
+    # replica at `stage_address`. A failure leaves the instance as it was.
+    SHED_LAYERS = "shed_layers"
+    REPLICATE_LAYERS = "replicate_layers"
+    TAKE_LAYERS = "take_layers"
+    DROP_REPLICA = "drop_replica"
 
 
 class RequestState(str, enum.Enum):
@@ -178,6 +190,16 @@ class NodeCommand:
     # PREEMPT_ADMIT by live migration: the plan's handover estimate (seconds). The victims keep
     # running while their requests move live to `migrations`; None: stop-and-resume.
     handover_s: float | None = None
+    # Layer commands (HOST_LAYERS ... DROP_REPLICA): the range, the stage, the other node (the
+    # owner for HOST_LAYERS, the host otherwise), the bytes the host holds, and the link the
+    # placer planned the hops with (the instance's layout carries it into shadow validation).
+    layer_start: int = 0
+    layer_end: int = 0
+    stage_address: str | None = None
+    stage_node: str | None = None
+    stage_bytes: int = 0
+    hop_latency_s: float = 0.0
+    hop_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -193,6 +215,8 @@ class NodeReply:
     node: NodeView | None = None  # the node's fresh view, so the placer's next try is current
     final: TokenMessage | None = None  # STATUS of a finished request: its final message
     generated: int = 0  # STATUS of a running request: output tokens so far (resumed included)
+    stage_address: str | None = None  # HOST_LAYERS: the stage's host:port
+    stage_bytes: int = 0  # HOST_LAYERS: what the host holds for it
 
 
 @dataclass(frozen=True)

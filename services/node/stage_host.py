@@ -212,12 +212,13 @@ class StageHost:
         hosted = self.hosted.get(key)
         return hosted.bytes() if hosted is not None else 0
 
-    def orphans(self, instances: Iterable[str], now: float) -> list[str]:
-        """Hosted ranges whose owner instance is not in `instances` (the cluster view's), and
-        older than the grace: their owner went away without releasing them."""
-        alive = set(instances)
+    def orphans(self, in_use: Iterable[str], now: float) -> list[str]:
+        """Hosted ranges whose address no instance's layout uses (`in_use`: the addresses in
+        the cluster view's layouts that name this node), older than the grace: their owner went
+        away, dropped them or never attached them, without releasing them."""
+        used = set(in_use)
         return [k for k, h in list(self.hosted.items())
-                if h.order.owner_instance not in alive and now - h.created > ORPHAN_GRACE_S]
+                if h.address not in used and now - h.created > ORPHAN_GRACE_S]
 
     # -- releasing -----------------------------------------------------------------------------
 

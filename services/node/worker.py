@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 
 from services.node.engines import KVCacheFull, SamplingParams, create_engine, resolve_engine
 from services.node.engines.base import Engine
+from services.node.layer_moves import LAYER_KINDS, LayerMoves
 from services.node.observe import NodeObserver
 from services.node.pipeline_mode import PipelineStarts
 from services.node.preload import PreloadRecord, preload_loop
@@ -233,6 +234,7 @@ class NodeWorker:
         self.multicast: MulticastEndpoint | None = None  # sends and receives models (λScale)
         self.arriving: dict[str, Arrival] = {}  # model name -> its multicast to this node
         self.pipelines = PipelineStarts(self)  # execute-while-load (services/node/pipeline_mode.py)
+        self.layers = LayerMoves(self)  # CoCoServe: layers hosted here, own layers moved
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +242,7 @@ class NodeWorker:
         await asyncio.to_thread(warm_imports)
         self.loader = await asyncio.to_thread(self._new_loader)
         self.pipelines.start()
+        self.layers.start()
         await self._start_multicast()
         await ensure_streams(self.js)
         await self._load_profiles()
@@ -281,6 +284,7 @@ class NodeWorker:
         await self.obs.close()
         if self.multicast is not None:
             await self.multicast.stop()
+        await self.layers.close()
         if self.loader is not None:  # loads still running in threads fail; the node is going
             await asyncio.to_thread(self.loader.close)
         try:
@@ -344,6 +348,7 @@ class NodeWorker:
                 await asyncio.wait_for(publish_node(self.redis, self._view(),
                                                     ttl_s=self.s.heartbeat_s * 12), REDIS_TIMEOUT_S)
                 await self._confirm_calibrations()
+                await asyncio.wait_for(self.layers.tend(), REDIS_TIMEOUT_S)
                 self._trouble("heartbeat (Redis)", None)
             except asyncio.CancelledError:
                 raise
@@ -435,6 +440,9 @@ class NodeWorker:
             # A round may wait for a load and a long prefill: answered from its own task, so
             # this subscription goes on taking the placer's commands meanwhile.
             self._spawn(self._migration_command(msg, cmd), f"{cmd.kind.value}-{cmd.request_id}")
+            return
+        if cmd is not None and cmd.kind in LAYER_KINDS:  # CoCoServe (services/node/layer_moves.py)
+            self.layers.command(msg, cmd)
             return
         with self.obs.command(msg.headers) as command:  # child of the placer's decision
             kind = "unknown"
@@ -1058,6 +1066,7 @@ class NodeWorker:
             asyncio.create_task(self._execute(op), name=f"memop-{op.op_id}")
 
     async def _execute(self, op: MemOp) -> None:
+        await self.layers.before_op(op.instance_id)  # not while its layers move (CoCoServe)
         started = time.time()
         error = None
         try:
@@ -1094,8 +1103,12 @@ class NodeWorker:
         if (owner := adapter_owner(op.instance_id)) is not None:  # LoRA (issue 12)
             self._run_adapter_op(op, *owner)
             return
+        if self.layers.owns_op(op.instance_id):  # a hosted stage's bytes (CoCoServe)
+            self.layers.run_op(op.kind.value, op.instance_id)
+            return
         record = self.records[op.instance_id]
-        kv_bytes = max(0, op.bytes_after - record.weight_bytes)
+        inst = self.sched.node.instance(op.instance_id)  # a split instance holds its share
+        kv_bytes = max(0, op.bytes_after - (inst.model.weight_bytes if inst else record.weight_bytes))
         if op.kind is MemOpKind.LOAD:
             load = self._loading.pop(op.instance_id, None)
             started = time.perf_counter()

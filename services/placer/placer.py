@@ -46,6 +46,7 @@ from opentelemetry.trace import Status, StatusCode
 from redis.asyncio import Redis
 
 from services.placer.keeper import StateKeeper
+from services.placer.module_scaler import ModuleScaler
 from services.placer.readiness import ReadinessGate, Verdict, hold_or_fail
 from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
@@ -118,6 +119,8 @@ class Placer:
         self._head_first: set[tuple[str, tuple[str, ...]]] = set()
         self._multicasts: set[asyncio.Task] = set()
         self.multicast_reports: deque = deque(maxlen=256)  # MulticastReport, newest last
+        # CoCoServe: the core's module-scaling plans, carried out with the nodes.
+        self.modules = ModuleScaler(self, settings.modules, settings.module_scaling_s)
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
             tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
 
@@ -176,6 +179,7 @@ class Placer:
             self._kept_at = time.monotonic()
         if self.queue:
             await self.place_queued()
+        await self.modules.turn()  # rate limited (settings.module_scaling_s)
 
     async def _fetch(self, timeout: float) -> None:
         try:
@@ -337,6 +341,7 @@ class Placer:
                      self.s.core, models=specs)
         self.decisions[plan.action.value] = self.decisions.get(plan.action.value, 0) + 1
         self._decision_counter.add(1, {"slinfer.placement.action": plan.action.value})
+        self.modules.note(plan, request_view(p.request), specs[record.name], nodes)
         if plan.action is PlaceAction.QUEUE:
             p.queue_decisions += 1
             if p.queue_decisions == 1:  # later ones only counted: re-planned every few tens of ms
@@ -448,10 +453,12 @@ class Placer:
         else:
             p.next_try = time.time() + min(1.0, 0.02 * 2**p.tries)
 
-    async def _command(self, node_id: str, cmd: NodeCommand) -> NodeReply | None:
+    async def _command(self, node_id: str, cmd: NodeCommand,
+                       timeout_s: float | None = None) -> NodeReply | None:
         try:
             msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd),
-                                        timeout=self.s.admit_timeout_s, headers=tm.inject_headers())
+                                        timeout=timeout_s or self.s.admit_timeout_s,
+                                        headers=tm.inject_headers())
             return wire.decode(NodeReply, msg.data)
         except (NatsTimeout, asyncio.TimeoutError, wire.WireError) as exc:
             log.warning("node %s did not answer: %s", node_id, exc)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.core.config import CoreConfig
-from shared.settings import core_config_from_env, env_float, env_str
+from shared.core.module_scaling import ModuleSettings
+from shared.settings import core_config_from_env, env_bool, env_float, env_str
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,11 @@ class PlacerSettings:
     # JetStream redelivers a request this long after its placer's last sign of life (a placer
     # that died with it in its queue); live placers renew their claim every third of it.
     ack_wait_s: float = 10.0
+    # CoCoServe module scaling (services/placer/module_scaler.py): the core's planner runs this
+    # often (0: never). Replication is off unless asked for: nodes that share one machine's
+    # cores (a test or demo box) gain no compute from replicas on each other.
+    module_scaling_s: float = 1.0
+    modules: ModuleSettings = ModuleSettings(replicate=False)
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -27,4 +33,11 @@ class PlacerSettings:
                    core=core,
                    admit_timeout_s=env_float("SLINFER_ADMIT_TIMEOUT_S", 5.0, minimum=0.1),
                    name=env_str("SLINFER_PLACER_NAME", "placer"),
-                   ack_wait_s=env_float("SLINFER_PLACER_ACK_WAIT_S", 10.0, minimum=1.0))
+                   ack_wait_s=env_float("SLINFER_PLACER_ACK_WAIT_S", 10.0, minimum=1.0),
+                   module_scaling_s=env_float("SLINFER_MODULE_SCALING_S", 1.0, minimum=0.0),
+                   modules=ModuleSettings(
+                       hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
+                       link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,
+                                                  minimum=1.0),
+                       shed=env_bool("SLINFER_MODULE_SHED", True),
+                       replicate=env_bool("SLINFER_MODULE_REPLICATE", False)))

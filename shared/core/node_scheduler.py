@@ -577,7 +577,7 @@ class NodeScheduler:
         after = layout.local_layers() if layout is not None else full.layers
         if not 0 < after <= full.layers:
             raise ValueError(f"an instance keeps 1 to {full.layers} layers here, not {after}")
-        spec = layout_spec(layout) if layout is not None else full
+        spec = layout_spec(layout) if after < full.layers else full  # replicas move nothing off
         kv = -(-inst.kv_bytes * after // before)
         ok, ops = self.ledger.request(MemOpKind.SCALE, instance_id, spec.weight_bytes + kv, now)
         if not ok:

@@ -87,7 +87,7 @@ def test_a_released_range_ends_its_links_and_orphans_are_found(tiny):
     key = stage_key("gone@n2#1", 3, 4)
     hosted = host.serve(key, str(tiny), 3, 4, "gone@n2#1", "n2")
     client = StageClient(hosted.address)
-    assert host.orphans(["gone@n2#1"], hosted.created + 2 * ORPHAN_GRACE_S) == []
+    assert host.orphans([hosted.address], hosted.created + 2 * ORPHAN_GRACE_S) == []
     assert host.orphans([], hosted.created + 1.0) == []  # too young: maybe not published yet
     assert host.orphans([], hosted.created + 2 * ORPHAN_GRACE_S) == [key]
     host.release(key)

@@ -1,0 +1,272 @@
+"""CoCoServe's module scaling through the real services: two node workers and a placer on a real
+nats-server and valkey, the tiny demo model under two names.
+
+Node A runs an instance of `alpha` that streams a long request. A request for `beta` then finds
+no room on either node (A lacks a little, B a lot): the placer queues it, notes the pressure on
+A, and the core plans to shed the fewest of alpha's layers that free the deficit to B (which has
+room for those layers, not for an instance). B holds the bytes and serves the layers from its
+own process; A moves them there with their K/V between two iterations, and alpha's request
+streams on: its greedy output equals an unmoved instance's. Then beta fits on A and is served.
+Both nodes' published views show the moved bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import nats
+import pytest
+from redis.asyncio import Redis
+
+from services.node.engines.base import SamplingParams
+from services.node.engines.torch_engine import TorchEngine
+from services.node.settings import NodeSettings
+from services.node.worker import NodeWorker
+from services.placer.placer import Placer
+from services.placer.settings import PlacerSettings
+from shared import wire
+from shared.bus import ensure_streams
+from shared.cluster import model_spec, read_nodes, save_profile
+from shared.core.config import CoreConfig
+from shared.core.memory import kv_demand
+from shared.core.module_scaling import ModuleAction, ModuleSettings
+from shared.core.modules import layer_weight_bytes, share_spec, stage_key
+from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.types import SLO, Hardware, RequestView
+from shared.registry import ModelRegistry, model_record_from_dir
+from shared.schemas import CommandKind, InferenceRequest, NodeCommand, TokenMessage
+from shared.subjects import REQUEST_SUBJECT, token_subject
+
+from tests.polling import until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CONTEXT = 2048
+LONG, SHORT = 2000, 8  # alpha's request outlasts the move; beta's is short
+PROMPT = list(range(5, 21))
+CORE = CoreConfig(keep_alive_s=120.0, enable_consolidation=False)  # shed, not preempt
+
+
+def _profile(name: str) -> Profile:
+    """A stand-in profile (placement is under test, not iteration timing)."""
+    return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
+                   DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]),
+                   load_s=0.5, engine_init_s=0.05)
+
+
+def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
+    return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
+                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url, core=CORE,
+                        heartbeat_s=0.05, calibrate=False)
+
+
+async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_request_streams(
+        servers, model_dir):
+    nats_url, redis_url = servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    records = {m: dataclasses.replace(model_record_from_dir(m, model_dir), max_context=CONTEXT)
+               for m in ("alpha", "beta")}
+    for record in records.values():
+        await ModelRegistry(redis).register(record)
+        await save_profile(redis, _profile(record.name))
+    spec = model_spec(records["alpha"])
+    assert spec.layers == 4 and 0 < spec.head_bytes < spec.weight_bytes
+    view = RequestView("x", "alpha", len(PROMPT), 0.0, SLO(30, 0.5), max_tokens=LONG)
+    instance = spec.weight_bytes + int(kv_demand(spec, [view]) * (1 + CORE.watermark))
+    beta_view = RequestView("y", "beta", len(PROMPT), 0.0, SLO(60, 0.5), max_tokens=SHORT)
+    beta_need = spec.weight_bytes + kv_demand(spec, [beta_view])
+    layer = layer_weight_bytes(spec, spec.layers, spec.head_bytes)
+    # A: alpha's instance and all beta's needs but half a layer; B: room for a stage of a
+    # layer or two, not for an instance.
+    a_bytes = instance + beta_need - layer // 2
+    b_bytes = instance // 2
+    workers = {"mod-a": NodeWorker(_settings("mod-a", a_bytes, nats_url, redis_url), nc, redis),
+               "mod-b": NodeWorker(_settings("mod-b", b_bytes, nats_url, redis_url), nc, redis)}
+    placer = Placer(PlacerSettings(nats_url, redis_url, CORE, module_scaling_s=0.1,
+                                   modules=ModuleSettings(replicate=False)), nc, redis)
+    reference = await asyncio.to_thread(_reference_of, model_dir, LONG)
+    stop = asyncio.Event()
+    runner = None
+    tokens: dict[str, list[tuple[float, int]]] = {}
+    finals: dict[str, TokenMessage] = {}
+
+    async def submit(model: str, max_tokens: int) -> str:
+        rid = f"{model}-req"
+        tokens[rid] = []
+
+        async def on_token(msg, rid=rid) -> None:
+            m = wire.decode(TokenMessage, msg.data)
+            tokens[rid].extend((time.time(), t) for t in m.token_ids)
+            if m.finished:
+                finals[rid] = m
+
+        await nc.subscribe(token_subject(rid), cb=on_token)
+        req = InferenceRequest(rid, "t", model, PROMPT, max_tokens, time.time(), 60.0, 0.5,
+                               temperature=0.0)
+        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
+                                     headers={"Nats-Msg-Id": rid})
+        return rid
+
+    try:
+        for w in workers.values():
+            await w.start()
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+        alpha = await submit("alpha", LONG)
+        await until(lambda: len(tokens[alpha]) >= 5, timeout_s=120, what="alpha streaming")
+        beta = await submit("beta", SHORT)
+        await until(lambda: beta in finals and alpha in finals, timeout_s=300,
+                    what="both requests")
+
+        # The move: one shed of alpha's last layers from A to B, carried out.
+        [record] = [r for r in placer.modules.records if r.ok]
+        plan = record.plan
+        assert (plan.action, plan.owner_node, plan.host_node, plan.end) == \
+            (ModuleAction.SHED, "mod-a", "mod-b", spec.layers)
+        moved = plan.end - plan.start
+        assert 1 <= moved < spec.layers
+        # alpha streamed through it: tokens before the move began and after it ended, and
+        # exactly what an unmoved instance generates.
+        times = [t for t, _ in tokens[alpha]]
+        assert times[0] < record.started and times[-1] > record.started + record.seconds
+        assert finals[alpha].error is None and finals[beta].error is None, \
+            (finals[alpha].error, finals[beta].error)
+        assert finals[alpha].output_token_ids == reference
+        assert finals[beta].node_id == "mod-a"  # the room the move made
+        assert len(finals[beta].output_token_ids) == SHORT
+
+        # Both views show the moved bytes: A's instance is its share, B holds the stage.
+        key = stage_key(plan.instance_id, plan.start, plan.end)
+        hosted = workers["mod-b"].layers.host.get(key)
+        assert hosted is not None and hosted.weight_bytes == moved * layer
+
+        async def views_settled() -> bool:
+            views = {n.node_id: n for n in await read_nodes(redis)}
+            inst = views["mod-a"].instance(plan.instance_id)
+            return inst is not None and inst.layout is not None and \
+                views["mod-b"].budget_bytes == await asyncio.to_thread(hosted.bytes)
+
+        await until(views_settled, timeout_s=30, what="the views after the move")
+        views = {n.node_id: n for n in await read_nodes(redis)}
+        inst = views["mod-a"].instance(plan.instance_id)
+        assert inst.model == share_spec(spec, spec.layers - moved, spec.layers, spec.head_bytes,
+                                        head=True)
+        [run] = inst.layout.runs
+        assert (run.start, run.end, run.node_id, run.address, run.replica) == \
+            (plan.start, plan.end, "mod-b", hosted.address, False)
+        assert views["mod-b"].budget_bytes >= moved * layer and not views["mod-b"].instances
+        assert views["mod-a"].budget_bytes <= a_bytes
+    finally:
+        stop.set()
+        if runner is not None:
+            await runner
+        await placer.modules.stop()
+        for w in workers.values():
+            await w.stop()
+        await nc.close()
+        await redis.aclose()
+
+
+# -- the commands, driven by a stand-in placer ---------------------------------------------------
+
+
+async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes_nothing(
+        connections, model_dir):
+    """HOST_LAYERS / SHED_LAYERS / REPLICATE_LAYERS / DROP_REPLICA / TAKE_LAYERS /
+    RELEASE_LAYERS one after the other on one instance whose long request streams all along:
+    its output equals an unmoved instance's; every refusal leaves both nodes as they were."""
+    from tests.node.harness import Harness
+
+    nc, redis = connections
+    a = Harness(nc, redis, model_dir, 1 << 30, "lay-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, 64 << 20, "lay-b", heartbeat_s=0.05)
+    record = a.records["alpha"]
+    spec = model_spec(record)
+    layer = layer_weight_bytes(spec, spec.layers, spec.head_bytes)
+    reference = await asyncio.to_thread(_reference_of, model_dir, 600)
+    await a.worker.start()
+    await b.worker.start()
+    try:
+        req = dataclasses.replace(a.request("alpha", 0, 600, ttft=60.0, tpot=1.0),
+                                  prompt_token_ids=PROMPT)
+        await a.watch(req)
+        reply = await a.command(NodeCommand(CommandKind.ADMIT, request=req, model=record))
+        assert reply.accepted, reply.reason
+        iid = reply.instance_id
+        await until(lambda: len(a.tokens[req.request_id]) >= 3, timeout_s=120, what="streaming")
+        sched_a, sched_b = a.worker.sched, b.worker.sched
+        inst = sched_a.node.instance(iid)
+        full_bytes = sched_a.ledger.target(iid)
+
+        def host(start: int, end: int, nbytes: int) -> NodeCommand:
+            return NodeCommand(CommandKind.HOST_LAYERS, model=record, instance_id=iid,
+                               layer_start=start, layer_end=end, stage_node="lay-a",
+                               stage_bytes=nbytes)
+
+        def to_owner(kind: CommandKind, start: int, end: int, address: str) -> NodeCommand:
+            return NodeCommand(kind, instance_id=iid, layer_start=start, layer_end=end,
+                               stage_address=address, stage_node="lay-b",
+                               hop_latency_s=1e-3, hop_bytes_per_s=1e9)
+
+        # More than B has: refused, nothing held.
+        refused = await b.command(host(2, 4, 128 << 20))
+        assert not refused.accepted and refused.reason == "memory"
+        assert sched_b.ledger.budget == 0 and not b.worker.layers.host.keys()
+        # Hosted: B holds the bytes first, the stage serves from B's process.
+        hosted = await b.command(host(2, 4, 2 * layer + (4 << 20)))
+        assert hosted.accepted and hosted.stage_address, hosted.reason
+        assert hosted.node.budget_bytes == 2 * layer + (4 << 20)
+        # A shed to a stage that is not there: refused, A's instance unchanged.
+        bad = await a.command(to_owner(CommandKind.SHED_LAYERS, 2, 4, "127.0.0.1:1"))
+        assert not bad.accepted and bad.reason.startswith("engine:")
+        assert inst.layout is None and sched_a.ledger.target(iid) == full_bytes
+        # The shed: A holds its share, its layout names the stage.
+        shed = await a.command(to_owner(CommandKind.SHED_LAYERS, 2, 4, hosted.stage_address))
+        assert shed.accepted, shed.reason
+        assert inst.model == share_spec(spec, 2, spec.layers, spec.head_bytes, head=True)
+        assert inst.layout.runs[0].address == hosted.stage_address
+        assert sched_a.ledger.target(iid) < full_bytes - 2 * layer
+        # Taken back: A reserves, reads the layers, takes their K/V; then B lets the stage go.
+        taken = await a.command(to_owner(CommandKind.TAKE_LAYERS, 2, 4, hosted.stage_address))
+        assert taken.accepted, taken.reason
+        assert inst.layout is None and inst.model == spec
+        assert sched_a.ledger.target(iid) >= full_bytes
+        released = await b.command(NodeCommand(CommandKind.RELEASE_LAYERS, instance_id=iid,
+                                               layer_start=2, layer_end=4))
+        assert released.accepted
+        await until(lambda: sched_b.ledger.budget == 0 and not sched_b.ledger.running(),
+                    what="B's hold released")
+        assert not b.worker.layers.host.keys()
+        # A replica of layers 1-2 on B, then dropped (its requests' K/V comes back).
+        hosted = await b.command(host(1, 3, 2 * layer + (4 << 20)))
+        assert hosted.accepted, hosted.reason
+        rep = await a.command(to_owner(CommandKind.REPLICATE_LAYERS, 1, 3, hosted.stage_address))
+        assert rep.accepted, rep.reason
+        assert inst.layout.runs[0].replica and inst.model == spec  # nothing left A
+        assert a.worker.engines[iid].layout().replicas == ((1, 3, hosted.stage_address),)
+        dropped = await a.command(to_owner(CommandKind.DROP_REPLICA, 1, 3, hosted.stage_address))
+        assert dropped.accepted, dropped.reason
+        assert inst.layout is None and a.worker.engines[iid].layout().replicas == ()
+        await a.wait([req], timeout=300)
+        final = a.finals[req.request_id]
+        assert final.error is None and final.output_token_ids == reference
+        assert a.streamed_once(req)
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+def _reference_of(model_dir, max_tokens: int) -> list[int]:
+    engine = TorchEngine(model_dir)
+    engine.load()
+    try:
+        engine.add_request("ref", PROMPT, SamplingParams(max_tokens=max_tokens))
+        out = [engine.prefill("ref").tokens["ref"]]
+        while len(out) < max_tokens:
+            out.append(engine.decode(["ref"]).tokens["ref"])
+        return out
+    finally:
+        engine.unload()
