@@ -417,6 +417,9 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
                    "SLINFER_NODE_DISK_CACHE_BYTES": "0", "SLINFER_DATA_DIR": str(tmp),
                    "SLINFER_REQUIRE_MATRIX_ACCEL": "false", "SLINFER_KEEP_ALIVE_S": "1",
                    "SLINFER_HEARTBEAT_S": "0.1", "SLINFER_CALIBRATION": "false",
+                   # No pre-loading (ServerlessLoRA): it would put the model back into the DRAM
+                   # tiers the runs empty, and the next burst would load from there.
+                   "SLINFER_PRELOAD_INTERVAL_S": "0",
                    "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
                    "SLINFER_MULTICAST_HOST": "127.0.0.1", "SLINFER_MULTICAST_PORT": "0"}
             log = open(tmp / f"{name}.log", "wb")
@@ -528,6 +531,11 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
             if errors:
                 raise RuntimeError(f"burst {method} k={len(dests)}: {errors}")
             served_on = sorted(f.node_id for f in finals.values())
+            if method != "storage":  # through a pipeline the requests may end before the copy
+                deadline = time.monotonic() + 300
+                while len(placer.multicast_reports) == reports_before \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
             reports = list(placer.multicast_reports)[reports_before:]
             if method != "storage" and (len(reports) != 1 or not reports[0].ok):
                 raise RuntimeError(f"expected one multicast: {[r.to_dict() for r in reports]}")

@@ -129,5 +129,8 @@ def core_config_from_env(env: Mapping[str, str] | None = None):
         enable_consolidation=env_bool("SLINFER_ENABLE_CONSOLIDATION", True, env=env),
         require_matrix_accel=env_bool("SLINFER_REQUIRE_MATRIX_ACCEL", True, env=env),
         enable_multicast=env_bool("SLINFER_ENABLE_MULTICAST", True, env=env),
+        # The services carry execute-while-load out (services/node/pipeline_mode.py); the pure
+        # core's default stays off (the simulator models λScale's pipelines on its own).
+        enable_pipeline=env_bool("SLINFER_ENABLE_PIPELINE", True, env=env),
         live_preemption=env_bool("SLINFER_LIVE_PREEMPTION", True, env=env),
     )

@@ -163,20 +163,24 @@ class PipelineStarts:
     # -- the switch (the worker's event loop) ---------------------------------------------------
 
     async def _switch_when_whole(self, pipe: Pipelined) -> None:
+        """Wait for the transfer to end (also when the instance went first: the node's view
+        says the model is arriving until then), then switch if the copy is whole."""
         arrival = self.w.arriving.get(pipe.record.name)
         since = arrival.since if arrival is not None else 0.0
         whole = None
-        while whole is None and pipe.instance_id in self.serving and not self.w._stopping:
+        while whole is None and not self.w._stopping:
             whole = await asyncio.to_thread(self.w.multicast.wait_for_model, pipe.record.path,
                                             since, 5.0)
-        if not whole or pipe.instance_id not in self.serving:
-            if whole is False:
+        if arrival is not None and self.w.arriving.get(pipe.record.name) is arrival:
+            self.w.arriving.pop(pipe.record.name, None)  # the transfer is over
+        if not whole:
+            if whole is False and pipe.instance_id in self.serving:
                 log.warning("node %s: %s's copy did not arrive whole; it goes on serving "
                             "through its pipeline", self.w.s.node_id, pipe.instance_id)
             return
         pipe.events["whole"] = time.time()
-        if self.w.arriving.get(pipe.record.name) is arrival:
-            self.w.arriving.pop(pipe.record.name, None)
+        if pipe.instance_id not in self.serving:
+            return  # unloaded before its copy was whole: its stage was released then
         try:
             await self._switch(pipe)
         except Exception as exc:

@@ -32,8 +32,8 @@ class CoreConfig:
     # λScale execute-while-load (§4.3, shared/core/startup.py): a new instance receiving its
     # model by multicast may serve through an execution pipeline (its node runs the head and
     # the layers it holds, a node holding the model runs the rest) until its copy is whole.
-    # Off by default until the node workers carry it out (the placer would plan a grace the
-    # node's whole-copy load does not keep).
+    # Off in the pure core (the simulator models λScale's pipelines itself, sim/scaleout.py);
+    # the services turn it on (SLINFER_ENABLE_PIPELINE), their node workers carry it out.
     enable_pipeline: bool = False
     # Starting the helper's stage and attaching the head's engine to it (both from tensors
     # already in memory: no read), and one activation transfer's fixed cost (framing, a round
