@@ -243,3 +243,15 @@ class CancelNotice:
     # None: every attempt of the request. N: only attempts below N (the gateway resumed the
     # request as attempt N; an older attempt that still runs somewhere is an orphan).
     below_attempt: int | None = None
+
+
+@dataclass(frozen=True)
+class PreloadPlan:
+    """The placer's pre-loading decision for one node (ServerlessLoRA §4.1, the Pre-Loading
+    Scheduler's command to the node's agent; `shared.core.lora.plan_cluster_preload`)."""
+
+    node_id: str
+    at: float  # when the placer planned it (its clock)
+    valid_s: float  # the node follows it this long after receiving it, then its own rates
+    checkpoints: list[str] = field(default_factory=list)  # backbones for the DRAM tier, least valuable first
+    adapters: list[list[str]] = field(default_factory=list)  # [instance id, adapter id] to attach

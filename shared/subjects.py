@@ -93,3 +93,10 @@ def multicast_node_subject(node_id: str) -> str:
 def multicast_events_subject(transfer_id: str) -> str:
     """Where the nodes of one multicast report block arrivals, completion and lost peers."""
     return f"slinfer.multicast.events.{transfer_id}"
+
+
+# --- artifact pre-loading (ServerlessLoRA §4.1) --------------------------------------------------
+def preload_subject(node_id: str) -> str:
+    """Where the placer sends a node the cluster's pre-loading plan for it (fire and forget: a
+    node that misses one plans from its own rates until the next arrives)."""
+    return f"slinfer.preload.node.{node_id}"

@@ -12,6 +12,12 @@ its backbone) with `shared.core.lora.plan_node_preload`, then:
   for them (the core's `preload_adapter`: their own LOAD op, within the node's free budget), so
   the next request through one starts without the adapter's load.
 
+The placer sees every request and plans the same for the whole cluster
+(services/placer/preloader.py): while the plan it sent this node is fresh, the node carries that
+out instead of its own (the backbones and adapters it names may be ones this node was never
+asked for; their records are read from the registry). With no fresh plan (no placer, or its
+plans stopped coming) the node plans alone.
+
 Rates fall while nothing calls an artifact, so a cooled backbone's checkpoint is the first the
 tier evicts once a hotter one is planned, and dynamic offloading (§4.3) takes pre-loaded adapters
 back first under memory pressure. Only torch-engine backbones are planned (the engines that load
@@ -26,9 +32,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shared import wire
 from shared.core.lora import Artifact, NodePreload, plan_node_preload
 from shared.core.node_scheduler import ADAPTER_LOAD_BYTES_PER_S
 from shared.core.types import AdapterSpec, InstanceStatus
+from shared.registry import ModelRegistry
+from shared.schemas import ModelRecord, PreloadPlan
+from shared.subjects import preload_subject
 
 if TYPE_CHECKING:
     from services.node.worker import NodeWorker
@@ -44,6 +54,7 @@ class PreloadRecord:
     plan: NodePreload
     read: tuple[str, ...]  # backbones read into the DRAM tier now
     attached: tuple[str, ...]  # adapters whose LOAD op started now
+    source: str = "node"  # "placer": the cluster's plan; "node": this node's own
 
 
 def artifacts(worker: NodeWorker, now: float) -> tuple[list[Artifact], list[Artifact]]:
@@ -62,22 +73,70 @@ def artifacts(worker: NodeWorker, now: float) -> tuple[list[Artifact], list[Arti
     return backbones, adapters
 
 
+def ready_instances(worker: NodeWorker) -> dict[str, str]:
+    """Backbone -> a ready instance of it here (with its engine), that adapters can join."""
+    instances: dict[str, str] = {}
+    for inst in sorted(worker.sched.node.instances, key=lambda i: i.instance_id):
+        if inst.status is InstanceStatus.READY and worker.engines.get(inst.instance_id) is not None:
+            instances.setdefault(inst.model.name, inst.instance_id)
+    return instances
+
+
 def plan(worker: NodeWorker, now: float) -> NodePreload:
     sched = worker.sched
     backbones, adapters = artifacts(worker, now)
-    instances: dict[str, str] = {}
-    for inst in sorted(sched.node.instances, key=lambda i: i.instance_id):
-        if inst.status is InstanceStatus.READY and worker.engines.get(inst.instance_id) is not None:
-            instances.setdefault(inst.model.name, inst.instance_id)
+    instances = ready_instances(worker)
     attached = {i.instance_id: set(i.adapters) for i in sched.node.instances}
     dram = worker.loader.settings.dram_cache_bytes if worker.loader is not None else 0
     return plan_node_preload(backbones, adapters, dram, instances, attached,
                              sched.ledger.capacity - sched.ledger.budget)
 
 
+async def _record(worker: NodeWorker, name: str) -> ModelRecord | None:
+    try:
+        return await ModelRegistry(worker.redis).get(name)
+    except Exception as exc:  # Redis blip: this round plans without it
+        log.warning("could not read %r's record for pre-loading: %r", name, exc)
+        return None
+
+
+async def placer_plan(worker: NodeWorker, sent: PreloadPlan) -> NodePreload:
+    """The placer's plan for this node, as far as this node can carry it out now: torch-engine
+    backbones (their records learned), adapters of a backbone with a ready instance here."""
+    checkpoints = []
+    for name in sent.checkpoints:
+        record = worker.backbones.get(name) or await _record(worker, name)
+        if record is None or record.base_model is not None or record.engine != "torch":
+            continue
+        worker.backbones[name] = record
+        worker.model_names.learn(record)
+        checkpoints.append(name)
+    ready = set(ready_instances(worker).values())
+    adapters = []
+    for iid, name in sent.adapters:
+        inst = worker.sched.node.instance(iid)
+        if iid not in ready or inst is None:
+            continue
+        record = worker.adapter_records.get(name) or await _record(worker, name)
+        if record is None or record.base_model != inst.model.name:
+            continue
+        worker.adapter_records[name] = record
+        adapters.append((iid, name))
+    return NodePreload(tuple(checkpoints), tuple(adapters))
+
+
+async def choose(worker: NodeWorker, now: float) -> tuple[NodePreload, str]:
+    """The placer's fresh plan if there is one, else this node's own."""
+    if worker.cluster_preload is not None:
+        received, sent = worker.cluster_preload
+        if time.monotonic() - received <= sent.valid_s:
+            return await placer_plan(worker, sent), "placer"
+    return plan(worker, now), "node"
+
+
 async def preload_once(worker: NodeWorker) -> PreloadRecord:
     now = time.time()
-    chosen = plan(worker, now)
+    chosen, source = await choose(worker, now)
     attached = []
     for iid, name in chosen.adapters:
         spec = AdapterSpec(name, worker.adapter_records[name].weight_bytes)
@@ -103,11 +162,26 @@ async def preload_once(worker: NodeWorker) -> PreloadRecord:
         worker._refresh_storage()
         log.info("pre-loaded %s", ", ".join([*(f"{n} (DRAM tier)" for n in read),
                                              *(f"{n} (adapter)" for n in attached)]))
-    return PreloadRecord(now, chosen, tuple(read), tuple(attached))
+    return PreloadRecord(now, chosen, tuple(read), tuple(attached), source)
+
+
+def _on_plan(worker: NodeWorker, msg) -> None:
+    try:
+        sent = wire.decode(PreloadPlan, msg.data)
+    except wire.WireError as exc:
+        log.warning("dropping an undecodable pre-loading plan: %s", exc)
+        return
+    if sent.node_id == worker.s.node_id:
+        worker.cluster_preload = (time.monotonic(), sent)
 
 
 async def preload_loop(worker: NodeWorker) -> None:
-    """Re-plan every `preload_interval_s`; a failure costs one round, never the loop."""
+    """Take the placer's plans as they come; re-plan every `preload_interval_s`. A failure costs
+    one round, never the loop."""
+    async def on_plan(msg) -> None:
+        _on_plan(worker, msg)
+
+    await worker.nc.subscribe(preload_subject(worker.s.node_id), cb=on_plan)
     while not worker._stopping:
         await asyncio.sleep(worker.s.preload_interval_s)
         try:

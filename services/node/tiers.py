@@ -80,5 +80,6 @@ def storage_view(report: TiersReport, names: Callable[[str, str], Iterable[str]]
         for model in tier.models:  # slowest tier first: a faster one overwrites
             for name in names(model.model_path, model.key):
                 holds[name] = tier.name
+    dram = next((t.capacity_bytes or 0 for t in report.tiers if t.name == "dram"), 0)
     return StorageView(bytes_per_s=dict(sorted(bandwidth.items())), holds=dict(sorted(holds.items())),
-                       pending_s=report.pending_s)
+                       pending_s=report.pending_s, dram_bytes=dram)

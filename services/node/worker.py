@@ -33,6 +33,7 @@ from services.node.layer_moves import LAYER_KINDS, LayerMoves
 from services.node.observe import NodeObserver
 from services.node.pipeline_mode import PipelineStarts
 from services.node.preload import PreloadRecord, preload_loop
+from shared.schemas import PreloadPlan
 from services.node.settings import NodeSettings
 from services.node.tiers import ModelNames, model_key, storage_view
 from shared import telemetry as tm
@@ -202,6 +203,8 @@ class NodeWorker:
         # registry holds them: what pre-loading plans over (services/node/preload.py).
         self.backbones: dict[str, ModelRecord] = {}
         self.preloads: deque[PreloadRecord] = deque(maxlen=HISTORY_LEN)
+        # The placer's latest pre-loading plan for this node and when it came (monotonic).
+        self.cluster_preload: tuple[float, PreloadPlan] | None = None
         self.live: dict[str, Live] = {}
         self.ops: dict[int, MemOp] = {}
         self.wake = asyncio.Event()

@@ -47,6 +47,7 @@ from redis.asyncio import Redis
 
 from services.placer.keeper import StateKeeper
 from services.placer.module_scaler import ModuleScaler
+from services.placer.preloader import ClusterPreloader
 from services.placer.readiness import ReadinessGate, Verdict, hold_or_fail
 from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
@@ -121,6 +122,8 @@ class Placer:
         self.multicast_reports: deque = deque(maxlen=256)  # MulticastReport, newest last
         # CoCoServe: the core's module-scaling plans, carried out with the nodes.
         self.modules = ModuleScaler(self, settings.modules, settings.module_scaling_s)
+        # ServerlessLoRA §4.1: the cluster's pre-loading plan, from the rates every request shows.
+        self.preloader = ClusterPreloader(self, settings.preload_interval_s)
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
             tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
 
@@ -180,6 +183,7 @@ class Placer:
         if self.queue:
             await self.place_queued()
         await self.modules.turn()  # rate limited (settings.module_scaling_s)
+        await self.preloader.turn()  # rate limited (settings.preload_interval_s)
 
     async def _fetch(self, timeout: float) -> None:
         try:
@@ -204,6 +208,7 @@ class Placer:
         old = self.queue.get(req.request_id)
         if old is None:
             self.queue[req.request_id] = new
+            self.preloader.note(req, new.received)
         elif _stream_seq(old.msg) == _stream_seq(msg):
             old.msg = msg  # redelivered while we still hold it: answer the latest delivery
         elif new.rank() > old.rank():

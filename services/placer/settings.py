@@ -24,6 +24,9 @@ class PlacerSettings:
     # cores (a test or demo box) gain no compute from replicas on each other.
     module_scaling_s: float = 1.0
     modules: ModuleSettings = ModuleSettings(replicate=False)
+    # ServerlessLoRA §4.1 (services/placer/preloader.py): the cluster's pre-loading plan is made
+    # and sent to the nodes this often (0: never; each node then plans from its own rates).
+    preload_interval_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -35,6 +38,7 @@ class PlacerSettings:
                    name=env_str("SLINFER_PLACER_NAME", "placer"),
                    ack_wait_s=env_float("SLINFER_PLACER_ACK_WAIT_S", 10.0, minimum=1.0),
                    module_scaling_s=env_float("SLINFER_MODULE_SCALING_S", 1.0, minimum=0.0),
+                   preload_interval_s=env_float("SLINFER_CLUSTER_PRELOAD_S", 5.0, minimum=0.0),
                    modules=ModuleSettings(
                        hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
                        link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,

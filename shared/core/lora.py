@@ -11,6 +11,10 @@
   the tier's bytes, a backbone worth the calls of its adapters too) and which adapters to attach
   to a backbone instance it holds before any request asks for them (a knapsack over the node's
   free memory budget).
+- Across the cluster (`plan_cluster_preload`): the paper's Pre-Loading Scheduler in the controller.
+  The placer sees every request, so it plans from cluster-wide rates which node's DRAM tier keeps
+  each backbone's checkpoint and which node attaches each adapter; a node carries out the plan it
+  was sent while it is fresh, and plans from its own rates when none is (services/node/preload.py).
 - Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
   first, never an adapter with requests in flight nor a backbone an active adapter uses
   (`offload_order`).
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+
+from shared.core.types import InstanceStatus, NodeView
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,34 @@ class Artifact:
     @property
     def density(self) -> float:
         return self.value / max(1, self.bytes)
+
+
+RATE_USES = 32  # calls a model's or an adapter's invocation rate is taken over
+RATE_MIN_SPAN_S = 1.0  # a rate is never taken over less than this (one burst)
+
+
+class CallRates:
+    """Invocations per second of models and adapters, from their recent calls: the last
+    `RATE_USES` calls over the time they span up to now, so a rate falls while nothing calls.
+    A call through an adapter counts for the adapter and for its backbone."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, list[float]] = {}
+
+    def note(self, model: str, adapter: str | None, now: float) -> None:
+        for name in (model, *([adapter] if adapter else [])):
+            calls = self._calls.setdefault(name, [])
+            calls.append(now)
+            del calls[:-RATE_USES]
+
+    def rate(self, name: str, now: float) -> float:
+        calls = self._calls.get(name)
+        if not calls:
+            return 0.0
+        return len(calls) / max(now - calls[0], RATE_MIN_SPAN_S)
+
+    def called(self) -> list[str]:
+        return sorted(self._calls)
 
 
 def adapter_load_bytes(adapter: Artifact, backbone: Artifact, resident: set[str]) -> int:
@@ -132,6 +166,61 @@ def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact
                           {"memory": resident})["memory"]
     return NodePreload(tuple(reversed(dram)),
                        tuple((instances[wanted[n].backbone], n) for n in attach if n in wanted))
+
+
+def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact],
+                         adapters: Iterable[Artifact]) -> dict[str, NodePreload]:
+    """The Pre-Loading Scheduler's decision (§3, §4.1) for the whole cluster, from the rates the
+    placer sees (every request passes through it): node -> what that node pre-loads.
+
+    Checkpoints: each called backbone's checkpoint in one node's DRAM tier (`StorageView.dram_bytes`),
+    the most valuable per byte first, on a node whose tier already holds it when one has room (no
+    read), else on the node with the most room left. Planned from scratch over the tiers' whole
+    capacity, so a backbone that became hot displaces one that cooled. Adapters: attached to a
+    ready instance of their backbone on the node with the most free budget, by the same greedy
+    (`preload_plan`, precedence: the backbone held there). A node whose view lacks a DRAM tier
+    gets no checkpoints."""
+    nodes = sorted(nodes, key=lambda n: n.node_id)
+    backbones, adapters = list(backbones), list(adapters)
+    through: dict[str, float] = {}
+    for a in adapters:
+        through[a.backbone] = through.get(a.backbone, 0.0) + a.rate
+    checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
+    dram = _place_checkpoints([b for b in checkpoints if b.value > 0], nodes)
+    ready: dict[str, dict[str, str]] = {}  # node -> backbone -> a ready instance of it there
+    resident: dict[str, set[str]] = {}
+    for node in nodes:
+        for inst in sorted(node.instances, key=lambda i: i.instance_id):
+            if inst.status is InstanceStatus.READY:
+                ready.setdefault(node.node_id, {}).setdefault(inst.model.name, inst.instance_id)
+                resident.setdefault(node.node_id, set()).update({inst.model.name, *inst.adapters})
+    held_anywhere = {b for by in ready.values() for b in by}
+    wanted = [a for a in adapters if a.backbone in held_anywhere and a.value > 0]
+    free = {n.node_id: max(0, n.memory_bytes - n.budget_bytes) for n in nodes if n.node_id in ready}
+    attach = preload_plan([*(b for b in backbones if b.name in held_anywhere), *wanted], free,
+                          resident)
+    by_name = {a.name: a for a in wanted}
+    return {n.node_id: NodePreload(
+        tuple(reversed(dram.get(n.node_id, []))),
+        tuple((ready[n.node_id][by_name[x].backbone], x)
+              for x in attach.get(n.node_id, []) if x in by_name))
+        for n in nodes}
+
+
+def _place_checkpoints(backbones: list[Artifact], nodes: list[NodeView]) -> dict[str, list[str]]:
+    """One DRAM-tier copy per backbone, by value density (`plan_cluster_preload`)."""
+    room = {n.node_id: n.storage.dram_bytes for n in nodes if n.storage is not None}
+    holds = {n.node_id: {m for m, tier in n.storage.holds.items() if tier == "dram"}
+             for n in nodes if n.storage is not None}
+    plan: dict[str, list[str]] = {node: [] for node in room}
+    for art in sorted(backbones, key=lambda a: (-a.density, a.name)):
+        fits = [node for node in room if art.bytes <= room[node]]
+        if not fits:
+            continue
+        node = min(fits, key=lambda n: (art.name not in holds[n], -room[n], n))
+        room[node] -= art.bytes
+        plan[node].append(art.name)
+    return plan
 
 
 def offload_order(resident: Iterable[Artifact], in_flight: set[str]) -> list[str]:

@@ -32,7 +32,7 @@ from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, loa
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
-from shared.core.lora import Artifact, offload_order
+from shared.core.lora import Artifact, CallRates, offload_order
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
@@ -42,8 +42,6 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceSt
 
 
 _RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
-ADAPTER_RATE_USES = 32  # admissions per adapter its invocation rate is taken over
-ADAPTER_RATE_MIN_SPAN_S = 1.0  # a rate is never taken over less than this (one burst)
 # An adapter's reload time for the offloading order's value (load time x rate, per byte): its
 # bytes at this rate (ASSUMPTION: about what the torch engine measured reading one from the
 # page cache; only the ratio between adapters matters, so a constant is enough).
@@ -91,7 +89,7 @@ class NodeScheduler:
         # Model or adapter -> its recent admission times (a request through an adapter counts
         # for the adapter and for its backbone): the invocation rates offloading and
         # pre-loading weigh artifacts by (ServerlessLoRA §4.1, §4.3).
-        self._uses: dict[str, list[float]] = {}
+        self._rates = CallRates()
         # Live preemption: preemptor instance -> the victims it waits for (runs nothing until
         # they are unloaded: the handover the admission was validated with).
         self._waits_for: dict[str, set[str]] = {}
@@ -190,26 +188,20 @@ class NodeScheduler:
             live = {r.request_id for i in self.node.instances for r in i.requests}
             self._adapter_of = {rid: a for rid, a in self._adapter_of.items() if rid in live}
             self._adapter_of[request_id] = adapter.name
-        for name in (model, *([adapter.name] if adapter is not None else [])):
-            uses = self._uses.setdefault(name, [])
-            uses.append(now)
-            del uses[:-ADAPTER_RATE_USES]
+        self._rates.note(model, adapter.name if adapter is not None else None, now)
 
     def rate(self, name: str, now: float) -> float:
         """Invocations per second of a model (its adapters' calls included) or an adapter on
         this node: its recent admissions over the time they span (to now), so it falls while
         nothing calls it; 0 for one never admitted here."""
-        uses = self._uses.get(name, [])
-        if not uses:
-            return 0.0
-        return len(uses) / max(now - uses[0], ADAPTER_RATE_MIN_SPAN_S)
+        return self._rates.rate(name, now)
 
     def adapter_rate(self, adapter: str, now: float) -> float:
         return self.rate(adapter, now)
 
     def called(self) -> list[str]:
         """Every model and adapter admitted here (the ones with a rate)."""
-        return sorted(self._uses)
+        return self._rates.called()
 
     def preload_adapter(self, instance_id: str, adapter: AdapterSpec, now: float) -> list[MemOp]:
         """Attach an adapter to a ready backbone instance before any request asks for it

@@ -255,6 +255,9 @@ class StorageView:
     # while the model arrives (`until`: seconds until the pipeline serves); the startup the
     # placer chose (`shared.core.startup.with_pipeline`), on its view and on the node's re-check.
     pipelines: dict[str, PipelineMode] = field(default_factory=dict)
+    # The DRAM tier's capacity (0: the node has none): what the cluster's pre-loading plan
+    # (`shared.core.lora.plan_cluster_preload`) may fill with checkpoints.
+    dram_bytes: int = 0
 
 
 @dataclass

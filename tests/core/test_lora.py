@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.core.lora import Artifact, adapter_load_bytes, offload_order, preload_plan
+from shared.core.types import Hardware, InstanceView, ModelSpec, NodeView, StorageView
 
 GB = 10**9
 BB = Artifact("llama-8b", 16 * GB, 2.0, rate=0.0)
@@ -104,3 +105,62 @@ def test_adapters_are_attached_only_to_a_backbone_instance_the_node_holds_within
     # Room for one, nothing attached yet: the most called adapter.
     assert plan_node_preload([bb], arts, 0, {"llama-8b": "i1"}, {}, 60 * 10**6).adapters == \
         (("i1", "hot"),)
+
+
+# --- the cluster's pre-loading (plan_cluster_preload: the placer's Pre-Loading Scheduler) --------
+
+def _node(node_id: str, dram_gb: float, holds: dict[str, str] | None = None,
+          instances: list[InstanceView] = (), free_gb: float = 0.0):
+    memory = 100 * GB
+    return NodeView(node_id, Hardware.CPU, memory, instances=list(instances),
+                    storage=StorageView({}, holds=dict(holds or {}), dram_bytes=int(dram_gb * GB)),
+                    budget_bytes=memory - int(free_gb * GB))
+
+
+def _instance(iid: str, backbone: str, adapters: dict[str, int] | None = None) -> InstanceView:
+    return InstanceView(iid, ModelSpec(backbone, 2 * GB, 1024, 1024, 64.0), "", adapters=dict(adapters or {}))
+
+
+def test_the_cluster_spreads_hot_checkpoints_over_the_nodes_dram_tiers():
+    from shared.core.lora import plan_cluster_preload
+
+    a, b = _node("a", 4.5), _node("b", 4.5)
+    hot, warm, cool = _backbone("hot", 3.0), _backbone("warm", 2.0), _backbone("cool", 1.0)
+    plan = plan_cluster_preload([a, b], [cool, warm, hot, _backbone("uncalled", 0.0)], [])
+    # Two 2 GB checkpoints per 4.5 GB tier: all three called ones find a place, each once,
+    # where one node alone (plan_node_preload) would keep two and lose the third.
+    placed = [c for p in plan.values() for c in p.checkpoints]
+    assert sorted(placed) == ["cool", "hot", "warm"]
+    # A node whose tier already holds a checkpoint keeps it there (no read) when it has room.
+    plan = plan_cluster_preload([_node("a", 4.5), _node("b", 4.5, holds={"cool": "dram"})],
+                                [cool, warm, hot], [])
+    assert "cool" in plan["b"].checkpoints
+
+
+def test_the_cluster_plan_attaches_adapters_where_their_backbone_runs_and_only_called_ones():
+    from shared.core.lora import plan_cluster_preload
+
+    bb = _backbone("llama-8b", 0.0)
+    a = _node("a", 0.0, instances=[_instance("i1", "llama-8b", {"on": 50 * 10**6})], free_gb=1.0)
+    b = _node("b", 0.0, free_gb=50.0)  # room, but no instance of the backbone
+    arts = [adapter("hot", 5.0), adapter("cold", 0.0), adapter("on", 3.0),
+            adapter("elsewhere", 9.0, backbone="qwen")]
+    plan = plan_cluster_preload([a, b], [bb], arts)
+    assert plan["a"].adapters == (("i1", "hot"),) and plan["b"].adapters == ()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(0.5, 6.0)), min_size=1, max_size=8),
+       st.lists(st.floats(0.0, 10.0), min_size=1, max_size=4))
+def test_a_cluster_plan_never_overfills_a_tier_nor_places_a_checkpoint_twice(arts, tiers):
+    from shared.core.lora import plan_cluster_preload
+
+    backbones = [Artifact(f"b{i}", int(gb * GB), 1.0, rate) for i, (rate, gb) in enumerate(arts)]
+    nodes = [_node(f"n{i}", gb) for i, gb in enumerate(tiers)]
+    plan = plan_cluster_preload(nodes, backbones, [])
+    size = {b.name: b.bytes for b in backbones}
+    placed = [c for p in plan.values() for c in p.checkpoints]
+    assert len(placed) == len(set(placed))
+    assert all(size[c] > 0 and next(b for b in backbones if b.name == c).rate > 0 for c in placed)
+    for n in nodes:
+        assert sum(size[c] for c in plan[n.node_id].checkpoints) <= n.storage.dram_bytes

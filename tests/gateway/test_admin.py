@@ -235,7 +235,7 @@ def _node(node_id: str, models: list[str]) -> NodeView:
                  for i, m in enumerate(models)]
     storage = StorageView({"dram": 2e10, "disk": 1e9}, {m: "dram" for m in models}, 0.5,
                           arriving={m: 1.5 for m in models}, multicast_bytes_per_s=1e9,
-                          pipelines={m: PIPELINE for m in models})
+                          pipelines={m: PIPELINE for m in models}, dram_bytes=4 << 30)
     return NodeView(node_id=node_id, hardware=Hardware.CPU, memory_bytes=1 << 30, matrix_accel=True,
                     instances=instances, budget_bytes=5000, heartbeat=12.5, storage=storage)
 
@@ -259,7 +259,8 @@ def test_nodes_and_instances_views(client_a, client_b, client_op, redis_url):
         assert nodes[0]["storage"] == {"bytes_per_s": {"dram": 2e10, "disk": 1e9}, "holds": visible,
                                        "pending_s": 0.5, "arriving": {m: 1.5 for m in visible},
                                        "multicast_bytes_per_s": 1e9,
-                                       "pipelines": {m: PIPELINE_JSON for m in visible}}
+                                       "pipelines": {m: PIPELINE_JSON for m in visible},
+                                       "dram_bytes": 4 << 30}
 
         inst = {i["model"]: i for i in client_a.get("/admin/instances").json()["data"]}
         assert set(inst) == {PUBLIC_MODEL, PRIVATE_A}  # its own private one, by its own name

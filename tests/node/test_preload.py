@@ -5,6 +5,10 @@ After traffic through an adapter, a fresh instance of its backbone gets the adap
 without a request for it; an adapter nobody called is not. With a DRAM tier that holds one
 backbone's checkpoint, the most called backbone is read back into it after another's load pushed
 it out; once the calls move to the other backbone, the re-plan keeps that one instead.
+
+Across the cluster, the placer's plan puts the checkpoint one node's tier has no room for into
+another node's tier, a node that never served it; when the placer's plans stop, the nodes plan
+alone again.
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ async def test_planned_artifacts_become_resident_without_a_request_and_follow_th
         # The DRAM tier holds one backbone's checkpoint, not two.
         loader=LoaderSettings(dram_cache_bytes=int(checkpoint * 1.5)))
     worker = NodeWorker(settings, nc, redis)
-    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
+    # The node plans alone here (the cluster's plan is the next test's).
+    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(), preload_interval_s=0), nc, redis)
     stop = asyncio.Event()
     await worker.start()
     await placer.start()
@@ -164,5 +169,69 @@ async def test_planned_artifacts_become_resident_without_a_request_and_follow_th
         stop.set()
         await runner
         await worker.stop()
+        await nc.close()
+        await redis.aclose()
+
+
+def _node(name: str, nats_url: str, redis_url: str, nc, redis, dram_bytes: int) -> NodeWorker:
+    return NodeWorker(NodeSettings(
+        node_id=name, hardware="cpu", device="cpu", memory_bytes=2 << 30, matrix_accel=True,
+        nats_url=nats_url, redis_url=redis_url, core=CoreConfig(keep_alive_s=60.0),
+        heartbeat_s=0.05, calibrate=False, preload_interval_s=0.2,
+        loader=LoaderSettings(dram_cache_bytes=dram_bytes)), nc, redis)
+
+
+async def test_the_placers_plan_spreads_checkpoints_over_the_nodes_and_nodes_fall_back_without_it(
+        servers, backbones):
+    nats_url, redis_url = servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    registry = ModelRegistry(redis)
+    records = {}
+    for name, path in backbones.items():
+        records[name] = model_record_from_dir(name, path)
+        await registry.register(records[name])
+        await save_profile(redis, _profile(name))
+    one = int(records["bb-a"].weight_bytes * 1.5)  # each node's DRAM tier holds one checkpoint
+    first = _node("pre-first", nats_url, redis_url, nc, redis, one)
+    second = _node("pre-second", nats_url, redis_url, nc, redis, one)
+    placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(), preload_interval_s=0.3),
+                    nc, redis)
+    stop = asyncio.Event()
+    await first.start()
+    await placer.start()
+    runner = asyncio.create_task(placer.run(stop))
+    finals: dict[str, TokenMessage] = {}
+
+    def in_dram(worker: NodeWorker) -> set[str]:
+        return {n for n, r in records.items() if worker.loader.tier_of(r.path) == "dram"}
+
+    try:
+        # Both backbones called, all on the first node (the only one yet); bb-a the more.
+        await _serve(nc, finals, "bb-a", n=2)
+        await _serve(nc, finals, "bb-b")
+        # A second node joins. One tier cannot hold both checkpoints, and a node planning from
+        # its own calls would only juggle them; the placer puts one into the second node's tier.
+        await second.start()
+        await until(lambda: in_dram(first) | in_dram(second) == {"bb-a", "bb-b"}
+                    and in_dram(first) and in_dram(second), timeout_s=60,
+                    what="each backbone's checkpoint in one node's DRAM tier")
+        assert not second.loads  # it never loaded either model: it holds one for the cluster
+        assert any(r.source == "placer" and r.read for r in second.preloads)
+        assert placer.preloader.sent["pre-second"].checkpoints == sorted(in_dram(second))
+
+        # The placer stops: its last plan goes stale and each node plans from its own calls.
+        stop.set()
+        await runner
+        await until(lambda: second.preloads and second.preloads[-1].source == "node"
+                    and first.preloads[-1].source == "node", timeout_s=30,
+                    what="the nodes to plan alone once the placer's plan went stale")
+        # The second node was never called: alone it plans nothing (and keeps serving).
+        assert second.preloads[-1].plan.checkpoints == ()
+    finally:
+        stop.set()
+        await runner
+        await first.stop()
+        await second.stop()
         await nc.close()
         await redis.aclose()
