@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MiB = 1 << 20
 HOLDER, HEAD = "ewl-holder", "ewl-head"
 CONTEXT, PROMPT, MAX_TOKENS = 256, 150, 8
-RATE = 20 * MiB  # every sending connection is paced to this: the whole copy takes ~9 s
+RATE = 10 * MiB  # every sending connection is paced to this: the whole copy takes ~18 s
 CORE = CoreConfig(keep_alive_s=120.0, enable_pipeline=True)
 
 
