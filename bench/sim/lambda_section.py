@@ -12,7 +12,7 @@ import math
 from bench.sim.scaleout import (BEGIN_L, END_L, LAMBDA_VARIANTS, SIZES, _f, _mean, _pct, _ratio,
                                 _rows)
 from sim.profiles import SHAPES
-from sim.scaleout import ScaleoutConfig, plan_times
+from sim.scaleout import ScaleoutConfig, Shape, plan_times
 
 SYSTEMS = {"sllm": "sllm", "slinfer": "slinfer", "slinfer+burst": "slinfer + burst"}
 LINKS = {"none": "none (tiers)", "100": "100 Gb/s", "400": "400 Gb/s",
@@ -152,11 +152,166 @@ def plan_seconds(size: str, gbps: float, nodes: int = 8, sources: int = 1) -> fl
     return steps * cfg.step_s(shape.weight_bytes)
 
 
+def pipeline_step(nodes: int, sources: int, size: str = "13b") -> tuple[int, int]:
+    """(step a destination can serve in its EWL pipeline, step it holds the whole model) for the
+    first destination of a k -> N plan with the checkpoint's layout (`plan_times`)."""
+    shape = SHAPES[size]
+    times = plan_times(nodes, sources, 16, Shape(shape.weight_bytes, shape.layers, shape.hidden))
+    full = times.full[sources]
+    return times.pipeline.get(sources, (full, 1))[0], full
+
+
+class _Agg:
+    """Means over seeds of one summary's rows, by (size, system, variant)."""
+
+    def __init__(self, summary: dict, group: str = "lambda") -> None:
+        self.summary, self.group = summary, group
+
+    def rows(self, size: str, system: str, variant: str) -> list[dict]:
+        return rows(self.summary, size, system, variant, self.group)
+
+    def __call__(self, size: str, system: str, variant: str, key: str) -> float | None:
+        return _mean(self.rows(size, system, variant), key)
+
+    def loads(self, size: str, system: str, variant: str) -> dict[str, float]:
+        return spike_loads(self.rows(size, system, variant))
+
+    def dropped(self, size: str, system: str, variant: str) -> str:
+        return _pct(self.rows(size, system, variant))
+
+
+def _x(a, b) -> str:
+    """a / b as a factor ("n/a" when either is missing or infinite)."""
+    return _ratio(a, b)
+
+
 def findings(summary: dict) -> list[str]:
-    return ["What this shows against λScale's figures:", "",
-            f"- **13B to 8 nodes in < 1 s** (λScale §7.2): the plan gives "
-            f"{plan_seconds('13b', 400):.2f} s at 400 Gb/s (16 blocks, one source), "
-            f"{plan_seconds('13b', 100):.2f} s at 100 Gb/s."]
+    m = _Agg(summary)
+    fast = _Agg(summary, "lambda-fast")
+    out = ["What this shows against λScale's figures, and why (every number from the table above "
+           "or the multicast plan):", ""]
+    out.append(
+        f"- **13B to 8 nodes in < 1 s** (λScale §7.2): the plan gives "
+        f"{plan_seconds('13b', 400):.2f} s at 400 Gb/s (16 blocks, one source), "
+        f"{plan_seconds('13b', 100):.2f} s at 100 Gb/s.")
+    if not m.rows("7b", "sllm", "none"):
+        return out
+    out.append(
+        "- **2×–5× lower tail latency than ServerlessLLM under spikes** (λScale §7.5, p90): "
+        f"λScale's own comparison here is sllm with a link against sllm without one: the 7B "
+        f"spikes' p90 falls {_x(m('7b', 'sllm', 'none', 'spike_ttft_p90'), m('7b', 'sllm', '100', 'spike_ttft_p90'))} "
+        f"(100 Gb/s) and {_x(m('7b', 'sllm', 'none', 'spike_ttft_p90'), m('7b', 'sllm', '400', 'spike_ttft_p90'))} "
+        f"(400 Gb/s), their median {_x(m('7b', 'sllm', 'none', 'spike_ttft_p50'), m('7b', 'sllm', '100', 'spike_ttft_p50'))} "
+        f"and {_x(m('7b', 'sllm', 'none', 'spike_ttft_p50'), m('7b', 'sllm', '400', 'spike_ttft_p50'))}: with "
+        "exclusive GPUs and 32 models on 8 nodes a spike's requests wait for GPUs that other "
+        "models' instances hold, and a faster load makes no GPU free. Under SLINFER, whose "
+        "sharing has the room, the tail is the load: multicast cuts the 7B spikes' p90 "
+        f"{_x(m('7b', 'slinfer', 'none', 'spike_ttft_p90'), m('7b', 'slinfer', '100', 'spike_ttft_p90'))} / "
+        f"{_x(m('7b', 'slinfer', 'none', 'spike_ttft_p90'), m('7b', 'slinfer', '400', 'spike_ttft_p90'))} "
+        f"(100 / 400 Gb/s; with burst scale-out "
+        f"{_x(m('7b', 'slinfer+burst', 'none', 'spike_ttft_p90'), m('7b', 'slinfer+burst', '100', 'spike_ttft_p90'))} / "
+        f"{_x(m('7b', 'slinfer+burst', 'none', 'spike_ttft_p90'), m('7b', 'slinfer+burst', '400', 'spike_ttft_p90'))}), "
+        f"and against sllm without a link SLINFER with a 400 Gb/s link has "
+        f"{_x(m('7b', 'sllm', 'none', 'spike_ttft_p90'), m('7b', 'slinfer', '400', 'spike_ttft_p90'))} "
+        "lower spike p90. At 13B every system drops a share of the spikes' requests (the "
+        "dropped column: 200 requests of a 26 GB model in 10 s on 8 shared GPUs is capacity, "
+        "not loading), so the 13B tails are ∞ and only the medians and drops compare.")
+    cut = [1 - (m(size, system, variant, "gpu_node_seconds") or 0)
+           / (m(size, system, "none", "gpu_node_seconds") or 1)
+           for size in SIZES for system in ("sllm", "slinfer") for variant in ("100", "400")]
+    out.append(
+        f"- **GPU time** (λScale: 17.8-31.3% less than the baselines): a link saves "
+        f"{min(cut) * 100:.0f}-{max(cut) * 100:.0f}% of GPU node-seconds across sizes, systems and "
+        "links (instances start sooner and go sooner).")
+    out.append(_ewl_finding(m, fast))
+    out.append(_why_finding(m))
+    out.append(
+        "- Not modelled: link contention between multicasts of different models beyond one at "
+        "a time per link, GPU-direct vs host-memory paths, λScale's own request scheduling "
+        "across pipelines, its BurstGPT trace (here the Azure Functions sample plus synthetic "
+        "spikes), H800s (here A100 profiles), the core's I/O-queue term for a multicast load (it "
+        "still adds the node's disk queue: conservative). Burst scale-out is in the simulator "
+        "only: the placer service does not call `shared.core.burst` yet.")
+    return out
+
+
+def _ewl_finding(m: _Agg, fast: _Agg) -> str:
+    pipe = {s: m.loads("7b", s, "100")["pipeline"] for s in ("sllm", "slinfer", "slinfer+burst")}
+    pipe13 = {s: m.loads("13b", s, "100")["pipeline"] for s in ("sllm", "slinfer", "slinfer+burst")}
+    text = (
+        "- **Does execute-while-load fire now, and what does it buy?** Spike loads served in a "
+        f"pipeline per run at 100 Gb/s (7B / 13B): sllm {pipe['sllm']:.1f} / {pipe13['sllm']:.1f}, "
+        f"slinfer {pipe['slinfer']:.1f} / {pipe13['slinfer']:.1f}, slinfer + burst "
+        f"{pipe['slinfer+burst']:.1f} / {pipe13['slinfer+burst']:.1f} "
+        f"({m('7b', 'slinfer+burst', '100', 'burst_instances'):.1f} / "
+        f"{m('13b', 'slinfer+burst', '100', 'burst_instances'):.1f} burst instances per run). "
+        "Turning EWL off (slinfer + burst, 100 Gb/s) moves the spikes' TTFT p50 from "
+        f"{_f(m('7b', 'slinfer+burst', '100', 'spike_ttft_p50'))} to "
+        f"{_f(m('7b', 'slinfer+burst', '100-no-ewl', 'spike_ttft_p50'))} s at 7B and from "
+        f"{_f(m('13b', 'slinfer+burst', '100', 'spike_ttft_p50'))} to "
+        f"{_f(m('13b', 'slinfer+burst', '100-no-ewl', 'spike_ttft_p50'))} s at 13B, spike drops "
+        f"{m.dropped('7b', 'slinfer+burst', '100')} → {m.dropped('7b', 'slinfer+burst', '100-no-ewl')} "
+        f"(7B) and {m.dropped('13b', 'slinfer+burst', '100')} → "
+        f"{m.dropped('13b', 'slinfer+burst', '100-no-ewl')} (13B), SLO attainment "
+        f"{_f(m('7b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} → "
+        f"{_f(m('7b', 'slinfer+burst', '100-no-ewl', 'slo_attainment'), '{:.3f}')} (7B) and "
+        f"{_f(m('13b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} → "
+        f"{_f(m('13b', 'slinfer+burst', '100-no-ewl', 'slo_attainment'), '{:.3f}')} (13B). "
+        "Burst scale-out itself (slinfer + burst against slinfer, 100 Gb/s): spike p90 "
+        f"{_f(m('7b', 'slinfer', '100', 'spike_ttft_p90'))} → "
+        f"{_f(m('7b', 'slinfer+burst', '100', 'spike_ttft_p90'))} s (7B), SLO attainment "
+        f"{_f(m('13b', 'slinfer', '100', 'slo_attainment'), '{:.3f}')} → "
+        f"{_f(m('13b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} (13B), GPU node-s "
+        f"{_f(m('7b', 'slinfer', '100', 'gpu_node_seconds'), '{:.0f}')} → "
+        f"{_f(m('7b', 'slinfer+burst', '100', 'gpu_node_seconds'), '{:.0f}')} (7B) and "
+        f"{_f(m('13b', 'slinfer', '100', 'gpu_node_seconds'), '{:.0f}')} → "
+        f"{_f(m('13b', 'slinfer+burst', '100', 'gpu_node_seconds'), '{:.0f}')} (13B).")
+    if fast.rows("7b", "slinfer+burst", "100"):
+        text += (
+            " With the spikes within 2 s (the sensitivity table) pipelines serve "
+            f"{fast.loads('7b', 'slinfer', '100')['pipeline']:.0f} spike loads without burst "
+            f"and {fast.loads('7b', 'slinfer+burst', '100')['pipeline']:.0f} with it; EWL off "
+            f"moves the spikes' p50 {_f(fast('7b', 'slinfer+burst', '100', 'spike_ttft_p50'))} → "
+            f"{_f(fast('7b', 'slinfer+burst', '100-no-ewl', 'spike_ttft_p50'))} s and their "
+            f"drops {fast.dropped('7b', 'slinfer+burst', '100')} → "
+            f"{fast.dropped('7b', 'slinfer+burst', '100-no-ewl')}.")
+    return text
+
+
+def _why_finding(m: _Agg) -> str:
+    one = m.loads("7b", "slinfer", "100")
+    burst = m.loads("7b", "slinfer+burst", "100")
+    k1_pipe, k1_full = pipeline_step(8, 1)
+    k2_pipe, k2_full = pipeline_step(4, 2)
+    k4_pipe, k4_full = pipeline_step(8, 4)
+    sources = _sources(m.rows("7b", "slinfer+burst", "100"))
+    return (
+        "- **Why EWL fires so little, and buys little when it does.** (1) Most of a spike's "
+        "instances never use the network: SLINFER packs a spike's new instances onto the nodes "
+        "that already serve the model (bin-packing, §V), which reload it from their own DRAM "
+        "tier in 1.0 s (7B), sooner than a 100 Gb/s multicast (1.08 s): per run, the spiked "
+        f"model's loads during its spikes (7B, slinfer, 100 Gb/s) are {one['own']:.1f} from a "
+        f"node's own tier, {one['multicast']:.1f} by multicast and {one['pipeline']:.1f} in a "
+        f"pipeline ({burst['own']:.1f} / {burst['multicast']:.1f} / {burst['pipeline']:.1f} with "
+        "burst scale-out). Own-tier loads include registry and disk ones: the copy primed in "
+        "one node's DRAM at the start has often been evicted (64 GB tier, LRU) by the time its "
+        "spike comes, so k = 0 until the first instance is loaded. (2) A pipeline needs at least "
+        "two destinations in one multicast, and placements that add one instance at a time, "
+        "each once the previous one refused, rarely start two within a multicast's injection "
+        "window (1.1 s for 7B at 100 Gb/s): loads that shared a multicast with another "
+        f"destination, per run: {one['shared']:.1f} without burst, {burst['shared']:.1f} with it. "
+        "(3) With one source, a pipeline cannot serve before the last block has left it: the "
+        f"plan serves a k = 1 pipeline at step {k1_pipe} of 16 blocks against step {k1_full} for "
+        f"the whole model (8 nodes), while k = 2 sources serve two destinations at step {k2_pipe} "
+        f"(whole: {k2_full}) and k = 4 four at step {k4_pipe} (whole: {k4_full}); the spikes' "
+        f"multicasts here have {sources} sources on average with burst scale-out. (4) Burst "
+        "scale-out asks for few instances at 200 requests in 10 s: about 20 arrivals in the "
+        "last second over a ~1.1 s startup, against the ~20 requests an instance takes while it "
+        "loads (the shadow validation's batch), is one or two instances; only faster spikes "
+        "(the 2 s sensitivity) or slower startups make a wide burst, and startups over 3 s "
+        "(disk, registry) are left out by design (`burst_max_startup_s`: they would all be "
+        "late and share the slow tier; a trial without that bound burst onto the registry at "
+        "the cold start and lost SLO attainment).")
 
 
 def lambda_table(summary: dict) -> str:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shared.core.admission import AdmitReason
 from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
 from shared.core.config import CoreConfig
-from shared.core.placement import PlaceAction, PlacementPlan, place
+from shared.core.placement import Attempt, PlaceAction, PlacementPlan, place
 from shared.core.types import Hardware, InstanceStatus
 from tests.core.factories import flat_profile, model, node, perf_for, request
 
@@ -125,3 +125,14 @@ def test_a_slow_start_is_no_burst_and_slow_nodes_are_left_out():
     slow = CoreConfig(burst_scaleout=True, burst_max_startup_s=0.5)  # every load takes 1 s
     assert plan_burst(plan, new, spec, views, perf, 0.5, slow, arrivals).size.instances == 1
     assert plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals).size.instances > 1
+
+
+def test_only_instances_refused_as_full_measure_what_an_instance_takes():
+    spec, perf, scheds = _cluster(ON)
+    views = [s.node for s in scheds]
+    iid = views[0].instances[0].instance_id
+    full = PlacementPlan(PlaceAction.NEW_INSTANCE, "n1", attempts=(
+        Attempt("n0", iid, AdmitReason.HEADROOM),))
+    out_of_memory = PlacementPlan(PlaceAction.NEW_INSTANCE, "n1", attempts=(
+        Attempt("n0", iid, AdmitReason.MEMORY),))
+    assert per_instance(full, views) == 3 and per_instance(out_of_memory, views) == 0
