@@ -113,6 +113,7 @@ class ModuleScaler:
         self.pressure = {n: v for n, v in self.pressure.items() if now_m - v[1] < PRESSURE_TTL_S}
         nodes = await read_nodes(self.p.redis)
         records = {r.name: r for r in await self.p.registry.list()}
+        await self.p._refresh_perf()  # (placement refreshes it only while requests wait)
         pressures = [MemoryPressure(n, d) for n, (d, _) in self.pressure.items()]
         plans = plan_module_scaling(nodes, self.p.perf, time.time(), pressures, self.settings,
                                     self.p.s.core, frozenset(self.busy))

@@ -270,3 +270,102 @@ def _reference_of(model_dir, max_tokens: int) -> list[int]:
         return out
     finally:
         engine.unload()
+
+
+def _linear(name: str, per_request_s: float) -> Profile:
+    """Decode time proportional to the batch (what replicas split)."""
+    return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
+                   DecodeTable([1, 256], [1, 8192], [[per_request_s] * 2,
+                                                     [256 * per_request_s] * 2]),
+                   load_s=0.5, engine_init_s=0.05)
+
+
+async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when_it_passes(
+        servers, model_dir):
+    """Two requests stream on A. The node turns out slow (its profile is replaced, as a
+    calibration would): their decode step breaks their TPOT SLO, and B runs nothing, so the
+    placer replicates layers there (B holds their bytes, A's engine spreads new requests over
+    both). The profile comes back: the step meets the SLO by far, the replica is dropped and
+    released. The requests stream on, with an unmoved instance's greedy output."""
+    nats_url, redis_url = servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    record = dataclasses.replace(model_record_from_dir("alpha", model_dir), max_context=CONTEXT)
+    await ModelRegistry(redis).register(record)
+    await save_profile(redis, _linear("alpha", 0.01))
+    workers = {n: NodeWorker(_settings(n, 1 << 30, nats_url, redis_url), nc, redis)
+               for n in ("rep-a", "rep-b")}
+    placer = Placer(PlacerSettings(nats_url, redis_url, CORE, module_scaling_s=0.1,
+                                   modules=ModuleSettings(replicate=True)), nc, redis)
+    reference = await asyncio.to_thread(_reference_of, model_dir, LONG)
+    stop = asyncio.Event()
+    runner = None
+    finals: dict[str, TokenMessage] = {}
+    counts: dict[str, int] = {}
+
+    async def submit(rid: str) -> None:
+        counts[rid] = 0
+
+        async def on_token(msg, rid=rid) -> None:
+            m = wire.decode(TokenMessage, msg.data)
+            counts[rid] += len(m.token_ids)
+            if m.finished:
+                finals[rid] = m
+
+        await nc.subscribe(token_subject(rid), cb=on_token)
+        req = InferenceRequest(rid, "t", "alpha", PROMPT, LONG, time.time(), 60.0, 1.0,
+                               temperature=0.0)
+        await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req),
+                                     headers={"Nats-Msg-Id": rid})
+
+    try:
+        for w in workers.values():
+            await w.start()
+        await placer.start()
+        runner = asyncio.create_task(placer.run(stop))
+        for rid in ("r1", "r2"):
+            await submit(rid)
+        await until(lambda: all(counts[r] >= 5 for r in ("r1", "r2")), timeout_s=120,
+                    what="both streaming")
+        [owner] = [n for n, w in workers.items() if w.engines]
+        [host] = [n for n in workers if n != owner]
+        a = workers[owner]
+        [iid] = list(a.engines)
+        # 0.6 s a request-step: 1.32 s for the two (overestimate included) against 1 s.
+        await save_profile(redis, _linear("alpha", 0.6))
+
+        def replicated() -> bool:
+            return any(r.ok and r.plan.action is ModuleAction.REPLICATE
+                       for r in placer.modules.records)
+
+        await until(replicated, timeout_s=60, what="a replica")
+        [rec] = [r for r in placer.modules.records if r.plan.action is ModuleAction.REPLICATE]
+        assert (rec.plan.owner_node, rec.plan.host_node) == (owner, host)
+        assert a.engines[iid].layout().replicas == ((rec.plan.start, rec.plan.end, rec.address),)
+        key = stage_key(iid, rec.plan.start, rec.plan.end)
+        assert workers[host].sched.ledger.target(key) > 0 and rec.plan.host_bytes > 0
+        assert a.sched.node.instance(iid).layout.runs[0].replica
+        await save_profile(redis, _linear("alpha", 0.01))  # the spike passes
+
+        def dropped() -> bool:
+            return any(r.ok and r.plan.action is ModuleAction.DROP_REPLICA
+                       for r in placer.modules.records)
+
+        await until(dropped, timeout_s=60, what="the replica dropped")
+        assert a.engines[iid].layout().replicas == ()
+        assert a.sched.node.instance(iid).layout is None
+        await until(lambda: workers[host].sched.ledger.budget == 0, timeout_s=30,
+                    what="the host's hold released")
+        await until(lambda: all(r in finals for r in ("r1", "r2")), timeout_s=300,
+                    what="both requests")
+        for rid in ("r1", "r2"):
+            assert finals[rid].error is None and finals[rid].output_token_ids == reference
+    finally:
+        stop.set()
+        if runner is not None:
+            await runner
+        await placer.modules.stop()
+        for w in workers.values():
+            await w.stop()
+        await nc.close()
+        await redis.aclose()
