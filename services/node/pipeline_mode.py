@@ -50,6 +50,7 @@ log = logging.getLogger("slinfer.node.pipeline")
 FORM_PATIENCE = 4.0
 FORM_MIN_WAIT_S = 30.0
 HELPER_TIMEOUT_S = 120.0  # HOST_LAYERS: the helper builds the stage before it answers
+SWITCH_TRIES = 200  # the switch waits for a running memory op of the instance this often
 
 
 @dataclass
@@ -188,16 +189,30 @@ class PipelineStarts:
                         "serving through its pipeline", self.w.s.node_id, pipe.instance_id, exc)
 
     async def _switch(self, pipe: Pipelined) -> None:
+        """Take the layers back between two iterations with no memory op of the instance
+        running (`LayerMoves._changing`: a K/V resize waits meanwhile, and then sizes the
+        pool of every layer); retried while one runs."""
         rest = Holding("", frozenset(range(pipe.split, pipe.layers)), False)
         tensors = held_tensors(pipe.host, rest)
-        async with self.w._iter_lock:  # between two iterations
+
+        def take() -> None:
             engine = self.w.engines.get(pipe.instance_id)
             if engine is None or pipe.instance_id not in self.serving:
-                return
-            await asyncio.to_thread(engine.take_layers, pipe.split, pipe.layers, tensors)
+                raise LookupError("unloaded")
+            engine.take_layers(pipe.split, pipe.layers, tensors)
             with self._lock:
                 self.serving.pop(pipe.instance_id, None)
-            self._run_alone(pipe.instance_id)
+
+        for _ in range(SWITCH_TRIES):
+            error = await self.w.layers._changing(pipe.instance_id, take)
+            if not (isinstance(error, RuntimeError) and str(error).startswith("busy")):
+                break
+            await asyncio.sleep(0.05)
+        if isinstance(error, LookupError):
+            return
+        if error is not None:
+            raise error
+        self._run_alone(pipe.instance_id)
         pipe.events["switched"] = time.time()
         log.info("node %s: %s runs alone now (layers %d-%d taken back from %s)",
                  self.w.s.node_id, pipe.instance_id, pipe.split, pipe.layers - 1, pipe.helper)
