@@ -64,6 +64,16 @@ def _profile(model: str) -> Profile:
                    DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]), load_s=2.0)
 
 
+async def _register(redis, backbones: dict[str, Path]):
+    """The backbones' records (registered) with their stand-in profiles stored."""
+    registry, records = ModelRegistry(redis), {}
+    for name, path in backbones.items():
+        records[name] = model_record_from_dir(name, path)
+        await registry.register(records[name])
+        await save_profile(redis, _profile(name))
+    return records
+
+
 async def _submit(nc, model: str, finals: dict[str, TokenMessage], adapter: str | None = None,
                   max_tokens: int = 8) -> str:
     rid = f"pre-{uuid.uuid4().hex[:8]}"
@@ -93,15 +103,10 @@ async def test_planned_artifacts_become_resident_without_a_request_and_follow_th
     nats_url, redis_url = servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
-    registry = ModelRegistry(redis)
-    records = {}
-    for name, path in backbones.items():
-        records[name] = model_record_from_dir(name, path)
-        await registry.register(records[name])
-        await save_profile(redis, _profile(name))
+    records = await _register(redis, backbones)
     for name in ("ad-hot", "ad-never"):
         path = build_adapter(backbones["bb-a"], tmp_path / name, rank=8, seed=len(name))
-        await registry.register(model_record_from_dir(name, path, base=records["bb-a"]))
+        await ModelRegistry(redis).register(model_record_from_dir(name, path, base=records["bb-a"]))
     checkpoint = records["bb-a"].weight_bytes
     settings = NodeSettings(
         node_id="pre-0", hardware="cpu", device="cpu", memory_bytes=2 << 30, matrix_accel=True,
@@ -186,12 +191,7 @@ async def test_the_placers_plan_spreads_checkpoints_over_the_nodes_and_nodes_fal
     nats_url, redis_url = servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
-    registry = ModelRegistry(redis)
-    records = {}
-    for name, path in backbones.items():
-        records[name] = model_record_from_dir(name, path)
-        await registry.register(records[name])
-        await save_profile(redis, _profile(name))
+    records = await _register(redis, backbones)
     one = int(records["bb-a"].weight_bytes * 1.5)  # each node's DRAM tier holds one checkpoint
     first = _node("pre-first", nats_url, redis_url, nc, redis, one)
     second = _node("pre-second", nats_url, redis_url, nc, redis, one)
