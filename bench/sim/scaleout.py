@@ -244,12 +244,15 @@ def cocoserve_table(summary: dict) -> str:
         BEGIN_C,
         f"Command and machine as above (`{meta.get('command', '?')}`), same setting and seeds "
         f"{meta.get('seeds')}. **slinfer** scales by instances (a new instance when the existing "
-        "ones cannot take a request, plus KV scaling); **+ CoCoServe** first replicates decoder "
-        "layers of a loaded instance onto idle fragments (`sim/cocoserve.py`: `scale_up`'s plan, "
-        "the node decides with the instance's profile divided by the modelled speedup once the "
-        "layers are across the link) and sheds replicas in `module_reduction`'s order when a host's "
-        "own requests run late or no node has room. Ratios are against slinfer on the same "
-        "arrivals.",
+        "ones cannot take a request, plus KV scaling); **+ CoCoServe** decides through the core's "
+        "module-scaling planner (`shared/core/module_scaling.py`, the one the placer runs for the "
+        "node workers; `sim/cocoserve.py` carries its plans out): a request that would need a new "
+        "instance first has the model's instance replicate `scale_up`'s layers onto idle "
+        "fragments (the node then decides with the instance's layout: `layout_profile`, the batch "
+        "split among the replicas plus the hops, once the layers are across the link); a host "
+        "whose own requests run late loses its replicas, and when no node has room the node that "
+        "lacked the least drops the replicas it hosts, else sheds layers of an instance to a node "
+        "with room (migrations). Ratios are against slinfer on the same arrivals.",
         "",
         "| size | models | system | SLO attain. (spikes) | TTFT p50 / p99 (s) | spikes: dropped, TTFT p90 (s) | TPOT p50 (s) | decode tok/s per used GPU (vs slinfer) | GPU node-s (vs slinfer) | scale-ups / replicas evicted / migrations / host violations |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -57,6 +57,10 @@ class ModuleSettings:
     # of the batch's tightest TPOT SLO. Passed: the step without replicas is below `relief`.
     spike: float = 1.0
     relief: float = 0.6
+    spikes: bool = True  # watch TPOT spikes (and their passing); False: demand-driven only
+    # Replicas (on demand) may go to empty nodes too; False: only to idle fragments, nodes that
+    # already hold an instance or host replicas (CoCoServe re-uses idle capacity).
+    empty_hosts: bool = True
 
     def __post_init__(self) -> None:
         if self.hop_latency_s < 0 or self.link_bytes_per_s <= 0:
@@ -115,17 +119,30 @@ def memory_deficit(node: NodeView, model: ModelSpec, request: RequestView) -> in
 
 def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
                         pressures: list[MemoryPressure], settings: ModuleSettings,
-                        config: CoreConfig, busy: frozenset[str] = frozenset()) -> list[ModulePlan]:
-    """The module-scaling plans for this view of the cluster (module docstring)."""
+                        config: CoreConfig, busy: frozenset[str] = frozenset(),
+                        demand: list[RequestView] = (),
+                        overloaded: list[str] = ()) -> list[ModulePlan]:
+    """The module-scaling plans for this view of the cluster (module docstring). Two more
+    inputs a caller may have: `demand`, requests that placement could serve only with a new
+    instance or not at all (CoCoServe scales such a model up by replicating layers of its
+    instance onto idle nodes first), and `overloaded`, hosts whose own requests ran late (the
+    replicas they host go, cheapest first)."""
     plans: list[ModulePlan] = []
-    taken: set[str] = set(busy)  # instances with a plan (one each)
+    taken: set[str] = set(busy)  # instances with a plan (one decision each)
     free = {n.node_id: _free(n) for n in nodes}  # what earlier plans leave on each node
+    for node_id in overloaded:
+        node = next((n for n in nodes if n.node_id == node_id), None)
+        if node is not None:
+            plans += _drop_hosted(node, nodes, math.inf, settings, perf, taken)
     for pressure in pressures:
         node = next((n for n in nodes if n.node_id == pressure.node_id), None)
         if node is not None and pressure.deficit_bytes > 0 and settings.shed:
             plans += _relieve(node, nodes, pressure.deficit_bytes, settings, config, perf, now,
                               taken, free)
     if settings.replicate:
+        for model in dict.fromkeys(r.model for r in demand):
+            plans += _demand_plans(model, nodes, perf, settings, config, free, taken)
+    if settings.replicate and settings.spikes:
         for node in nodes:
             for inst in node.instances:
                 if inst.instance_id in taken:
@@ -229,6 +246,81 @@ def _replicated(inst: InstanceView) -> bool:
     return inst.layout is not None and any(r.replica for r in inst.layout.runs)
 
 
+# -- demand: requests for a model that no instance of it could take -------------------------
+
+
+def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: ModuleSettings,
+                  config: CoreConfig, free: dict[str, int], taken: set[str]) -> list[ModulePlan]:
+    """Algorithm 1 for the model's busiest instance that is alone of its model on its node:
+    replicas of the layers `scale_up` picks, on the idle nodes with room (one range each), if
+    they raise the modelled speedup."""
+    candidates = []
+    for node in nodes:
+        mine = [i for i in node.instances if i.model.name == model]
+        if len(mine) == 1 and mine[0].instance_id not in taken and \
+                mine[0].status is InstanceStatus.READY and movable(_full(mine[0])) and \
+                not (mine[0].layout and any(not r.replica for r in mine[0].layout.runs)):
+            candidates.append((node, mine[0]))
+    for node, inst in sorted(candidates, key=lambda c: (-c[1].batch_size, c[0].node_id)):
+        profile = perf.get(model, node.hardware)
+        if profile is None:
+            continue
+        plans = _replicas_for(node, inst, nodes, profile, settings, free, one_host=False,
+                              why=f"demand for {model}")
+        if plans:
+            taken.add(inst.instance_id)
+            return plans
+    return []
+
+
+def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], profile: Profile,
+                  settings: ModuleSettings, free: dict[str, int], one_host: bool,
+                  why: str) -> list[ModulePlan]:
+    full = _full(inst)
+    per_layer = _stage_bytes(inst, 1)
+    hosting = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
+    spots = []
+    for other in nodes:
+        if other.node_id == node.node_id or other.hardware is not node.hardware or \
+                other.draining or any(i.requests for i in other.instances) or \
+                free[other.node_id] < per_layer or _hosts_for(inst, other.node_id):
+            continue
+        empty = not other.instances and other.node_id not in hosting
+        if empty and not settings.empty_hosts:
+            continue
+        spots.append((empty, -free[other.node_id], other.node_id))
+    devices = [Device(n, min(full.layers, free[n] // per_layer)) for _, _, n in sorted(spots)]
+    if one_host:
+        devices = devices[:1]
+    if not devices:
+        return []
+    hop_c = _hop_c(inst, profile, settings)
+    base = layout_replication(inst.layout) if inst.layout else \
+        layout_replication(new_layout(full, settings))
+    grown = scale_up(base, devices, hop_c)
+    if speedup(grown, hop_c) <= speedup(base, hop_c) + 1e-9:
+        return []
+    plans, layout = [], inst.layout
+    for device in devices:
+        held = grown.on.get(device.name, set()) - base.on.get(device.name, set())
+        if not held:
+            continue
+        start, end = _fit_range(layout, *_longest_run(held))
+        plan = ModulePlan(ModuleAction.REPLICATE, inst.instance_id, node.node_id, device.name,
+                          start, end, host_bytes=_stage_bytes(inst, end - start), why=why)
+        if plan.host_bytes > free[device.name]:
+            continue
+        free[device.name] -= plan.host_bytes
+        layout = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
+                                   device.name, settings)
+        plans.append(plan)
+    return plans
+
+
+def _full(inst: InstanceView) -> ModelSpec:
+    return inst.layout.model if inst.layout is not None else inst.model
+
+
 # -- load spikes -------------------------------------------------------------------------------
 
 
@@ -261,7 +353,7 @@ def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, nod
 def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
                 settings: ModuleSettings, config: CoreConfig,
                 free: dict[str, int]) -> ModulePlan | None:
-    full = inst.layout.model if inst.layout is not None else inst.model
+    full = _full(inst)
     profile = perf.get(full.name, node.hardware)
     if profile is None or inst.status is not InstanceStatus.READY or not movable(full) or \
             not inst.requests or (inst.layout is not None
@@ -270,28 +362,12 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     now_s = _step_s(inst, inst.layout, profile, config)
     if now_s <= settings.spike * _tpot(inst):
         return None
-    per_layer = _stage_bytes(inst, 1)
-    devices = [Device(n.node_id, min(full.layers, free[n.node_id] // per_layer))
-               for n in sorted(nodes, key=lambda n: (-free[n.node_id], n.node_id))
-               if n.node_id != node.node_id and n.hardware is node.hardware and not n.draining
-               and not any(i.requests for i in n.instances) and free[n.node_id] >= per_layer
-               and not _hosts_for(inst, n.node_id)]
-    if not devices:
+    trial = dict(free)
+    plans = _replicas_for(node, inst, nodes, profile, settings, trial, one_host=True,
+                          why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
+    if not plans:
         return None
-    hop_c = _hop_c(inst, profile, settings)
-    current = layout_replication(inst.layout) if inst.layout else None
-    base = current or layout_replication(new_layout(full, settings))
-    grown = scale_up(base, devices[:1], hop_c)
-    held = grown.on.get(devices[0].name, set())
-    if not held or speedup(grown, hop_c) <= speedup(base, hop_c) + 1e-9:
-        return None
-    start, end = _longest_run(held)
-    start, end = _fit_range(inst.layout, start, end)
-    if start >= end:
-        return None
-    plan = ModulePlan(ModuleAction.REPLICATE, inst.instance_id, node.node_id, devices[0].name,
-                      start, end, host_bytes=_stage_bytes(inst, end - start),
-                      why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
+    plan = plans[0]
     if _step_s(inst, plan.layout_after(inst, "?", settings), profile, config) >= now_s:
         return None  # the profile's small batches cost about as much: no gain
     free[plan.host_node] -= plan.host_bytes

@@ -251,3 +251,43 @@ def test_pessimistic_memory_never_exceeds_capacity_on_either_node_across_a_move(
     assert abs(owner.ledger.allocated(iid) - plan.owner_bytes_after) <= k
     assert abs(owner.ledger.allocated(iid) + plan.host_bytes - before) <= k
     assert before - owner.ledger.allocated(iid) >= deficit - k
+
+
+def test_demand_for_a_model_replicates_its_busiest_lone_instance_onto_idle_fragments():
+    """CoCoServe's scale-up instead of a new instance: Algorithm 1 on the idle nodes; an empty
+    node only where the settings allow it."""
+    perf = perf_for(proportional(per_request_s=0.02), proportional("other"))
+    owner = node("a", Hardware.CPU, 40, perf)
+    iid = None
+    for k in range(4):
+        iid = loaded(owner, iid, request(f"r{k}", ttft=5.0), spec())
+    fragment = node("b", Hardware.CPU, 40, perf)
+    loaded(fragment, None, request("idle", model_name="other", ttft=5.0), spec(name="other"))
+    fragment.cancel("idle", 1.0)  # it holds an instance, runs nothing
+    empty = node("c", Hardware.CPU, 40, perf)
+    views = [owner.view(), fragment.view(), empty.view()]
+    want = [request("new", ttft=5.0)]
+    fragments_only = replace(SETTINGS, empty_hosts=False)
+    plans = plan_module_scaling(views, perf, 1.0, [], fragments_only, CONFIG, demand=want)
+    assert [(p.action, p.instance_id, p.host_node) for p in plans] == \
+        [(ModuleAction.REPLICATE, iid, "b")]
+    both = plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG, demand=want)
+    assert sorted(p.host_node for p in both) == ["b", "c"]
+    assert all(p.end > p.start for p in both)
+    # No demand, no spike: nothing; replication off: nothing.
+    assert plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(views, perf, 1.0, [], replace(SETTINGS, replicate=False), CONFIG,
+                               demand=want) == []
+
+
+def test_an_overloaded_host_loses_the_replicas_it_hosts():
+    owner, host, iid, perf = cluster()
+    inst = owner.node.instance(iid)
+    layout = InstanceLayout(inst.model, (LayerRun(0, 4, "b", "b:7", replica=True),), 1e-4, 1e10)
+    drain(owner, owner.set_layout(iid, layout, 0.0)[1])
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0, [],
+                                 replace(SETTINGS, spikes=False), CONFIG, overloaded=["b"])
+    assert (plan.action, plan.address) == (ModuleAction.DROP_REPLICA, "b:7")
+    quiet = replace(SETTINGS, spikes=False)  # (the batch is light: it would drop it anyway)
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0, [], quiet, CONFIG,
+                               overloaded=["a"]) == []

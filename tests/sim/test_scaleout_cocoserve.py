@@ -1,14 +1,15 @@
-"""CoCoServe in the simulator (sim/cocoserve.py): layer replication onto idle fragments raises the
-instance's modelled throughput through its node's profile; replicas are shed first, in
-module_reduction's order, when their host is under pressure."""
+"""CoCoServe in the simulator (sim/cocoserve.py), decided by the core's planner: layer replicas on
+idle fragments change the instance's cost through its layout (the node's core decides with
+it); replicas go when their host runs late or is under memory pressure, and with their
+instance."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.core.modules import eviction_order
+from shared.core.evaluate import node_profiles
+from shared.core.modules import layout_hop, layout_replication, replicated_profile
 from shared.core.types import Hardware, RequestView, slo_for_input
-from sim.cocoserve import replica_key
 from sim.engine import EventLoop, SimRequest
 from sim.metrics import Metrics
 from sim.simulate import SimConfig, build_cluster, build_system
@@ -56,90 +57,81 @@ def spiked():
     return sys_, loop, metrics, a, b
 
 
-def test_a_spike_replicates_layers_onto_an_idle_fragment_and_the_node_decides_with_the_speedup():
+def the_replica(sys_):
+    """(instance id, its layout) of the one replicated instance."""
+    ((iid, layout),) = sys_.cocoserve.layouts.items()
+    return iid, layout
+
+
+def test_a_spike_replicates_layers_onto_an_idle_fragment_and_the_node_decides_with_them():
     sys_, loop, metrics, a, _ = spiked()
     assert metrics.counters["cocoserve_scale_ups"] == 1
-    (r,) = sys_.cocoserve.replicated.values()
-    assert r.node_id == "gpu0" and set(r.rep.on) == {"gpu1"}
-    held = len(r.rep.on["gpu1"]) * r.layer_bytes
-    gpu1 = sys_.nodes["gpu1"].sched
-    assert gpu1.ledger.target(replica_key(r.instance_id, "gpu1")) == held  # the host's budget
+    ((key, transfer),) = sys_.cocoserve.transfers.items()
+    plan = transfer.plan
+    assert (plan.owner_node, plan.host_node) == ("gpu0", "gpu1") and plan.end > plan.start
+    gpu0, gpu1 = sys_.nodes["gpu0"].sched, sys_.nodes["gpu1"].sched
+    assert gpu1.ledger.target(key) == plan.host_bytes  # the host's budget holds it
     assert "gpu1" in sys_.cocoserve.hosts()
+    iid = plan.instance_id
     base = sys_.perf.get(a, Hardware.GPU)
-    assert sys_.nodes["gpu0"].sched.perf.get(a, Hardware.GPU).decode_s(16, 1024) == \
-        base.decode_s(16, 1024)  # not faster before the transfer ends
+    assert gpu0.node.instance(iid).layout is None  # not faster before the transfer ends
     advance(sys_, loop, 13.0)
-    mine = sys_.nodes["gpu0"].sched.perf.get(a, Hardware.GPU)
-    assert r.loaded == {"gpu1"} and r.active() == pytest.approx(r.planned()) and r.planned() > 1.5
-    # modelled throughput: the same batch decodes in 1/speedup of the time
-    assert mine.decode_s(16, 1024) == pytest.approx(base.decode_s(16, 1024) / r.planned())
-    assert mine.prefill_s(2048) == pytest.approx(base.prefill_s(2048) / r.planned())
+    got, layout = the_replica(sys_)
+    assert got == iid and not sys_.cocoserve.transfers
+    (run,) = layout.runs
+    assert (run.start, run.end, run.node_id, run.replica) == (plan.start, plan.end, "gpu1", True)
+    inst = gpu0.node.instance(iid)
+    assert inst.layout == layout and inst.model.weight_bytes == sys_.models[a].weight_bytes
+    # The node's core decides with the layout's cost: a batch split between the replicas.
+    mine = node_profiles(gpu0.node, sys_.perf)[iid]
+    assert mine.decode_s(16, 1024) == pytest.approx(
+        replicated_profile(base, layout_replication(layout), layout_hop(layout)).decode_s(16, 1024))
     advance(sys_, loop, 600.0)
     served = [q for q in sys_.reqs.values() if q.rid.startswith("x") and q.finished_at]
     assert served and all(q.hardware is Hardware.GPU for q in served)
 
 
-def test_the_replicated_instance_takes_more_of_the_spike_than_without_replicas():
-    """The core admits against the replicated instance's cost: once the layers are across, the
-    same instance holds more of the spike's requests than it can without them."""
-    batches = []
-    for coco in (True, False):
-        sys_, loop, _, (a, b) = cluster(coco)
-        arrive(sys_, "h", b, 0.0, node="gpu1")
-        arrive(sys_, "w", a, 0.0, node="gpu0")
-        advance(sys_, loop, 10.0)
-        for i in range(40):
-            arrive(sys_, f"x{i}", a, 10.0 + 0.001 * i, inp=2048, out=100)
-        advance(sys_, loop, 12.0)
-        batches.append(sys_.nodes["gpu0"].sched.node.instance(f"{a}@gpu0#1").batch_size)
-    assert batches[0] > batches[1]
-
-
-def test_a_host_whose_own_request_runs_late_sheds_its_replicas_first():
+def test_a_host_whose_own_request_runs_late_loses_its_replicas():
     sys_, loop, metrics, a, _ = spiked()
     advance(sys_, loop, 13.0)
-    (r,) = sys_.cocoserve.replicated.values()
-    key = replica_key(r.instance_id, "gpu1")
+    iid, layout = the_replica(sys_)
+    (run,) = layout.runs
     own = [(i.instance_id, len(i.requests)) for i in sys_.nodes["gpu1"].sched.node.instances]
     sys_.cocoserve.host_violated("gpu1")  # what an iteration with a late token of the host's calls
-    assert metrics.counters["cocoserve_replicas_evicted"] == 32  # no other fragment to migrate to
-    assert not sys_.cocoserve.replicated and "gpu1" not in sys_.cocoserve.hosts()
-    assert sys_.nodes["gpu1"].sched.ledger.target(key) == 0  # the host's memory is given back
-    base = sys_.perf.get(a, Hardware.GPU)
-    assert sys_.nodes["gpu0"].sched.perf.get(a, Hardware.GPU).decode_s(8, 512) == \
-        pytest.approx(base.decode_s(8, 512))
+    assert metrics.counters["cocoserve_host_violations"] == 1
+    assert metrics.counters["cocoserve_replicas_evicted"] == run.end - run.start
+    assert not sys_.cocoserve.layouts and "gpu1" not in sys_.cocoserve.hosts()
+    advance(sys_, loop, 14.0)
+    assert sys_.nodes["gpu1"].sched.ledger.target(run.address) == 0  # its memory given back
+    assert sys_.nodes["gpu0"].sched.node.instance(iid).layout is None
     # the host's own instances were not touched
     assert [(i.instance_id, len(i.requests)) for i in sys_.nodes["gpu1"].sched.node.instances] == own
 
 
-def test_memory_pressure_evicts_replicas_in_module_reduction_order_until_there_is_room():
-    sys_, loop, metrics, a, _ = spiked()
+def test_memory_pressure_drops_the_replicas_the_pressured_node_hosts():
+    sys_, loop, metrics, a, b = spiked()
     advance(sys_, loop, 13.0)
-    (r,) = sys_.cocoserve.replicated.values()
-    order = eviction_order(r.rep, r.hop_cost)
-    node = sys_.nodes["gpu1"].sched.node
-    free = node.memory_bytes - node.budget_bytes
-    sys_.cocoserve._reduce(r, "gpu1", need_bytes=free + 3 * r.layer_bytes)
-    gone = set(range(32)) - r.rep.on["gpu1"]
-    assert gone == {layer for _, layer in order[:3]}  # the three cheapest to lose, and no more
-    assert metrics.counters["cocoserve_replicas_evicted"] == 3
-    assert node.memory_bytes - node.budget_bytes == free + 3 * r.layer_bytes
-    assert 1.0 < r.planned() < speedup_all(r)
-
-
-def speedup_all(r) -> float:
-    from shared.core.modules import Replication, speedup
-    return speedup(Replication(r.rep.layers, {"gpu1": set(range(r.rep.layers))}), r.hop_cost)
+    iid, layout = the_replica(sys_)
+    (run,) = layout.runs
+    host = sys_.nodes["gpu1"].sched.node
+    free = host.memory_bytes - host.budget_bytes
+    # A request for b whose new instance lacks memory on every node: gpu1 lacks the least.
+    view = RequestView("p", b, 512, 13.0, slo_for_input(512), max_tokens=256)
+    assert sys_.cocoserve.memory_pressure(view)
+    assert metrics.counters["cocoserve_replicas_evicted"] == run.end - run.start
+    advance(sys_, loop, 14.0)
+    assert host.memory_bytes - host.budget_bytes > free
+    assert sys_.nodes["gpu0"].sched.node.instance(iid).layout is None
 
 
 def test_an_unloaded_instance_gives_its_replicas_back():
     sys_, loop, metrics, a, _ = spiked()
     advance(sys_, loop, 13.0)
-    (r,) = sys_.cocoserve.replicated.values()
-    sys_.cocoserve.instance_gone(r.instance_id)
-    assert not sys_.cocoserve.replicated
-    assert sys_.nodes["gpu1"].sched.ledger.target(replica_key(r.instance_id, "gpu1")) == 0
-    assert sys_.nodes["gpu0"].sched.perf.get(a, Hardware.GPU) == sys_.perf.get(a, Hardware.GPU)
+    iid, layout = the_replica(sys_)
+    sys_.cocoserve.instance_gone(iid)
+    assert not sys_.cocoserve.layouts
+    advance(sys_, loop, 14.0)
+    assert sys_.nodes["gpu1"].sched.ledger.target(layout.runs[0].address) == 0
 
 
 def test_without_a_fragment_nothing_is_replicated():
