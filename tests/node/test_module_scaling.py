@@ -323,10 +323,9 @@ async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when
             await w.start()
         await placer.start()
         runner = asyncio.create_task(placer.run(stop))
-        for rid in ("r1", "r2"):
+        for rid in ("r1", "r2"):  # one after the other: the second joins the first's instance
             await submit(rid)
-        await until(lambda: all(counts[r] >= 5 for r in ("r1", "r2")), timeout_s=120,
-                    what="both streaming")
+            await until(lambda rid=rid: counts[rid] >= 5, timeout_s=120, what=f"{rid} streaming")
         [owner] = [n for n, w in workers.items() if w.engines]
         [host] = [n for n in workers if n != owner]
         a = workers[owner]
