@@ -1,4 +1,5 @@
-"""Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session.
+"""Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session
+(`nats_url`, `redis_url`) or a test's own pair (`own_servers`).
 
 Each server is stopped in a `finally`, so a failing test (or a pytest-timeout in its default
 signal mode, which raises in the test) still stops it; if the pytest process itself dies
@@ -13,13 +14,14 @@ from collections.abc import Iterator
 import pytest
 
 from shared.servers import ServerProcess, start_nats, start_redis
+from tests.servers import running
 
 # Fixtures that start a real server (nats-server, valkey, the services) or a real engine: a test
 # that uses one, directly or through another fixture, is an integration test whatever its file
 # says (`-m "not integration"` then leaves out exactly those). Tests that start servers or engines
 # without a fixture carry the marker themselves.
-REAL_FIXTURES = frozenset({"nats_server", "redis_server", "stack", "traced_stack", "make_engine",
-                           "hf_model", "engine", "profile", "connections"})
+REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack", "traced_stack",
+                           "make_engine", "hf_model", "engine", "profile", "connections"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
@@ -31,20 +33,14 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    server = start_nats(tmp_path_factory.mktemp("nats"))
-    try:
+    with running(start_nats, tmp_path_factory.mktemp("nats")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    try:
+    with running(start_redis, tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +51,13 @@ def nats_url(nats_server: ServerProcess) -> str:
 @pytest.fixture(scope="session")
 def redis_url(redis_server: ServerProcess) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+def own_servers(tmp_path) -> Iterator[tuple[str, str]]:
+    """This test's own nats-server and valkey (their URLs), for a test whose placer, profiler,
+    registry or nodes must see only what it put there: the session's servers may still hold
+    another test's nodes, models or handed-back requests."""
+    with running(start_nats, tmp_path / "nats") as nats, \
+            running(start_redis, tmp_path / "redis") as redis:
+        yield nats.url, redis.url

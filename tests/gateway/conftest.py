@@ -29,6 +29,7 @@ from shared.registry import model_id, model_record_from_dir
 from shared.servers import ServerProcess, free_port, start_nats, start_redis
 from shared.subjects import MODELS_HASH
 from tests.gateway.responder import Responder
+from tests.servers import running
 
 API_KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 OPERATOR_KEY = "key-op"
@@ -39,16 +40,14 @@ PRIVATE_A = "a-private"  # private to tenant-a (its registry id: model_id(PRIVAT
 
 @pytest.fixture(scope="package")
 def _gw_nats(tmp_path_factory) -> Iterator[ServerProcess]:
-    server = start_nats(tmp_path_factory.mktemp("gw-nats"))
-    yield server
-    server.stop()
+    with running(start_nats, tmp_path_factory.mktemp("gw-nats")) as server:
+        yield server
 
 
 @pytest.fixture(scope="package")
 def _gw_redis(tmp_path_factory) -> Iterator[ServerProcess]:
-    server = start_redis(tmp_path_factory.mktemp("gw-redis"))
-    yield server
-    server.stop()
+    with running(start_redis, tmp_path_factory.mktemp("gw-redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="package")

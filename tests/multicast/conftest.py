@@ -128,16 +128,3 @@ def endpoints(nats_url, tmp_path_factory) -> Iterator[Endpoints]:
     finally:
         group.stop()
 
-
-@pytest.fixture
-def own_servers(tmp_path):
-    """This test's own nats-server and valkey (URLs): its placer must see only its own requests
-    and nodes."""
-    from shared.servers import start_nats, start_redis
-
-    running = [start_nats(tmp_path / "nats"), start_redis(tmp_path / "redis")]
-    try:
-        yield running[0].url, running[1].url
-    finally:
-        for server in running:
-            server.stop()

@@ -1,5 +1,6 @@
 """Fixtures of the node tests: the tiny demo model, its measured profile, NATS + Redis
-connections with the profile stored for both test models, and a test's own servers."""
+connections with the profile stored for both test models (a test that needs its own
+nats-server and valkey takes `own_servers`, from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared.cluster import save_profile
 from shared.modelgen import ensure_demo_model
-from shared.servers import start_nats, start_redis
 
 from tests.node.harness import MODELS
 
@@ -38,17 +38,3 @@ async def connections(nats_url, redis_url, profile):
     await nc.close()
     await redis.aclose()
 
-
-
-
-@pytest.fixture
-def servers(tmp_path):
-    """This test's own nats-server and valkey (URLs), for a test whose placer, profiler or
-    registry must see only what it put there: the session's request stream may still hold
-    another test's handed-back requests."""
-    running = [start_nats(tmp_path / "nats"), start_redis(tmp_path / "redis")]
-    try:
-        yield running[0].url, running[1].url
-    finally:
-        for server in running:
-            server.stop()

@@ -99,8 +99,8 @@ async def _serve(nc, finals, model: str, adapter: str | None = None, n: int = 1,
 
 
 async def test_planned_artifacts_become_resident_without_a_request_and_follow_the_rates(
-        servers, backbones, tmp_path):
-    nats_url, redis_url = servers
+        own_servers, backbones, tmp_path):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     records = await _register(redis, backbones)

@@ -56,8 +56,8 @@ def _flat(model: str, hardware: Hardware) -> Profile:
                    DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]), load_s=0.5)
 
 
-async def test_the_first_node_of_a_kind_queues_its_profiling(servers):
-    nats_url, redis_url = servers
+async def test_the_first_node_of_a_kind_queues_its_profiling(own_servers):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     js = nc.jetstream()
     await ensure_job_stream(js)
@@ -113,8 +113,8 @@ async def test_the_first_node_of_a_kind_queues_its_profiling(servers):
 
 
 @pytest.mark.slow
-async def test_a_model_is_served_as_soon_as_the_profiler_says_ready(servers, model_dir, tmp_path):
-    nats_url, redis_url = servers
+async def test_a_model_is_served_as_soon_as_the_profiler_says_ready(own_servers, model_dir, tmp_path):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     fresh = tmp_path / "fresh"

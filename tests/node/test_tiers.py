@@ -169,8 +169,8 @@ def _metric(text: str, name: str, labels: dict[str, str]) -> float | None:
 
 @pytest.mark.integration
 @pytest.mark.slow
-async def test_an_unloaded_model_comes_back_from_the_dram_tier(servers, converted, tmp_path):
-    nats_url, redis_url = servers
+async def test_an_unloaded_model_comes_back_from_the_dram_tier(own_servers, converted, tmp_path):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     record = model_record_from_dir("tiered", converted)
