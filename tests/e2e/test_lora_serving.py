@@ -111,6 +111,17 @@ def operator_node(lora: LoraStack, key: str = OPERATOR) -> dict:
     return node
 
 
+def node_since(lora: LoraStack, since: float, key: str = OPERATOR) -> dict:
+    """The node as `key` sees it in a view the node published after `since` (time.time(); the
+    node runs on this machine). The node publishes its view at each heartbeat (0.25 s): a view
+    read as soon as a response arrives may be from before that request was admitted."""
+    deadline = time.monotonic() + 30
+    while (node := operator_node(lora, key))["heartbeat"] <= since:
+        assert time.monotonic() < deadline, f"no view of the node published since {since}"
+        time.sleep(0.05)
+    return node
+
+
 def test_eight_adapters_on_one_backbone_serve_their_own_outputs(lora: LoraStack):
     names = [f"lora-{i}" for i in range(8)]
     paths = {}
@@ -128,13 +139,14 @@ def test_eight_adapters_on_one_backbone_serve_their_own_outputs(lora: LoraStack)
         return await asyncio.gather(*(complete(lora, "key-a", m, p) for m, p in jobs))
 
     responses = asyncio.run(all_at_once())
+    answered = time.time()
     assert [r.status_code for r in responses] == [200] * len(jobs), [r.text for r in responses]
-    # On the node (read first: the references below take a while, and the keep-alive runs):
-    # the backbone's instances, with the eight adapters attached to them. One
-    # instance is the usual outcome; on a loaded box the core may rightly start a second copy
-    # when the first cannot take more within the SLOs. What must hold either way: adapters share
+    # On the node, as it was once every request had been answered (read first: the references
+    # below take a while, and the keep-alive runs): the backbone's instances, with the eight
+    # adapters attached to them. One instance is the usual outcome; on a loaded box the core may
+    # rightly start a second copy when the first cannot take more within the SLOs. What must hold either way: adapters share
     # a copy (never a backbone per adapter), and the memory holds each copy's weights once.
-    node = operator_node(lora)
+    node = node_since(lora, answered)
     instances = node["instances"]
     assert {i["model"]["name"] for i in instances} == {lora.stack.model}
     attached = [a for i in instances for a in i["adapters"]]
@@ -192,19 +204,15 @@ def test_a_tenants_adapter_is_invisible_to_other_tenants(lora: LoraStack):
     assert lora.register("key-b", "secret", path_b).status_code == 201
     got_a = asyncio.run(complete(lora, "key-a", "secret", PROMPTS[1])).json()["choices"][0]["text"]
     got_b = asyncio.run(complete(lora, "key-b", "secret", PROMPTS[1])).json()["choices"][0]["text"]
+    answered = time.time()
 
     # Both adapters now sit on the backbone (its one instance, or either of its copies): each
-    # tenant's view of the node shows its own adapter (by its own name) and not the other's;
-    # the operator sees both. (Read before the references: those take a while.)
+    # tenant's view of the node, published after both calls, shows its own adapter (by its own
+    # name) and not the other's; the operator sees both. (Read before the references: those take
+    # a while.)
     def adapters_seen(key: str) -> set[str]:
-        return {a for i in operator_node(lora, key)["instances"] for a in i["adapters"]}
+        return {a for i in node_since(lora, answered, key)["instances"] for a in i["adapters"]}
 
-    # The node publishes its view at each heartbeat: the adapter just called may not be in the
-    # view yet when its response arrives.
-    deadline = time.monotonic() + 30
-    while not {"tenant-a~secret", "tenant-b~secret"} <= adapters_seen(OPERATOR) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert {"tenant-a~secret", "tenant-b~secret"} <= adapters_seen(OPERATOR)
     seen_b = adapters_seen("key-b")
     assert "secret" in seen_b and not any("tenant-a" in a or a == "only-a" for a in seen_b)
