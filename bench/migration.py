@@ -22,6 +22,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from services.profiler.run import profile_model  # noqa: E402
 from shared import wire  # noqa: E402
 from shared.cluster import profile_from_json, profile_to_json, save_profile  # noqa: E402
 from shared.core.config import CoreConfig  # noqa: E402
+from shared.core.perf_model import Profile  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
 from shared.registry import model_record_from_dir  # noqa: E402
 from shared.schemas import (CancelNotice, CommandKind, InferenceRequest, NodeCommand,  # noqa: E402
@@ -56,18 +59,133 @@ def _settings(node_id: str) -> NodeSettings:
                         core=CoreConfig(keep_alive_s=600.0), heartbeat_s=0.25, calibrate=False)
 
 
+async def admit(nc, node_id: str, req: InferenceRequest, record, instance_id: str | None) -> str:
+    """Admit `req` on the node, as the placer would (onto `instance_id`, else onto a new instance
+    of `record`): the instance it runs on."""
+    cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=instance_id,
+                      model=None if instance_id else record)
+    reply = wire.decode(NodeReply, (await nc.request(node_command_subject(node_id),
+                                                     wire.encode(cmd), timeout=60)).data)
+    assert reply.accepted, reply.reason
+    return reply.instance_id
+
+
 async def _warm(nc, b: NodeWorker, record) -> str:
     """An instance of the model on B, loaded by a short request: the migrations that follow
     measure the catch-up alone (the estimate has no load in it either)."""
     req = InferenceRequest(f"warm-{time.time_ns()}", "t", record.name, [5] * 8, 2, time.time(),
                            600.0, 30.0, temperature=0.0, ignore_eos=True)
-    cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=None, model=record)
-    reply = wire.decode(NodeReply, (await nc.request(node_command_subject("mig-b"),
-                                                     wire.encode(cmd), timeout=30)).data)
-    assert reply.accepted, reply.reason
+    instance = await admit(nc, "mig-b", req, record, None)
     while req.request_id in b.live:
         await asyncio.sleep(0.05)
-    return reply.instance_id
+    return instance
+
+
+class TokenArrivals:
+    """Token arrivals per request, from its real token subject: (time, node, tokens) per token
+    message. Shared by this benchmark and bench/preempt_migration.py (the same pause, measured
+    after a migration that a drain or a preemption started)."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.arrivals: dict[str, list[tuple[float, str, int]]] = {}
+        self.finished: dict[str, asyncio.Event] = {}
+        self._subs: dict[str, object] = {}
+
+    async def watch(self, rid: str) -> None:
+        self.arrivals[rid], self.finished[rid] = [], asyncio.Event()
+
+        async def on_token(msg, rid=rid):
+            m = wire.decode(TokenMessage, msg.data)
+            if m.token_ids:
+                self.arrivals[rid].append((time.time(), m.node_id, len(m.token_ids)))
+            if m.finished:
+                self.finished[rid].set()
+
+        self._subs[rid] = await self.nc.subscribe(token_subject(rid), cb=on_token)
+
+    def count(self, rid: str, node: str | None = None, before: float | None = None) -> int:
+        """Tokens of `rid` (from `node`; that arrived before `before`) so far."""
+        return sum(n for t, where, n in self.arrivals[rid]
+                   if (node is None or where == node) and (before is None or t < before))
+
+    def pause(self, rid: str, source: str, destination: str) -> dict:
+        """What the client of a migrated request saw: the pause from its last token from `source`
+        to its first from `destination`, and its median gap between tokens from `source`."""
+        arrivals = self.arrivals[rid]
+        from_source = [t for t, node, _ in arrivals if node == source]
+        first_dest = min(t for t, node, _ in arrivals if node == destination)
+        gaps = [y - x for x, y in zip(from_source, from_source[1:])]
+        return {"pause_s": first_dest - max(from_source),
+                "a_median_token_gap_s": statistics.median(gaps) if gaps else None}
+
+    async def cancel(self, rids: list[str] | None = None, wait_s: float = 0.0) -> None:
+        """Cancel these requests (default: every one watched); with `wait_s`, wait that long at
+        most for each one's final message. Their token subjects are then left."""
+        rids = list(self.arrivals) if rids is None else rids
+        for rid in rids:
+            await self.nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(rid, "benchmark done")))
+        if wait_s:
+            for rid in rids:
+                await asyncio.wait_for(self.finished[rid].wait(), wait_s)
+        for rid in rids:
+            sub = self._subs.pop(rid, None)
+            if sub is not None:
+                await sub.unsubscribe()
+
+
+async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.005)
+
+
+def stored_or_measured_profile(model_dir: Path, name: str, plan: ProfilePlan,
+                               path: Path | None) -> tuple[Profile, float]:
+    """The profile stored at `path`, else measured with `plan` (and stored there): a real-size
+    model's profile takes many minutes here. With the seconds it took."""
+    started = time.perf_counter()
+    if path is not None and path.exists():
+        return profile_from_json(path.read_text()), time.perf_counter() - started
+    profile = profile_model(model_dir, name, plan=plan)[0]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile_to_json(profile))
+    return profile, time.perf_counter() - started
+
+
+@asynccontextmanager
+async def bench_servers(prefix: str) -> AsyncIterator[tuple[tuple[str, str], object, Redis]]:
+    """A real nats-server and valkey of the run's own: ((nats url, redis url), nats, redis)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    nats_server = start_nats(tmp / "nats")
+    try:
+        redis_server = start_redis(tmp / "redis")
+        try:
+            nc = await nats.connect(nats_server.url)
+            redis = Redis.from_url(redis_server.url)
+            try:
+                yield (nats_server.url, redis_server.url), nc, redis
+            finally:
+                await nc.close()
+                await redis.aclose()
+        finally:
+            redis_server.stop()
+    finally:
+        nats_server.stop()
+
+
+def write_result(out: Path, key: str, result: dict, script: str, load_before: tuple) -> None:
+    """`result` under `key` in `out` (one entry per shape and mode, the others kept), with the
+    machine, the load around the run and the command."""
+    result["machine"] = {**machine(), "load_average_before": load_before,
+                         "load_average_after": os.getloadavg()}
+    result["command"] = f"python bench/{script} " + " ".join(sys.argv[1:])
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous[key] = result
+    out.write_text(json.dumps(previous, indent=1) + "\n")
 
 
 async def _one(nc, a: NodeWorker, record, prompt_len: int, after: int, b_instance: str | None) -> dict:
@@ -79,83 +197,47 @@ async def _one(nc, a: NodeWorker, record, prompt_len: int, after: int, b_instanc
     max_tokens = min(4096, record.max_context - prompt_len - 1)  # cancelled well before that
     req = InferenceRequest(rid, "t", record.name, [5 + (i % 1000) for i in range(prompt_len)],
                            max_tokens, time.time(), 3600.0, 30.0, temperature=0.0, ignore_eos=True)
-    arrivals: list[tuple[float, str, int]] = []  # (time, node, tokens) per token message
-    done = asyncio.Event()
-
-    async def on_token(msg):
-        m = wire.decode(TokenMessage, msg.data)
-        if m.token_ids:
-            arrivals.append((time.time(), m.node_id, len(m.token_ids)))
-        if m.finished:
-            done.set()
-
-    sub = await nc.subscribe(token_subject(rid), cb=on_token)
-    cmd = NodeCommand(CommandKind.ADMIT, request=req, instance_id=a_instance, model=record)
-    reply = wire.decode(NodeReply, (await nc.request(node_command_subject("mig-a"),
-                                                     wire.encode(cmd), timeout=30)).data)
-    assert reply.accepted, reply.reason
-    while sum(n for _, node, n in arrivals) < after:
-        await asyncio.sleep(0.005)
+    streams = TokenArrivals(nc)
+    await streams.watch(rid)
+    await admit(nc, "mig-a", req, record, a_instance)
+    await until(lambda: streams.count(rid) >= after, 600, "A's tokens")
     log = await a.migrate_out(rid, "mig-b", b_instance)
     assert log.ok, log.reason
-    while sum(n for _, node, n in arrivals if node == "mig-b") < B_TOKENS:
-        await asyncio.sleep(0.005)
-    await nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(rid, "benchmark done")))
-    await asyncio.wait_for(done.wait(), 60)
-    await sub.unsubscribe()
-    last_a = max(t for t, node, _ in arrivals if node == "mig-a")
-    first_b = min(t for t, node, _ in arrivals if node == "mig-b")
-    a_times = [t for t, node, _ in arrivals if node == "mig-a"]
-    gaps = [y - x for x, y in zip(a_times, a_times[1:])]
+    await until(lambda: streams.count(rid, "mig-b") >= B_TOKENS, 600, "B's tokens")
+    await streams.cancel([rid], wait_s=60)
     return {"prompt_tokens": prompt_len, "context_at_begin": log.context_tokens,
-            "pause_s": first_b - last_a, "total_s": log.total_s, "begin_s": log.begin_s,
+            **streams.pause(rid, "mig-a", "mig-b"), "total_s": log.total_s, "begin_s": log.begin_s,
             "rounds": [{"tokens": n, "seconds": s} for n, s in log.rounds],
-            "commit_s": log.commit_s, "tokens_from_a": sum(n for _, node, n in arrivals if node == "mig-a"),
-            "a_median_token_gap_s": statistics.median(gaps) if gaps else None}
+            "commit_s": log.commit_s, "tokens_from_a": streams.count(rid, "mig-a")}
 
 
 async def run(shape: str, prompts: list[int], after: int, repeats: int, cold: bool,
               profile_path: Path | None) -> dict:
     model_dir = ensure_model(ROOT / ".data", shape, shape)
     record = model_record_from_dir(shape, model_dir)
-    started = time.perf_counter()
-    if profile_path is not None and profile_path.exists():  # a 1B profile takes ~20 min here
-        profile = profile_from_json(profile_path.read_text())
-    else:
-        plan = ProfilePlan(max_len=min(max(prompts) + 512, record.max_context - 1), max_batch=1,
-                           repeats=1, passes=1)
-        profile = profile_model(model_dir, shape, plan=plan)[0]
-        if profile_path is not None:
-            profile_path.parent.mkdir(parents=True, exist_ok=True)
-            profile_path.write_text(profile_to_json(profile))
-    profile_s = time.perf_counter() - started
-    tmp = Path(tempfile.mkdtemp(prefix="slinfer-mig-"))
-    nats_server, redis_server = start_nats(tmp / "nats"), start_redis(tmp / "redis")
-    nc = await nats.connect(nats_server.url)
-    redis = Redis.from_url(redis_server.url)
-    await save_profile(redis, replace(profile, model=record.name))
-    a, b = NodeWorker(_settings("mig-a"), nc, redis), NodeWorker(_settings("mig-b"), nc, redis)
-    await a.start()
-    await b.start()
+    plan = ProfilePlan(max_len=min(max(prompts) + 512, record.max_context - 1), max_batch=1,
+                       repeats=1, passes=1)
+    profile, profile_s = stored_or_measured_profile(model_dir, shape, plan, profile_path)
     results = []
-    try:
-        b_instance = None if cold else await _warm(nc, b, record)
-        for prompt_len in prompts:
-            for _ in range(repeats):
-                row = await _one(nc, a, record, prompt_len, after, b_instance)
-                row["estimate_s"] = profile.migration_s(row["context_at_begin"])
-                row["destination"] = "cold (B loads the model)" if cold else "warm instance on B"
-                results.append(row)
-                print(json.dumps(row), flush=True)
-                if cold:  # unload B's instance: the next run loads again
-                    await _reset_b(b)
-    finally:
-        await a.stop()
-        await b.stop()
-        await nc.close()
-        await redis.aclose()
-        nats_server.stop()
-        redis_server.stop()
+    async with bench_servers("slinfer-mig-") as (_, nc, redis):
+        await save_profile(redis, replace(profile, model=record.name))
+        a, b = NodeWorker(_settings("mig-a"), nc, redis), NodeWorker(_settings("mig-b"), nc, redis)
+        await a.start()
+        await b.start()
+        try:
+            b_instance = None if cold else await _warm(nc, b, record)
+            for prompt_len in prompts:
+                for _ in range(repeats):
+                    row = await _one(nc, a, record, prompt_len, after, b_instance)
+                    row["estimate_s"] = profile.migration_s(row["context_at_begin"])
+                    row["destination"] = "cold (B loads the model)" if cold else "warm instance on B"
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+                    if cold:  # unload B's instance: the next run loads again
+                        await _reset_b(b)
+        finally:
+            await a.stop()
+            await b.stop()
     return {"shape": shape, "profile_s": profile_s, "after_tokens": after, "policy": vars(a.migration_policy),
             "prefill_table": {"lengths": profile.prefill.lengths, "seconds": profile.prefill.seconds},
             "results": results}
@@ -170,28 +252,29 @@ async def _reset_b(b: NodeWorker) -> None:
         await asyncio.sleep(0.05)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str, out: str, prompts_help: str) -> argparse.ArgumentParser:
+    """The options this benchmark and bench/preempt_migration.py share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small", choices=SHAPES)
-    p.add_argument("--prompts", default="256,1024")
-    p.add_argument("--after", type=int, default=16, help="tokens A streams before the migration")
+    p.add_argument("--prompts", default="256,1024", help=prompts_help)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--cold", action="store_true", help="B loads the model for each migration")
-    p.add_argument("--out", default=str(ROOT / "bench/results/migration.json"))
+    p.add_argument("--out", default=str(ROOT / "bench/results" / out))
     p.add_argument("--profile", type=Path, default=None,
                    help="reuse the profile stored at this path (measured and stored there if absent)")
+    return p
+
+
+def main() -> None:
+    p = arguments(__doc__, "migration.json", "the migrated request's prompt lengths")
+    p.add_argument("--after", type=int, default=16, help="tokens A streams before the migration")
+    p.add_argument("--cold", action="store_true", help="B loads the model for each migration")
     args = p.parse_args()
     prompts = [int(x) for x in args.prompts.split(",")]
     load_before = os.getloadavg()
     result = asyncio.run(run(args.shape, prompts, args.after, args.repeats, args.cold,
                              args.profile))
-    result["machine"] = {**machine(), "load_average_before": load_before,
-                         "load_average_after": os.getloadavg()}
-    result["command"] = "python bench/migration.py " + " ".join(sys.argv[1:])
-    out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.exists() else {}
-    previous[args.shape + ("-cold" if args.cold else "")] = result  # one entry per shape and mode
-    out.write_text(json.dumps(previous, indent=1) + "\n")
+    write_result(Path(args.out), args.shape + ("-cold" if args.cold else ""), result,
+                 "migration.py", load_before)
 
 
 if __name__ == "__main__":
