@@ -63,8 +63,8 @@ def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) ->
 
 
 async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_request_streams(
-        servers, model_dir):
-    nats_url, redis_url = servers
+        own_servers, model_dir):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     records = {m: dataclasses.replace(model_record_from_dir(m, model_dir), max_context=CONTEXT)
@@ -281,13 +281,13 @@ def _linear(name: str, per_request_s: float) -> Profile:
 
 
 async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when_it_passes(
-        servers, model_dir):
+        own_servers, model_dir):
     """Two requests stream on A. The node turns out slow (its profile is replaced, as a
     calibration would): their decode step breaks their TPOT SLO, and B runs nothing, so the
     placer replicates layers there (B holds their bytes, A's engine spreads new requests over
     both). The profile comes back: the step meets the SLO by far, the replica is dropped and
     released. The requests stream on, with an unmoved instance's greedy output."""
-    nats_url, redis_url = servers
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     record = dataclasses.replace(model_record_from_dir("alpha", model_dir), max_context=CONTEXT)

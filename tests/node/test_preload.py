@@ -187,8 +187,8 @@ def _node(name: str, nats_url: str, redis_url: str, nc, redis, dram_bytes: int) 
 
 
 async def test_the_placers_plan_spreads_checkpoints_over_the_nodes_and_nodes_fall_back_without_it(
-        servers, backbones):
-    nats_url, redis_url = servers
+        own_servers, backbones):
+    nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     await ensure_streams(nc.jetstream())
     records = await _register(redis, backbones)
