@@ -23,8 +23,6 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from services.node.engines import SamplingParams
-from services.node.engines.torch_engine import TorchEngine
 from services.node.loader import LoaderSettings
 from services.node.settings import NodeSettings
 from services.node.worker import NodeWorker
@@ -41,6 +39,8 @@ from shared.schemas import InferenceRequest, TokenMessage
 from shared.subjects import REQUEST_SUBJECT, token_subject
 
 from tests.polling import until
+from tests.stack import shut_down
+from tests.reference import greedy_output
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -90,20 +90,6 @@ async def _submit(nc, finals: dict, first_token_at: dict) -> str:
     return rid
 
 
-def _local_reference(model_dir) -> list[int]:
-    """What one local instance generates for the prompt (greedy)."""
-    engine = TorchEngine(model_dir)
-    engine.load()
-    try:
-        engine.add_request("ref", _prompt(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-        out = [engine.prefill("ref").tokens["ref"]]
-        while len(out) < MAX_TOKENS:
-            out.append(engine.decode(["ref"]).tokens["ref"])
-        return out
-    finally:
-        engine.unload()
-
-
 async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole(
         own_servers, small_model):
     nats_url, redis_url = own_servers
@@ -123,7 +109,7 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
     placer = Placer(PlacerSettings(nats_url, redis_url, CORE), nc, redis)
     stop = asyncio.Event()
     runner = None
-    reference = await asyncio.to_thread(_local_reference, small_model)
+    reference = await asyncio.to_thread(greedy_output, small_model, _prompt(), MAX_TOKENS)
     try:
         for w in workers.values():
             await w.start()
@@ -172,11 +158,4 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
         load = workers[HEAD].loads[0]
         assert (load.tier, load.ok) == ("pipeline", True), load
     finally:
-        stop.set()
-        if runner is not None:
-            await runner
-        for w in workers.values():
-            if not w._stopping:
-                await w.stop()
-        await nc.close()
-        await redis.aclose()
+        await shut_down(stop, runner, workers.values(), nc, redis)

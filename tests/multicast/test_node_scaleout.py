@@ -42,6 +42,7 @@ from shared import wire
 from tests.multicast.conftest import ask
 from tests.node.harness import submit
 from tests.polling import until
+from tests.stack import shut_down
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -136,14 +137,7 @@ async def test_a_burst_scales_small_out_to_four_nodes_by_multicast_and_each_serv
             assert got["tensors"] == small_digests, f"{d} holds different tensors"
         assert not workers[SOURCE].loads  # the holder ran no instance
     finally:
-        stop.set()
-        if runner is not None:
-            await runner
-        for w in workers.values():
-            if not w._stopping:
-                await w.stop()
-        await nc.close()
-        await redis.aclose()
+        await shut_down(stop, runner, workers.values(), nc, redis)
 
 
 async def test_a_node_whose_multicast_never_starts_loads_from_its_tiers(

@@ -20,8 +20,6 @@ from functools import cache
 import httpx
 import pytest
 
-from services.node.engines.base import SamplingParams
-from services.node.engines.torch_engine import TorchEngine
 from services.node.migration import (MigrationPolicy, Next, choose_destination, engine_refusal,
                                      next_step)
 from services.gateway.settings import GatewaySettings
@@ -38,6 +36,7 @@ from shared.servers import free_port
 from shared.subjects import REQUEST_SUBJECT
 
 from tests.gateway.conftest import start_gateway
+from tests.reference import greedy_output
 from tests.node.harness import Harness, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -49,15 +48,8 @@ PROMPT, OUT = 256, 160
 @cache
 def _reference(model_dir: str, prompt_len: int, max_tokens: int) -> tuple[int, ...]:
     """The unmigrated greedy output, straight from a torch engine."""
-    engine = TorchEngine(model_dir, kv_capacity_bytes=64 << 20)
-    engine.load()
     prompt = [5 + (i % 1000) for i in range(prompt_len)]  # as Harness.request builds it
-    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens))
-    out = [engine.prefill("r").tokens["r"]]
-    while len(out) < max_tokens:
-        out.append(engine.decode(["r"]).tokens["r"])
-    engine.unload()
-    return tuple(out)
+    return tuple(greedy_output(model_dir, prompt, max_tokens, kv_capacity_bytes=64 << 20))
 
 
 

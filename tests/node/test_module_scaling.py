@@ -20,8 +20,6 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from services.node.engines.base import SamplingParams
-from services.node.engines.torch_engine import TorchEngine
 from services.node.settings import NodeSettings
 from services.node.worker import NodeWorker
 from services.placer.placer import Placer
@@ -40,6 +38,8 @@ from shared.schemas import CommandKind, InferenceRequest, NodeCommand, TokenMess
 from shared.subjects import REQUEST_SUBJECT, token_subject
 
 from tests.polling import until
+from tests.stack import shut_down
+from tests.reference import greedy_output
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,7 +87,7 @@ async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_requ
                "mod-b": NodeWorker(_settings("mod-b", b_bytes, nats_url, redis_url), nc, redis)}
     placer = Placer(PlacerSettings(nats_url, redis_url, CORE, module_scaling_s=0.1,
                                    modules=ModuleSettings(replicate=False)), nc, redis)
-    reference = await asyncio.to_thread(_reference_of, model_dir, LONG)
+    reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, LONG)
     stop = asyncio.Event()
     runner = None
     tokens: dict[str, list[tuple[float, int]]] = {}
@@ -160,14 +160,7 @@ async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_requ
         assert views["mod-b"].budget_bytes >= moved * layer and not views["mod-b"].instances
         assert views["mod-a"].budget_bytes <= a_bytes
     finally:
-        stop.set()
-        if runner is not None:
-            await runner
-        await placer.modules.stop()
-        for w in workers.values():
-            await w.stop()
-        await nc.close()
-        await redis.aclose()
+        await shut_down(stop, runner, workers.values(), nc, redis, placer)
 
 
 # -- the commands, driven by a stand-in placer ---------------------------------------------------
@@ -186,7 +179,7 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
     record = a.records["alpha"]
     spec = model_spec(record)
     layer = layer_weight_bytes(spec, spec.layers, spec.head_bytes)
-    reference = await asyncio.to_thread(_reference_of, model_dir, 600)
+    reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, 600)
     await a.worker.start()
     await b.worker.start()
     try:
@@ -259,19 +252,6 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         await b.worker.stop()
 
 
-def _reference_of(model_dir, max_tokens: int) -> list[int]:
-    engine = TorchEngine(model_dir)
-    engine.load()
-    try:
-        engine.add_request("ref", PROMPT, SamplingParams(max_tokens=max_tokens))
-        out = [engine.prefill("ref").tokens["ref"]]
-        while len(out) < max_tokens:
-            out.append(engine.decode(["ref"]).tokens["ref"])
-        return out
-    finally:
-        engine.unload()
-
-
 def _linear(name: str, per_request_s: float) -> Profile:
     """Decode time proportional to the batch (what replicas split)."""
     return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
@@ -297,7 +277,7 @@ async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when
                for n in ("rep-a", "rep-b")}
     placer = Placer(PlacerSettings(nats_url, redis_url, CORE, module_scaling_s=0.1,
                                    modules=ModuleSettings(replicate=True)), nc, redis)
-    reference = await asyncio.to_thread(_reference_of, model_dir, LONG)
+    reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, LONG)
     stop = asyncio.Event()
     runner = None
     finals: dict[str, TokenMessage] = {}
@@ -360,11 +340,4 @@ async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when
         for rid in ("r1", "r2"):
             assert finals[rid].error is None and finals[rid].output_token_ids == reference
     finally:
-        stop.set()
-        if runner is not None:
-            await runner
-        await placer.modules.stop()
-        for w in workers.values():
-            await w.stop()
-        await nc.close()
-        await redis.aclose()
+        await shut_down(stop, runner, workers.values(), nc, redis, placer)
