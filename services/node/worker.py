@@ -547,22 +547,28 @@ class NodeWorker:
         if cmd.handover_s is not None:
             return self._preempt_live(cmd, req, record, adapter)
         expected = self._expect_arrival(cmd, record)
-        result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
-                                              cmd.instance_id, model_spec(record), time.time(),
-                                              adapter)
-        if expected and not result.admission.ok:
-            self.arriving.pop(record.name, None)
         targets = {m.request_id: m for m in cmd.migrations}
         moved = []
-        for view in result.evicted:
-            resumed = self._take_back(view.request_id, view.grace_s)
-            if resumed is None:
-                continue
-            if (target := targets.get(view.request_id)) is not None:
-                resumed = replace(resumed, target_node=target.node_id, target_instance=target.instance_id)
+        # Between two iterations: the victims' engines are unloaded by the ops this starts, and
+        # an engine freed under its running iteration fails it.
+        async with self._iter_lock:
+            result = self.sched.preempt_and_admit(cmd.preempt_instance_ids, request_view(req),
+                                                  cmd.instance_id, model_spec(record), time.time(),
+                                                  adapter)
+            if expected and not result.admission.ok:
+                self.arriving.pop(record.name, None)
+            for view in result.evicted:
+                resumed = self._take_back(view.request_id, view.grace_s)
+                if resumed is None:
+                    continue
+                if (target := targets.get(view.request_id)) is not None:
+                    resumed = replace(resumed, target_node=target.node_id,
+                                      target_instance=target.instance_id)
+                moved.append(resumed)
+            reply = self._commit(req, record, result, cold=cmd.instance_id is None)
+        for resumed in moved:  # before the reply: a placer that dies now loses none of them
             await self._requeue(resumed)
-            moved.append(resumed)
-        return replace(self._commit(req, record, result, cold=cmd.instance_id is None), evicted=moved)
+        return replace(reply, evicted=moved)
 
     def _preempt_live(self, cmd: NodeCommand, req: InferenceRequest, record: ModelRecord,
                       adapter: AdapterSpec | None) -> NodeReply:

@@ -16,8 +16,12 @@ a real placer, NATS JetStream and valkey.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+
+import services.node.worker as worker_module
+from services.node.engines import create_engine
 
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
@@ -118,6 +122,80 @@ async def test_preemption_moves_the_victims_request_to_the_validated_instance(co
         await a.wait([victim], timeout=120)
         final = a.finals[victim.request_id]
         assert final.node_id == "pre-b" and len(final.output_token_ids) == LONG
+        assert a.streamed_once(victim)
+        stop.set()
+        await runner
+    finally:
+        stop.set()
+        await a.worker.stop()
+        await b.worker.stop()
+
+
+class _WatchedEngine:
+    """The real engine; once `step_s` is set, each of its iterations first sleeps that long (a
+    slow step: a command is then all but sure to arrive while one runs). Records an unload that
+    came while one of its iterations ran (`torn`)."""
+
+    torn: list[str] = []
+
+    def __init__(self, engine) -> None:
+        self._engine, self.step_s, self._running = engine, 0.0, False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _step(self, method, *args):
+        self._running = True
+        try:
+            time.sleep(self.step_s)
+            return method(*args)
+        finally:
+            self._running = False
+
+    def prefill(self, request_id):
+        return self._step(self._engine.prefill, request_id)
+
+    def decode(self, request_ids):
+        return self._step(self._engine.decode, request_ids)
+
+    def unload(self):
+        if self._running:
+            self.torn.append(repr(self._engine))
+        self._engine.unload()
+
+
+async def test_a_preempted_victim_is_unloaded_between_its_iterations(connections, model_dir,
+                                                                    nats_url, redis_url,
+                                                                    monkeypatch):
+    """Stop-and-resume preemption unloads the victim only once its running iteration is over: an
+    engine freed under a running step fails it (its model is gone mid-forward)."""
+    monkeypatch.setattr(worker_module, "create_engine",
+                        lambda *a, **kw: _WatchedEngine(create_engine(*a, **kw)))
+    _WatchedEngine.torn = []
+    nc, redis = connections
+    a, b = await _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir)
+    placer = Placer(PlacerSettings(nats_url, redis_url, CORE), nc, redis)
+    stop = asyncio.Event()
+    original = a.admit
+
+    async def admit(model, *args, **kw):  # the victim's steps on A take 0.1 s each
+        req, reply = await original(model, *args, **kw)
+        if model == "beta":
+            await until(lambda: reply.instance_id in a.worker.engines, what="beta loaded on A")
+            a.worker.engines[reply.instance_id].step_s = 0.1
+        return req, reply
+
+    a.admit = admit
+    try:
+        victim, newcomer, beta_on_a, _, runner = await _preempted_by_a_newcomer(
+            nc, a, b, placer, stop)
+        await a.wait([newcomer], timeout=120)
+        assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
+        await until(lambda: a.worker.sched.node.instance(beta_on_a) is None,
+                    what="the victim unloaded")
+        assert _WatchedEngine.torn == []
+        await a.wait([victim], timeout=120)
+        assert a.finals[victim.request_id].node_id == "pre-b"
         assert a.streamed_once(victim)
         stop.set()
         await runner
