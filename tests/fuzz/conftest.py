@@ -19,6 +19,7 @@ from shared.servers import ServerProcess, free_port, start_nats, start_redis
 from shared.subjects import MODELS_HASH
 from tests.gateway.conftest import RunningGateway, copy_model, start_gateway
 from tests.gateway.responder import Responder
+from tests.servers import running
 
 KEYS = {"fuzz-a": "tenant-a", "fuzz-b": "tenant-b"}
 OPERATOR_KEY = "fuzz-op"
@@ -26,11 +27,9 @@ OPERATOR_KEY = "fuzz-op"
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    nats, redis = start_nats(tmp_path_factory.mktemp("fz-nats")), start_redis(
-        tmp_path_factory.mktemp("fz-redis"))
-    yield nats, redis
-    redis.stop()
-    nats.stop()
+    with running(start_nats, tmp_path_factory.mktemp("fz-nats")) as nats, \
+            running(start_redis, tmp_path_factory.mktemp("fz-redis")) as redis:
+        yield nats, redis
 
 
 @pytest.fixture(scope="module")
