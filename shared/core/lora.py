@@ -137,6 +137,17 @@ class NodePreload:
     adapters: tuple[tuple[str, str], ...] = ()  # (backbone instance id, adapter) to attach
 
 
+def _called_checkpoints(backbones: list[Artifact], adapters: list[Artifact]) -> list[Artifact]:
+    """The backbones worth a checkpoint in DRAM. A backbone's checkpoint serves its adapters'
+    calls too (a caller that counts them in its rate already loses nothing: the larger of the
+    two is taken); one nobody called, directly or through an adapter, is worth nothing."""
+    through: dict[str, float] = {}
+    for a in adapters:
+        through[a.backbone] = through.get(a.backbone, 0.0) + a.rate
+    checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
+    return [b for b in checkpoints if b.value > 0]
+
+
 def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact],
                       dram_bytes: int, instances: dict[str, str],
                       attached: dict[str, set[str]], free_bytes: int) -> NodePreload:
@@ -150,13 +161,7 @@ def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact
     which attached adapters take (and give back first under pressure, §4.3). Only artifacts
     with calls are planned: a backbone or adapter nobody called is worth nothing."""
     backbones, adapters = list(backbones), list(adapters)
-    through: dict[str, float] = {}
-    for a in adapters:
-        through[a.backbone] = through.get(a.backbone, 0.0) + a.rate
-    # A backbone's checkpoint serves its adapters' calls too (a caller that counts them in its
-    # rate already loses nothing: the larger of the two is taken).
-    checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
-    dram = preload_plan([b for b in checkpoints if b.value > 0], {"dram": dram_bytes})["dram"]
+    dram = preload_plan(_called_checkpoints(backbones, adapters), {"dram": dram_bytes})["dram"]
     # Adapters: only onto a backbone instance the node holds; held backbones and the adapters
     # attached to any of their instances are resident already.
     resident = set(instances) | {a for iid in instances.values() for a in attached.get(iid, set())}
@@ -182,11 +187,7 @@ def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact
     gets no checkpoints."""
     nodes = sorted(nodes, key=lambda n: n.node_id)
     backbones, adapters = list(backbones), list(adapters)
-    through: dict[str, float] = {}
-    for a in adapters:
-        through[a.backbone] = through.get(a.backbone, 0.0) + a.rate
-    checkpoints = [replace(b, rate=max(b.rate, through.get(b.name, 0.0))) for b in backbones]
-    dram = _place_checkpoints([b for b in checkpoints if b.value > 0], nodes)
+    dram = _place_checkpoints(_called_checkpoints(backbones, adapters), nodes)
     ready: dict[str, dict[str, str]] = {}  # node -> backbone -> a ready instance of it there
     resident: dict[str, set[str]] = {}
     for node in nodes:
