@@ -19,19 +19,24 @@ What is modelled
 - A step moves one block per link: block bytes / link bandwidth + a per-step latency (the step of
   `multicast_seconds`). A node's link carries one multicast at a time: a source is busy for its
   session's injection phase, a destination until it holds the model.
-- Execute-while-load (§4.3): destinations form pipelines (`execution_pipelines`, Algorithm 2);
-  once `shared.core.pipeline.pipeline_stages` finds a cover of every layer by the layers its
-  nodes hold (`layers_held`: every byte of a layer's tensors in held blocks, the blocks cut by
-  `cut_blocks` from the checkpoint's layout; one node holding the embeddings and the LM head), the
-  destination's instance serves (the core sees the load done then). Each iteration costs the
-  local compute (the stages compute their layers in turn) plus one activation transfer per stage:
-  tokens x hidden x 2 bytes over the link plus the step latency (the last returns the sampled
-  token to the head). With as many batches in flight as the pipeline has nodes (λScale's
-  2-D pipeline, Fig. 6a) each node computes its share of the layers of every batch, so each
-  destination serving its own batch at that cost is the pipeline's throughput.
+- Execute-while-load (§4.3): the core's receiver plan (`shared.core.pipeline.receiver_plan`,
+  the same the placer's startup estimate uses): the blocks travel head-first in each sub-group's
+  k-way order, the destinations form execution pipelines (`execution_pipelines`, Algorithm 2),
+  and a destination's instance serves (the core sees the load done then) from the first step at
+  which it holds the embeddings, the LM head and a layer and the destinations of its pipeline
+  that joined before it hold the layers it lacks (`layers_held`: every byte of a layer's tensors
+  in held blocks, the blocks cut by `cut_blocks` from the checkpoint's layout;
+  `pipeline_stages` with it as the head). Each iteration costs the local compute (the stages
+  compute their layers in turn) plus the plan's activation transfers (one wherever consecutive
+  ranges lie on different nodes, the last returning to the head): tokens x hidden x 2 bytes over
+  the link plus the step latency. With as many batches in flight as the pipeline has nodes
+  (λScale's 2-D pipeline, Fig. 6a) each node computes its share of the layers of every batch, so
+  each destination serving its own batch at that cost is the pipeline's throughput. The K/V a
+  destination holds for another's layers is not charged to its memory here (the core's plan
+  takes a `room`; the simulator's nodes do not report it to the multicaster).
 - Mode switch (§4.4): once the node holds the whole model, its next iteration first rebuilds its
   requests' KV cache locally, the cheaper of recomputing it (the profile's a*tokens+b line) and
-  pulling the (m-1)/m the other pipeline nodes hold over the link.
+  pulling the share of it the other pipeline nodes hold (their layers') over the link.
 
 Not modelled: contention between multicasts of different models beyond "one at a time per link",
 λScale's staircase stalls (Fig. 9), GPU-direct vs host-memory paths, the core's I/O-queue term
@@ -48,10 +53,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.core.config import CoreConfig
-from shared.core.multicast import (DEFAULT_BLOCKS, Block, cut_blocks, execution_pipelines,
-                                   kway_schedule, subgroups)
+from shared.core.multicast import DEFAULT_BLOCKS, Block, arrival_steps, head_first, kway_schedule
 from shared.core.perf_model import Profile
-from shared.core.pipeline import TensorSpan, layers_held, pipeline_stages
+from shared.core.pipeline import ReceiverPlan, TensorSpan, head_spans, model_layout, receiver_plan
 from shared.core.types import StorageView
 
 STEP_LATENCY_S = 50e-6  # one RDMA round trip and block bookkeeping per step (bench/scaleout.py)
@@ -99,56 +103,35 @@ class Shape:
 
 
 def layout(shape: Shape, blocks: int) -> tuple[list[TensorSpan], list[Block]]:
-    """The checkpoint as one partition: embeddings, the decoder layers (equal sizes), the LM head,
-    cut into blocks by the node workers' own `cut_blocks` (at tensor boundaries where near)."""
+    """The checkpoint as the core lays it out (`shared.core.pipeline.model_layout`): the
+    embeddings, the decoder layers (equal sizes), the LM head, cut at tensor boundaries."""
     head = min(VOCAB * shape.hidden * 2, shape.weight_bytes // 4)
-    per = (shape.weight_bytes - 2 * head) // shape.layers
-    tensors = [TensorSpan("model.embed_tokens.weight", "p0", 0, head)]
-    for i in range(shape.layers):
-        tensors.append(TensorSpan(f"model.layers.{i}.weight", "p0", head + i * per,
-                                  head + (i + 1) * per))
-    end = head + shape.layers * per
-    tensors.append(TensorSpan("lm_head.weight", "p0", end, end + head))
-    return tensors, cut_blocks([("p0", end + head)], {"p0": [t.start for t in tensors]}, blocks)
+    return model_layout(shape.weight_bytes, shape.layers, 2 * head, blocks)
 
 
 @dataclass(frozen=True)
 class PlanTimes:
-    """Per node of a k -> N plan: the step after which it holds every block, and the step after
-    which its execution pipeline can serve (with the number of stages it serves in)."""
+    """Per destination of a k -> N plan: the step after which it holds every block, and (with a
+    shape) how it serves meanwhile (`shared.core.pipeline.receiver_plan`: its execution
+    pipeline among the plan's destinations, the step its cover exists, its hops)."""
 
     full: dict[int, int]
-    pipeline: dict[int, tuple[int, int]]
+    plans: dict[int, ReceiverPlan]
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_times(n: int, k: int, blocks: int, shape: Shape | None = None) -> PlanTimes:
-    """`shape` given: a pipeline serves once `shared.core.pipeline.pipeline_stages` finds a cover
-    of every layer with a head node (what the node workers' stages need: every byte of a layer's
-    tensors, and one node holding the embeddings and the LM head); without it, once its nodes
-    hold every block between them."""
-    tensors, cut = layout(shape, blocks) if shape is not None else ([], [])
-    nblocks = len(cut) if shape is not None else blocks
-    arrive: dict[int, dict[int, int]] = {}
-    for t in kway_schedule(n, k, nblocks):
-        got = arrive.setdefault(t.dst, {})
-        got[t.block] = min(got.get(t.block, t.step), t.step)
-    full = {node: max(steps.values()) + 1 for node, steps in arrive.items()}
-    pipes: dict[int, tuple[int, int]] = {}
-    for pipe in execution_pipelines(subgroups(n, k)):
-        for step in sorted({s for node in pipe for s in arrive.get(node, {}).values()}):
-            held = {node: {b for b, s in arrive.get(node, {}).items() if s <= step} for node in pipe}
-            if shape is None:
-                if len(set().union(*held.values())) == nblocks:
-                    pipes.update({node: (step + 1, len(pipe)) for node in pipe})
-                    break
-                continue
-            stages = pipeline_stages([layers_held(tensors, cut, held[node], str(node))
-                                      for node in pipe], shape.layers)
-            if stages is not None:
-                pipes.update({node: (step + 1, len(stages)) for node in pipe})
-                break
-    return PlanTimes(full, pipes)
+    """`shape` given: the blocks travel head-first (what the node workers send when a receiver
+    may serve through a pipeline, `multicast.head_first`; the number of steps does not change)
+    and every destination's receiver plan is the core's; without it, only the full times."""
+    if shape is None:
+        got = arrival_steps(kway_schedule(n, k, blocks))
+        return PlanTimes({node: max(s.values()) + 1 for node, s in got.items()}, {})
+    tensors, cut = layout(shape, blocks)
+    first = head_first(cut, head_spans(tensors))
+    plans = {node: receiver_plan(n, k, node, tensors, cut, shape.layers, first)
+             for node in range(k, n)}
+    return PlanTimes({node: p.full_step for node, p in plans.items()}, plans)
 
 
 @dataclass(frozen=True)
@@ -157,7 +140,8 @@ class Startup:
 
     ready_s: float  # until it can serve: in its pipeline, or locally
     full_s: float  # until it holds the whole model (== ready_s without execute-while-load)
-    hops: int = 0  # pipeline nodes while it serves before full_s (0: serves locally only)
+    hops: int = 0  # activation transfers per iteration before full_s (0: serves locally only)
+    remote: float = 0.0  # the share of its layers the other receivers run meanwhile
 
 
 @dataclass(frozen=True)
@@ -187,6 +171,7 @@ class _Session:
 class _Mode:
     until: float  # when the node holds the whole model (the mode switch)
     hops: int
+    remote: float  # the share of its layers (and so of its K/V) run elsewhere until then
 
 
 class Multicaster:
@@ -244,13 +229,15 @@ class Multicaster:
         step, blocks = session.step_s, self.config.blocks
         receive = max(now, self.link_free.get(dest, 0.0))
         full = max(session.start + times.full[j] * step, receive + blocks * step)
-        ready, hops = full, 0
-        if self.config.execute_while_load and j in times.pipeline:
-            steps, m = times.pipeline[j]
-            pipe = max(session.start + steps * step, receive + math.ceil(blocks / m) * step)
-            if m >= 2 and pipe < full:
-                ready, hops = pipe, m
-        return Startup(ready - now, full - now, hops), session, new
+        plan = times.plans.get(j)
+        if self.config.execute_while_load and plan is not None and plan.serve_step is not None:
+            # never before it could have taken its share of the blocks since it joined
+            pipe = max(session.start + plan.serve_step * step,
+                       receive + math.ceil(blocks / len(plan.members)) * step)
+            if pipe < full:
+                remote = sum(plan.hosted().values()) / self.shapes[model].layers
+                return Startup(pipe - now, full - now, plan.hops, remote), session, new
+        return Startup(full - now, full - now), session, new
 
     def estimate(self, model: str, nbytes: int, dest: str, holders: list[str],
                  now: float) -> Startup | None:
@@ -271,7 +258,7 @@ class Multicaster:
         session.dests.append(dest)
         self.link_free[dest] = now + startup.full_s
         if startup.hops:
-            self.modes[instance_id] = _Mode(now + startup.full_s, startup.hops)
+            self.modes[instance_id] = _Mode(now + startup.full_s, startup.hops, startup.remote)
         return startup
 
     def note_arriving(self, node: str, model: str, done_at: float) -> None:
@@ -293,7 +280,7 @@ class Multicaster:
         del self.modes[instance_id]
         if context_tokens <= 0:
             return 0.0
-        share = (mode.hops - 1) / mode.hops
+        share = mode.remote
         pull = self.config.step_latency_s + (context_tokens * kv_bytes_per_token * share
                                              / self.config.link_bytes_per_s)
         return min(profile.migration_s(context_tokens), pull)

@@ -158,7 +158,7 @@ def pipeline_step(nodes: int, sources: int, size: str = "13b") -> tuple[int, int
     shape = SHAPES[size]
     times = plan_times(nodes, sources, 16, Shape(shape.weight_bytes, shape.layers, shape.hidden))
     full = times.full[sources]
-    return times.pipeline.get(sources, (full, 1))[0], full
+    return times.plans[sources].serve_step or full, full
 
 
 class _Agg:

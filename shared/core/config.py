@@ -35,6 +35,10 @@ class CoreConfig:
     # Off in the pure core (the simulator models λScale's pipelines itself, sim/scaleout.py);
     # the services turn it on (SLINFER_ENABLE_PIPELINE), their node workers carry it out.
     enable_pipeline: bool = False
+    # ...and the receivers of one multicast host layers for each other (λScale Algorithm 2,
+    # `shared.core.pipeline.receiver_plan`), besides a DRAM holder's stage. Off until the node
+    # workers carry it out (services/node/pipeline_mode.py hosts a DRAM holder's stage only).
+    enable_receiver_pipelines: bool = False
     # Starting the helper's stage and attaching the head's engine to it (both from tensors
     # already in memory: no read), and one activation transfer's fixed cost (framing, a round
     # trip; bench/modules.py measured ~1 ms a hop on loopback, compute of a tiny stage included).

@@ -25,6 +25,13 @@ burst are estimated as one group, the way the placer then sends them the model: 
   first blocks are in (`pipeline_serve_steps`, from the k-way schedule) + the stage's start.
   It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
   admission then validates the request against the pipeline's slower profile.
+  With `enable_receiver_pipelines` the helpers may also be the other receivers of the burst
+  (λScale Algorithm 2, `plan_receiver_pipeline`): the k-way orders give each sub-group's
+  receivers a different part of the model first, so this node and the receivers of its
+  execution pipeline that joined before it hold every layer between them long before any holds
+  the whole model; they host the layers it lacks (each at the cost of those layers' K/V: its
+  own instance holds their weights already), hops as the ranges alternate. The sooner of the
+  two pipelines is chosen.
 
 Pure: views and numbers in, a `StartupChoice` out; the placer carries a multicast choice out
 (`services/placer`), the node waits for the arrival before its load (`services/node/worker.py`).
@@ -39,9 +46,11 @@ from dataclasses import dataclass, replace
 from shared.core.config import CoreConfig
 from shared.core.evaluate import load_seconds
 from shared.core.modules import share_spec
-from shared.core.multicast import arrival_steps, kway_orders, kway_schedule, multicast_seconds
+from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
+                                   multicast_seconds)
 from shared.core.perf_model import Profile
-from shared.core.types import ModelSpec, NodeView, PipelineMode
+from shared.core.pipeline import head_spans, model_layout, receiver_plan
+from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
 
 
 class StartupMethod(str, enum.Enum):
@@ -130,12 +139,17 @@ def pipeline_helper(model: ModelSpec, sources: list[NodeView]) -> NodeView | Non
     return max(roomy, key=lambda n: (n.memory_bytes - n.budget_bytes, n.node_id), default=None)
 
 
+def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
+    """Execute-while-load is on and the model's shape (layers, head, activations) is known."""
+    return (config.enable_pipeline and model.layers > 1 and model.token_bytes > 0
+            and 0 < model.head_bytes < model.weight_bytes)
+
+
 def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
                   receivers: int, config: CoreConfig) -> PipelineMode | None:
     """How the new instance would serve through a pipeline (None: it cannot: the model's shape
     is unknown, or no source has room for the stage)."""
-    if not (config.enable_pipeline and model.layers > 1 and model.token_bytes > 0
-            and 0 < model.head_bytes < model.weight_bytes):
+    if not _pipelinable(model, config):
         return None
     helper = pipeline_helper(model, sources)
     if helper is None:
@@ -148,6 +162,62 @@ def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: l
         + profile.engine_init_s
     return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
                         (helper.node_id,))
+
+
+def hosted_layer_bytes(model: ModelSpec) -> int:
+    """What hosting one layer for another receiver's instance adds on a receiver: that layer's
+    K/V for a full context (its own instance holds the layer's weights already)."""
+    return model.kv_bytes_per_token // max(1, model.layers) * model.max_context
+
+
+def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
+    """What each helper of `mode` holds for the instance: a DRAM holder the stage of every layer
+    it lacks (`stage_bytes`), a receiver its ranges' K/V (`hosted_layer_bytes`)."""
+    if not mode.ranges:
+        return {h: stage_bytes(model) for h in mode.helpers}
+    out: dict[str, int] = {}
+    for r in mode.ranges:
+        out[r.helper] = out.get(r.helper, 0) + (r.end - r.start) * hosted_layer_bytes(model)
+    return out
+
+
+def receivers_in_order(model: ModelSpec, nodes: list[NodeView], exclude: str = "") -> list[NodeView]:
+    """The nodes the model is on its way to, in the order they joined its multicast: a later
+    joiner's arrival is estimated over a group as large or larger (`multicast_arrive_s`), so by
+    arrival, then node id (the order the placer hands the destinations to the multicast)."""
+    on_way = [n for n in nodes if n.node_id != exclude and n.storage is not None
+              and model.name in n.storage.arriving]
+    return sorted(on_way, key=lambda n: (n.storage.arriving[model.name], n.node_id))
+
+
+def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
+                           sources: list[NodeView], receivers: list[NodeView],
+                           config: CoreConfig) -> PipelineMode | None:
+    """How the new instance would serve with the receivers of its execution pipeline hosting the
+    layers it lacks (`receiver_plan`: this node joins last, after `receivers`); None when that
+    pipeline has no cover before its copy is whole (alone in it, or no room on the others)."""
+    if not (config.enable_receiver_pipelines and _pipelinable(model, config)) or not receivers:
+        return None
+    k, order = len(sources), [*receivers, node]
+    n = k + len(order)
+    tensors, cut = model_layout(model.weight_bytes, model.layers, model.head_bytes,
+                                config.multicast_blocks)
+    room = {k + i: -1 if r.draining else r.memory_bytes - r.budget_bytes
+            for i, r in enumerate(receivers)}
+    plan = receiver_plan(n, k, n - 1, tensors, cut, model.layers,
+                         head_first(cut, head_spans(tensors)), room, hosted_layer_bytes(model))
+    if plan.serve_step is None:
+        return None
+    link = min(x.storage.multicast_bytes_per_s for x in [*sources, *order])
+    step_s = model.weight_bytes / len(cut) / link + config.multicast_step_latency_s
+    serve = config.multicast_setup_s + plan.serve_step * step_s + config.pipeline_setup_s \
+        + profile.engine_init_s
+    name = {k + i: x.node_id for i, x in enumerate(order)}
+    ranges = tuple(HostedRange(name[int(s.node)], s.start, s.end) for s in plan.stages
+                   if int(s.node) != n - 1)
+    helpers = tuple(dict.fromkeys(r.helper for r in ranges))
+    return PipelineMode(plan.hops, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
+                        helpers, ranges=ranges)
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
@@ -169,7 +239,10 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
     via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
     names = tuple(sorted(n.node_id for n in sources))
-    mode = plan_pipeline(node, model, profile, sources, receivers, config)
+    modes = [plan_pipeline(node, model, profile, sources, receivers, config),
+             plan_receiver_pipeline(node, model, profile, sources,
+                                    receivers_in_order(model, nodes, node.node_id), config)]
+    mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)
     if via >= tier and not config.force_multicast:

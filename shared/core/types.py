@@ -150,6 +150,15 @@ class InstanceLayout:
 
 
 @dataclass(frozen=True)
+class HostedRange:
+    """Layers [start, end) of a pipelined instance, run on `helper`."""
+
+    helper: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class PipelineMode:
     """An instance serving through an execution pipeline while its weights arrive by multicast
     (λScale §4.3): its node runs the head and the layers it holds, `helpers` run the others.
@@ -165,6 +174,10 @@ class PipelineMode:
     until: float
     helpers: tuple[str, ...] = ()  # the nodes hosting the layers this node lacks
     stages: tuple[str, ...] = ()  # once it serves: its stages' addresses (host:port) on them
+    # Receivers hosting for each other (λScale Algorithm 2, `shared.core.pipeline.receiver_plan`):
+    # every range a helper runs, in layer order; () for a DRAM holder's stage, which runs every
+    # layer the head lacks.
+    ranges: tuple[HostedRange, ...] = ()
 
 
 @dataclass

@@ -19,7 +19,9 @@ REGISTRY_13B_S = THIRTEEN / 1.25e9  # sim/storage.py's registry link
 
 
 def multicaster(gbps: float = 400.0, ewl: bool = True) -> Multicaster:
-    return Multicaster(ScaleoutConfig(gbps, execute_while_load=ewl), {"m": SHAPES["13b"].hidden})
+    shape = SHAPES["13b"]
+    return Multicaster(ScaleoutConfig(gbps, execute_while_load=ewl), {"m": shape.hidden},
+                       {"m": Shape(shape.weight_bytes, shape.layers, shape.hidden)})
 
 
 def test_one_source_plan_takes_the_binomial_bound():
@@ -31,22 +33,27 @@ def test_one_source_plan_takes_the_binomial_bound():
 
 
 def test_two_sources_give_two_destinations_a_pipeline_after_about_half_the_blocks():
-    times = plan_times(4, 2, 16)  # 2 sources, destinations 2 and 3 in different sub-groups
-    assert times.pipeline[2] == times.pipeline[3]
-    steps, m = times.pipeline[2]
-    assert m == 2 and steps <= 9 < times.full[2]
-
-
-def test_a_pipeline_serves_once_the_core_finds_a_stage_cover_with_a_head_node():
-    """With the checkpoint's layout, `shared.core.pipeline` decides: every layer's tensors and one
-    node with both the embeddings (first block) and the LM head (last block): a step later than
-    "every block somewhere", and in more stages than nodes (the head runs both ends)."""
+    """2 sources: destinations 2 and 3 in different sub-groups receive different halves first
+    (head-first), so together they hold every layer about half-way; each heads its own
+    instance with the other hosting the layers it lacks (the core's receiver plan)."""
     shape = Shape(THIRTEEN, SHAPES["13b"].layers, SHAPES["13b"].hidden)
-    union, stages = plan_times(4, 2, 16), plan_times(4, 2, 16, shape)
-    assert stages.full == union.full
-    (u_step, u_nodes), (s_step, s_stages) = union.pipeline[2], stages.pipeline[2]
-    assert u_nodes == 2 and s_step > u_step and s_stages >= 2
-    assert s_step < stages.full[2]
+    times = plan_times(4, 2, 16, shape)
+    assert times.full == plan_times(4, 2, 16).full  # head-first changes no step count
+    for node, other in ((2, "3"), (3, "2")):
+        plan = times.plans[node]
+        assert plan.members == (2, 3) and plan.hops == 2
+        assert plan.serve_step <= 10 < times.full[node]
+        assert {s.node for s in plan.stages} == {str(node), other}
+        assert [(s.start, s.end) for s in plan.stages][0][0] == 0
+        assert plan.stages[-1].end == SHAPES["13b"].layers
+
+
+def test_the_first_destination_of_a_pipeline_has_no_one_to_host_for_it_yet():
+    """A destination planned as it joins (the simulator's order) sees only the destinations of
+    its pipeline that joined before it: alone in its pipeline, it waits for its copy."""
+    shape = Shape(THIRTEEN, SHAPES["13b"].layers, SHAPES["13b"].hidden)
+    assert plan_times(3, 2, 16, shape).plans[2].serve_step is None
+    assert plan_times(4, 2, 16, shape).plans[3].serve_step is not None
     tensors, blocks = layout(shape, 16)
     assert sum(t.end - t.start for t in tensors) == blocks[-1].end <= THIRTEEN
     assert len(blocks) == 16
@@ -80,6 +87,7 @@ def test_execute_while_load_serves_in_a_pipeline_then_pays_the_mode_switch_once(
     second = mc.start("m", THIRTEEN, "g3", ["g0", "g1"], 0.0, "i3")  # joins: a 2-node pipeline
     assert first.hops == 0 and first.ready_s == first.full_s
     assert second.hops == 2 and second.ready_s < 0.7 * second.full_s
+    assert 0.3 < second.remote < 0.7  # the other destination runs about half of its layers
     profile = gpu_profile(SHAPES["13b"])
     kv = SHAPES["13b"].kv_bytes_per_token
     hop = mc.iteration_extra("i3", "m", 8, 0, kv, profile, second.ready_s)
