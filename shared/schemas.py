@@ -200,6 +200,9 @@ class NodeCommand:
     stage_bytes: int = 0
     hop_latency_s: float = 0.0
     hop_bytes_per_s: float = 0.0
+    # HOST_LAYERS of moved layers: the share of the host's compute the stage takes (the core's
+    # `modules.stage_load`), which the host reports in its view (`NodeView.stage_load`).
+    stage_load: float = 0.0
 
 
 @dataclass(frozen=True)

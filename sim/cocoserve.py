@@ -51,17 +51,21 @@ from shared.core.types import InstanceLayout, InstanceStatus, RequestView
 if TYPE_CHECKING:
     from sim.slinfer_system import SlinferSystem
 
+TAKE_MARK = "/take"  # a take's reservation on the owner (services/node/layer_moves.py's)
+TAKE_EVERY_S = 1.0  # the placer's SLINFER_MODULE_SCALING_S default
 REPLICA_FIXED_S = 0.25  # CoCoServe Table 2: moving one layer takes 0.25-0.3 s, 40 layers 0.8-0.9 s
 STEP_LATENCY_S = 50e-6  # one activation transfer's latency (as sim/scaleout.py's step)
 
 
 @dataclass
 class Transfer:
-    """A plan whose layers are on their way to the host (its hold's LOAD op is under way)."""
+    """A plan whose layers are on their way (its hold's LOAD op is under way): to the host, or
+    back to the owner (a take: the owner reserves their bytes while they come)."""
 
     plan: ModulePlan
-    key: str  # the host's ledger entry (stage key); also the stage's "address"
+    key: str  # the hold's ledger entry: the stage key (also the stage's "address") or a take's
     ready_at: float  # when the transfer should end (estimated)
+    node: str = ""  # where the hold is (the host; the owner for a take)
 
 
 class CoCoServe:
@@ -86,6 +90,8 @@ class CoCoServe:
         self.layouts: dict[str, InstanceLayout] = {}  # instance -> its layout (until unloaded)
         self.op_s: dict[int, float] = {}  # op id -> its duration (the ops this controller made)
         self.host_work: dict[str, float] = {}  # host -> until when its share keeps it busy
+        self.shed_at: dict[str, float] = {}  # instance -> when its last shed ended
+        self.next_take = 0.0  # when shed layers are next looked at for taking back
 
     # --- queries ------------------------------------------------------------------------------
     def hosts(self) -> set[str]:
@@ -99,9 +105,11 @@ class CoCoServe:
         return frozenset(t.plan.instance_id for t in self.transfers.values())
 
     def _plan(self, **inputs) -> list[ModulePlan]:
-        return plan_module_scaling(self._nodes(), self.sys.perf, self.sys.loop.now,
+        now = self.sys.loop.now
+        stay = frozenset(i for i, t in self.shed_at.items() if now - t < self.settings.settle_s)
+        return plan_module_scaling(self._nodes(), self.sys.perf, now,
                                    inputs.pop("pressures", []), self.settings, self.sys.config,
-                                   self._busy(), **inputs)
+                                   self._busy(), stay=stay, **inputs)
 
     # --- scale-up (the planner's demand) ------------------------------------------------------
     def offer(self, view: RequestView) -> str | None:
@@ -151,26 +159,33 @@ class CoCoServe:
             self._drop(plan)
             return
         now = self.sys.loop.now
-        hsn = self.sys.nodes[plan.host_node]
-        key = stage_key(plan.instance_id, plan.start, plan.end)
-        ok, ops = hsn.sched.hold(key, plan.host_bytes, now)
-        if not ok:  # the host's budget moved since the plan: not there
-            return
+        take = plan.action is ModuleAction.TAKE
+        node_id = plan.owner_node if take else plan.host_node
+        sn = self.sys.nodes[node_id]
         owner = self.sys.nodes[plan.owner_node].sched.node.instance(plan.instance_id)
+        if take:  # the owner reserves what its instance grows by (the node worker's take)
+            key = f"{plan.instance_id}{TAKE_MARK}"
+            nbytes = plan.owner_bytes_after - (owner.model.weight_bytes + owner.kv_bytes)
+        else:
+            key = stage_key(plan.instance_id, plan.start, plan.end)
+            nbytes = plan.host_bytes
+        ok, ops = sn.sched.hold(key, nbytes, now, load=plan.load)
+        if not ok:  # the node's budget moved since the plan: not there
+            return
         full = owner.layout.model if owner.layout is not None else owner.model
         layer_bytes = full.weight_bytes // full.layers
         seconds = (plan.end - plan.start) * layer_bytes / self.link_bytes_per_s + REPLICA_FIXED_S
         for op in ops:
             self.op_s[op.op_id] = seconds
-        # a parked hold starts once the host's ops under way end (as the core estimates it)
-        self.transfers[key] = Transfer(plan, key, max(now, hsn.sched.node.memops_until) + seconds)
+        # a parked hold starts once the node's ops under way end (as the core estimates it)
+        self.transfers[key] = Transfer(plan, key, max(now, sn.sched.node.memops_until) + seconds,
+                                       node_id)
         if plan.action is ModuleAction.SHED:
             self.sys.rec.count("cocoserve_migrations")
-        self.sys._start_ops(hsn, ops)
+        self.sys._start_ops(sn, ops)
 
     def _drop(self, plan: ModulePlan) -> None:
         """The owner stops using the replica at once; the host frees it (an unload)."""
-        now = self.sys.loop.now
         osn = self.sys.nodes[plan.owner_node]
         layout = self.layouts.get(plan.instance_id)
         if layout is not None and osn.sched.node.instance(plan.instance_id) is not None:
@@ -181,7 +196,9 @@ class CoCoServe:
 
     def _release(self, host: str, key: str) -> None:
         hsn = self.sys.nodes[host]
-        self.transfers.pop(key, None)
+        t = self.transfers.pop(key, None)
+        if t is not None and t.node:
+            hsn = self.sys.nodes[t.node]  # (a take's reservation is on the owner)
         _, ops = hsn.sched.hold(key, 0, self.sys.loop.now)
         self.sys._start_ops(hsn, ops)
 
@@ -200,7 +217,12 @@ class CoCoServe:
 
     # --- host compute -------------------------------------------------------------------------
     def iteration_ran(self, instance_id: str, seconds: float, now: float) -> None:
-        """A split or replicated instance ran an iteration of `seconds`: its hosts did their share."""
+        """A split or replicated instance ran an iteration of `seconds`: its hosts did their share.
+        (Also the simulator's clock for the placer's periodic planner run: moved layers are
+        looked at for taking back every TAKE_EVERY_S.)"""
+        if now >= self.next_take:
+            self.next_take = now + TAKE_EVERY_S
+            self._take_back()
         layout = self.layouts.get(instance_id)
         if layout is None:
             return
@@ -210,6 +232,15 @@ class CoCoServe:
             share = sum(1 / (degrees[i] if run.replica else 1) for i in range(run.start, run.end))
             work = seconds * share / layers
             self.host_work[run.node_id] = max(now, self.host_work.get(run.node_id, 0.0)) + work
+
+    def _take_back(self) -> None:
+        """The planner's take-back plans (shed layers whose node has room again), carried out."""
+        if not any(not r.replica for lay in self.layouts.values() for r in lay.runs):
+            return
+        for plan in self._plan():
+            if plan.action is ModuleAction.TAKE:
+                self.sys.rec.count("cocoserve_takes")
+            self._carry(plan)
 
     def host_delay(self, node_id: str, now: float) -> float:
         """How long the host's own iteration starting now waits for queued replica work."""
@@ -253,10 +284,12 @@ class CoCoServe:
         """A hold completed: a transfer ended, the owner now uses the layers there. True if that
         changed an instance (retry the queue)."""
         t = self.transfers.get(op.instance_id)
-        if t is None or op.kind is not MemOpKind.LOAD or node_id != t.plan.host_node:
+        if t is None or op.kind is not MemOpKind.LOAD or node_id != t.node:
             return False
         if self.sys.nodes[node_id].sched.ledger.busy(op.instance_id):
             return False  # a later change of this hold is still under way
+        if t.plan.action is ModuleAction.TAKE:
+            return self._taken(t)
         del self.transfers[t.key]
         plan = t.plan
         osn = self.sys.nodes[plan.owner_node]
@@ -266,6 +299,22 @@ class CoCoServe:
                                      plan.layout_after(inst, t.key, self.settings)):
             self._release(node_id, t.key)  # the instance went (or changed) meanwhile
             return False
+        if plan.action is ModuleAction.SHED:
+            self.shed_at[plan.instance_id] = self.sys.loop.now
+        return True
+
+    def _taken(self, t: Transfer) -> bool:
+        """A take's layers are here: the reservation becomes the instance's own bytes, the
+        host lets the stage go. True if the instance changed."""
+        plan = t.plan
+        osn = self.sys.nodes[plan.owner_node]
+        self._release(plan.owner_node, t.key)
+        inst = osn.sched.node.instance(plan.instance_id)
+        if inst is None or inst.status is not InstanceStatus.READY or \
+                not self._set_layout(osn, plan.instance_id,
+                                     plan.layout_after(inst, "", self.settings)):
+            return False  # gone (its stages go with it) or no room after all: they stay there
+        self._release(plan.host_node, plan.address)
         return True
 
     def instance_gone(self, instance_id: str) -> None:
@@ -274,7 +323,7 @@ class CoCoServe:
             self._release(run.node_id, run.address)
         for key, t in list(self.transfers.items()):
             if t.plan.instance_id == instance_id:
-                self._release(t.plan.host_node, key)
+                self._release(t.node, key)
 
 
 def node_perf(perf: PerfModel) -> PerfModel:

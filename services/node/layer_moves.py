@@ -6,7 +6,8 @@ ledger under its stage key (`NodeScheduler.hold`) before it is built: the hold's
 the reservation station starts once the bytes fit, builds the stage (`StageHost.run_op`); the
 reply waits for it and carries the stage's address. Its UNLOAD op releases it. Every few beats
 the held bytes follow what the stage really holds (its K/V pool mirrors the owner's, which the
-owner resizes).
+owner resizes). The hold also carries the stage's share of this node's compute (the command's
+`stage_load`), which the node's view reports and its own admissions count until it is released.
 
 A stage no instance's layout in the cluster view uses (its owner went away, dropped it, or never
 attached it) is released after a grace (`stage_host.ORPHAN_GRACE_S`).
@@ -167,7 +168,7 @@ class LayerMoves:
             return NodeReply(False, "busy: being built")
         self.host.expect(key, record.path, cmd.layer_start, cmd.layer_end, cmd.instance_id,
                          cmd.stage_node)
-        if not self._hold(key, cmd.stage_bytes):
+        if not self._hold(key, cmd.stage_bytes, cmd.stage_load):
             self.host.release(key)
             return NodeReply(False, "memory", cmd.instance_id)
         settled = await self._settled(key)
@@ -187,8 +188,10 @@ class LayerMoves:
         self._hold(key, 0)
         return NodeReply(True, "released", cmd.instance_id)
 
-    def _hold(self, key: str, nbytes: int) -> bool:
-        ok, ops = self.w.sched.hold(key, nbytes, time.time())
+    def _hold(self, key: str, nbytes: int, load: float | None = None) -> bool:
+        """Hold `nbytes` under `key` (0: release); `load`: the stage's share of this node's
+        compute, in its view until released (None: as held so far)."""
+        ok, ops = self.w.sched.hold(key, nbytes, time.time(), load)
         self.w._start_ops(ops)
         self.w.wake.set()
         return ok

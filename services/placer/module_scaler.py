@@ -6,9 +6,14 @@ a memory refusal on some node for a new instance is pressure on the node that la
 (`memory_deficit`). Every `interval_s` the planner runs on the cluster view with the pressure
 seen since (and load spikes from the view itself); each plan runs in its own task:
 
-    shed / replicate:  HOST_LAYERS to the host (it holds the bytes, builds the stage, answers
-                       its address) -> SHED_LAYERS / REPLICATE_LAYERS to the owner.
+    shed / replicate:  HOST_LAYERS to the host (it holds the bytes and the stage's share of
+                       its compute, builds the stage, answers its address) -> SHED_LAYERS /
+                       REPLICATE_LAYERS to the owner.
     drop a replica:    DROP_REPLICA to the owner -> RELEASE_LAYERS to the host.
+    take layers back:  TAKE_LAYERS to the owner (it reserves their bytes, parked until they
+                       fit, reads them and takes their K/V from the stage) -> RELEASE_LAYERS
+                       to the host. Not for `settle_s` after the instance shed (nor on a node
+                       with pressure noted: the planner sees it).
 
 A host that refuses leaves the owner untouched. An owner that refuses keeps its layers (its
 engine changes nothing it could not keep) and the host is told to release the stage. An owner
@@ -68,6 +73,7 @@ class ModuleScaler:
         self.pressure: dict[str, tuple[int, float]] = {}  # node -> (deficit, when last seen)
         self.busy: set[str] = set()  # instances with a plan under way
         self.relieved: dict[str, float] = {}  # node -> pressure ignored until then (monotonic)
+        self.shed_at: dict[str, float] = {}  # instance -> when its last shed ended (monotonic)
         self.records: deque[ModuleRecord] = deque(maxlen=256)
         self._last = 0.0
         self._failing = False
@@ -115,8 +121,11 @@ class ModuleScaler:
         records = {r.name: r for r in await self.p.registry.list()}
         await self.p._refresh_perf()  # (placement refreshes it only while requests wait)
         pressures = [MemoryPressure(n, d) for n, (d, _) in self.pressure.items()]
+        self.shed_at = {i: t for i, t in self.shed_at.items()
+                        if now_m - t < self.settings.settle_s}
         plans = plan_module_scaling(nodes, self.p.perf, time.time(), pressures, self.settings,
-                                    self.p.s.core, frozenset(self.busy))
+                                    self.p.s.core, frozenset(self.busy),
+                                    stay=frozenset(self.shed_at))
         for plan in plans:
             record = records.get(_model_of(nodes, plan))
             if record is None:
@@ -137,8 +146,12 @@ class ModuleScaler:
         try:
             if plan.action is ModuleAction.DROP_REPLICA:
                 await self._drop(plan, rec)
+            elif plan.action is ModuleAction.TAKE:
+                await self._take(plan, rec)
             else:
                 await self._move(plan, record, rec)
+                if rec.ok and plan.action is ModuleAction.SHED:
+                    self.shed_at[plan.instance_id] = time.monotonic()
         except Exception as exc:  # NATS trouble: the next turn decides again
             log.exception("%s of %s failed", plan.action.value, plan.instance_id)
             rec.outcome = f"error: {exc!r}"
@@ -157,7 +170,7 @@ class ModuleScaler:
         host = await self._ask(plan.host_node, NodeCommand(
             CommandKind.HOST_LAYERS, model=record, instance_id=plan.instance_id,
             layer_start=plan.start, layer_end=plan.end, stage_node=plan.owner_node,
-            stage_bytes=plan.host_bytes), HOST_TIMEOUT_S)
+            stage_bytes=plan.host_bytes, stage_load=plan.load), HOST_TIMEOUT_S)
         if host is None or not host.accepted or not host.stage_address:
             rec.outcome = f"host refused: {host.reason if host else 'no answer'}"
             return
@@ -193,6 +206,22 @@ class ModuleScaler:
         rec.ok, rec.outcome = True, "dropped"
         await self._release(plan)
 
+    async def _take(self, plan: ModulePlan, rec: ModuleRecord) -> None:
+        """The owner runs the layers again; then the host lets the stage go. An owner that did
+        not answer may have taken them or not: its view says (its layout no longer names the
+        stage), and the stage is released only then."""
+        owner = await self._ask(plan.owner_node, NodeCommand(
+            CommandKind.TAKE_LAYERS, instance_id=plan.instance_id, layer_start=plan.start,
+            layer_end=plan.end, stage_address=plan.address, stage_node=plan.host_node),
+            HOST_TIMEOUT_S)
+        if owner is None and not await self._uses(plan, plan.address):
+            owner = NodeReply(True, "taken (seen in its view)")
+        if owner is None or not (owner.accepted or owner.reason.startswith("not_here")):
+            rec.outcome = f"owner refused: {owner.reason if owner else 'no answer'}"
+            return
+        rec.ok, rec.outcome = True, "taken"
+        await self._release(plan)
+
     async def _release(self, plan: ModulePlan) -> None:
         await self._ask(plan.host_node, NodeCommand(
             CommandKind.RELEASE_LAYERS, instance_id=plan.instance_id, layer_start=plan.start,
@@ -218,11 +247,11 @@ class ModuleScaler:
 
 
 def _freed_node(plan: ModulePlan) -> str | None:
-    """The node whose memory the plan frees (a shed frees its owner's, a dropped replica its
-    host's); None for a replication."""
+    """The node whose memory the plan frees (a shed frees its owner's, a dropped replica or
+    layers taken back their host's); None for a replication."""
     if plan.action is ModuleAction.SHED:
         return plan.owner_node
-    if plan.action is ModuleAction.DROP_REPLICA:
+    if plan.action in (ModuleAction.DROP_REPLICA, ModuleAction.TAKE):
         return plan.host_node
     return None
 

@@ -4,6 +4,7 @@ own state before it accepts: hardware fit, context, memory (§VII-D) and shadow 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
@@ -15,6 +16,18 @@ from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
 NEW_INSTANCE_ID = "<new>"
+
+
+def contended(config: CoreConfig, stage_load: float) -> CoreConfig:
+    """The validation of a node whose hosted layer stages take `stage_load` of its compute
+    (`NodeView.stage_load`): each of its own iterations gets the rest, so it takes
+    1 / (1 - load) as long as its profile says, on top of the overestimate. A node whose
+    stages may take all of it can promise nothing (every step infinitely long)."""
+    if stage_load <= 0:
+        return config
+    if stage_load >= 1:
+        return replace(config, overestimate=math.inf)
+    return replace(config, overestimate=(1 + config.overestimate) / (1 - stage_load) - 1)
 
 
 def node_check(node: NodeView, config: CoreConfig) -> AdmitReason | None:
@@ -145,6 +158,9 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
     the victims' handover: `handover_ready_at`)."""
     if request.context_len() + (request.max_tokens - request.generated) > model.max_context:
         return Admission(AdmitReason.CONTEXT_TOO_LONG)
+    if node.stage_load >= 1:
+        return Admission(AdmitReason.TPOT_BUDGET)  # its hosted stages may take all its compute
+    config = contended(config, node.stage_load)  # a host's stages take their share first
     if instance_id is None:
         if not config.enable_sharing and node.instances:
             return Admission(AdmitReason.NOT_SHARED)

@@ -13,6 +13,20 @@ and memory models.
   the layers Algorithm 1 (`scale_up`) picks onto that node, if the modelled step gets faster.
 - The spike passed (the instance's step would meet the SLO by a margin without its replicas):
   drop its replicas, the one whose loss costs the least speedup first (`eviction_order`).
+- Room again: an instance whose node has room for layers it shed (with `take_headroom` of the
+  node's memory left over, so that a take does not bring back the pressure that caused the
+  shed) takes them back, the run next to its own layers first; also, with no headroom, those
+  on a host whose own requests ran late (`overloaded`). Not while its node is under pressure,
+  nor for an instance the caller keeps as it is (`stay`: a shed younger than `settle_s`).
+
+A host's compute. A stage runs its layers for every iteration of the instance, on the host's
+compute: it takes up to `modules.stage_load` of it, which the host's view reports
+(`NodeView.stage_load`, the loads of the stages it holds) and its shadow validation counts
+(`evaluate.contended`: each of its own iterations takes 1 / (1 - load) as long). A shed or a
+replica goes only to a host whose own busy instances still fit one decode round each within
+their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
+then take at most `max_host_load`. (A replica yields: it is dropped once the host's own requests
+run late, so the host does not count it.)
 
 One plan per instance per call, and none for an instance with a move under way (`busy`): each
 plan changes the views the next one is decided on. Every plan keeps the nodes' memory safe by
@@ -28,10 +42,12 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
+from shared.core.evaluate import contended
 from shared.core.memory import kv_demand
-from shared.core.modules import (Device, HopCost, eviction_order, layer_weight_bytes,
-                                 layout_profile, layout_replication, layers_to_shed,
-                                 plan_layer_move, relative_hop_cost, scale_up, speedup)
+from shared.core.modules import (Device, HopCost, eviction_order, instance_profile,
+                                 layer_weight_bytes, layout_profile, layout_replication,
+                                 layout_spec, layers_to_shed, plan_layer_move, relative_hop_cost,
+                                 scale_up, speedup, stage_load)
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
                                NodeView, RequestView)
@@ -41,6 +57,7 @@ class ModuleAction(str, enum.Enum):
     SHED = "shed"  # move layers [start, end) of the instance to a stage on host_node
     REPLICATE = "replicate"  # a replica of layers [start, end) on host_node
     DROP_REPLICA = "drop_replica"  # stop using the replica at `address` on host_node
+    TAKE = "take"  # run layers [start, end), moved to `address` on host_node, here again
 
 
 @dataclass(frozen=True)
@@ -61,12 +78,24 @@ class ModuleSettings:
     # Replicas (on demand) may go to empty nodes too; False: only to idle fragments, nodes that
     # already hold an instance or host replicas (CoCoServe re-uses idle capacity).
     empty_hosts: bool = True
+    # Shed layers come back once their node has room for them with this fraction of its
+    # memory still free afterwards (a take must not bring back the pressure that shed them).
+    take: bool = True
+    take_headroom: float = 0.1
+    # The caller keeps a shed's layers where they went at least this long (`stay`).
+    settle_s: float = 10.0
+    # The most of a host's compute the stages it holds may take (`modules.stage_load`).
+    max_host_load: float = 0.5
 
     def __post_init__(self) -> None:
         if self.hop_latency_s < 0 or self.link_bytes_per_s <= 0:
             raise ValueError("hop_latency_s must be >= 0 and link_bytes_per_s > 0")
         if not 0 < self.relief < self.spike:
             raise ValueError("need 0 < relief < spike")
+        if not 0 <= self.take_headroom < 1 or self.settle_s < 0 or \
+                not 0 < self.max_host_load < 1:
+            raise ValueError("need 0 <= take_headroom < 1, settle_s >= 0 and "
+                             "0 < max_host_load < 1")
 
 
 @dataclass(frozen=True)
@@ -87,15 +116,21 @@ class ModulePlan:
     end: int
     host_bytes: int = 0  # what the host holds for the stage (its weights and K/V pool)
     owner_bytes_after: int = 0  # the instance's bytes on its node after the move
-    address: str = ""  # DROP_REPLICA: the replica stage's address
+    address: str = ""  # DROP_REPLICA, TAKE: the stage's address
     why: str = ""
+    # SHED: the share of the host's compute the stage takes (`modules.stage_load`), which the
+    # host reports in its view; a replica yields to the host's own work and reports none.
+    load: float = 0.0
 
     def layout_after(self, inst: InstanceView, address: str, settings: ModuleSettings
                      ) -> InstanceLayout:
         """The instance's layout once this plan is carried out (`address`: the new stage's)."""
         layout = inst.layout or new_layout(inst.model, settings)
-        if self.action is ModuleAction.DROP_REPLICA:
-            runs = tuple(r for r in layout.runs if not (r.replica and r.address == self.address))
+        if self.action in (ModuleAction.DROP_REPLICA, ModuleAction.TAKE):
+            replica = self.action is ModuleAction.DROP_REPLICA
+            runs = tuple(r for r in layout.runs
+                         if not (r.replica is replica and r.address == self.address
+                                 and (replica or (r.start, r.end) == (self.start, self.end))))
         else:
             runs = (*layout.runs, LayerRun(self.start, self.end, self.host_node, address,
                                            replica=self.action is ModuleAction.REPLICATE))
@@ -121,15 +156,18 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
                         pressures: list[MemoryPressure], settings: ModuleSettings,
                         config: CoreConfig, busy: frozenset[str] = frozenset(),
                         demand: list[RequestView] = (),
-                        overloaded: list[str] = ()) -> list[ModulePlan]:
-    """The module-scaling plans for this view of the cluster (module docstring). Two more
-    inputs a caller may have: `demand`, requests that placement could serve only with a new
+                        overloaded: list[str] = (),
+                        stay: frozenset[str] = frozenset()) -> list[ModulePlan]:
+    """The module-scaling plans for this view of the cluster (module docstring). More inputs
+    a caller may have: `demand`, requests that placement could serve only with a new
     instance or not at all (CoCoServe scales such a model up by replicating layers of its
-    instance onto idle nodes first), and `overloaded`, hosts whose own requests ran late (the
-    replicas they host go, cheapest first)."""
+    instance onto idle nodes first); `overloaded`, hosts whose own requests ran late (the
+    replicas they host go, cheapest first, and layers shed there come back where their node
+    has room); `stay`, instances whose shed layers are not taken back now."""
     plans: list[ModulePlan] = []
     taken: set[str] = set(busy)  # instances with a plan (one decision each)
-    free = {n.node_id: _free(n) for n in nodes}  # what earlier plans leave on each node
+    free = _Room({n.node_id: _free(n) for n in nodes},  # what earlier plans leave on each node
+                 {n.node_id: n.stage_load for n in nodes})
     for node_id in overloaded:
         node = next((n for n in nodes if n.node_id == node_id), None)
         if node is not None:
@@ -152,6 +190,9 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
                 if plan is not None:
                     plans.append(plan)
                     taken.add(inst.instance_id)
+    if settings.take:
+        pressed = {p.node_id for p in pressures if p.deficit_bytes > 0}
+        plans += _take_plans(nodes, pressed, set(overloaded), settings, taken | stay, free)
     return plans
 
 
@@ -161,12 +202,66 @@ def _free(node: NodeView) -> int:
     return node.memory_bytes - max(node.budget_bytes, node.pessimistic_bytes)
 
 
+@dataclass
+class _Room:
+    """What the plans made so far leave on each node: free bytes, and the stage load it has."""
+
+    free: dict[str, int]
+    load: dict[str, float]
+
+    def __getitem__(self, node_id: str) -> int:
+        return self.free[node_id]
+
+    def take(self, node_id: str, nbytes: int, load: float = 0.0) -> None:
+        self.free[node_id] -= nbytes
+        self.load[node_id] += load
+
+    def copy(self) -> _Room:
+        return _Room(dict(self.free), dict(self.load))
+
+
+def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
+               settings: ModuleSettings, room: _Room, replica: bool = False) -> bool:
+    """May a stage that takes `load` of `host`'s compute go there? Its own busy instances
+    still fit one decode round each (as its shadow validation predicts them, contended by its
+    stages and this one) within their tightest TPOT SLO; and a moved run's stage (one the
+    instance cannot run without) leaves its moved stages at most `max_host_load`. A replica
+    yields to the host's own work (it goes when the host's requests run late), so it is not
+    counted in the host's load afterwards, nor capped."""
+    total = room.load[host.node_id] + load
+    if not replica and total > settings.max_host_load:
+        return False
+    serving = [i for i in host.instances if _serves(i)]
+    if not serving:
+        return True
+    if total >= 1:
+        return False
+    return _round_s(host, serving, perf, contended(config, total)) <= \
+        min(_tpot(i) for i in serving)
+
+
+def _round_s(node: NodeView, serving: list[InstanceView], perf: PerfModel,
+             config: CoreConfig) -> float:
+    """One decode step of each instance with requests on the node, with the overestimate."""
+    total = 0.0
+    for inst in serving:
+        profile = instance_profile(perf, inst, node.hardware)
+        if profile is None:
+            return math.inf
+        total += profile.decode_s(inst.batch_size, _avg_len(inst))
+    return total * (1 + config.overestimate)
+
+
+def _serves(inst: InstanceView) -> bool:
+    return bool(inst.requests) and inst.status is not InstanceStatus.HANDOVER
+
+
 # -- memory pressure ---------------------------------------------------------------------------
 
 
 def _relieve(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
              config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
-             free: dict[str, int]) -> list[ModulePlan]:
+             free: _Room) -> list[ModulePlan]:
     """Module reduction on a pressured node: drop the replicas it hosts, cheapest first; if
     that is not enough, shed layers of one of its own instances."""
     plans = _drop_hosted(node, nodes, deficit, settings, perf, taken)
@@ -204,10 +299,11 @@ def _drop_hosted(node: NodeView, nodes: list[NodeView], deficit: int, settings: 
 
 def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
                config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
-               free: dict[str, int]) -> ModulePlan | None:
+               free: _Room) -> ModulePlan | None:
     """The instance on `node` that frees `deficit` by shedding the fewest layers (its last
-    local ones) to the node with the most free memory that takes them, and still meets its
-    requests' TPOT with the hops that adds."""
+    local ones) to the node with the most free memory that takes them and whose own requests
+    still meet their TPOT with the stage's work (`_host_fits`), and still meets its requests'
+    TPOT with the hops that adds."""
     best: tuple[tuple, ModulePlan] | None = None
     for inst in node.instances:
         full = inst.layout.model if inst.layout is not None else inst.model
@@ -218,26 +314,32 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
         k = layers_to_shed(full, inst.kv_bytes, full.layers, here, full.head_bytes, deficit)
         if not k:
             continue
-        move = plan_layer_move(full, inst.kv_bytes, 0, full.layers, here, k, full.head_bytes)
-        hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
-                 and not n.draining and free[n.node_id] >= move.dest_bytes]
-        if not hosts:
+        profile = perf.get(inst.model.name, node.hardware)
+        if profile is None:
             continue
-        host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))
-        plan = ModulePlan(ModuleAction.SHED, inst.instance_id, node.node_id, host.node_id,
+        move = plan_layer_move(full, inst.kv_bytes, 0, full.layers, here, k, full.head_bytes)
+        plan = ModulePlan(ModuleAction.SHED, inst.instance_id, node.node_id, "",
                           here - k, here, host_bytes=move.dest_bytes,
                           owner_bytes_after=move.source_bytes_after,
                           why=f"memory pressure: {deficit} bytes short")
         after = plan.layout_after(inst, "", settings)
         if not _meets_tpot(inst, after, perf, node, config):
             continue
+        load = stage_load(profile, after, after.runs[-1])
+        hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
+                 and not n.draining and free[n.node_id] >= move.dest_bytes
+                 and _host_fits(n, load, perf, config, settings, free)]
+        if not hosts:
+            continue
+        host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))
+        plan = replace(plan, host_node=host.node_id, load=load)
         rank = (k, -move.dest_bytes, inst.instance_id)
         if best is None or rank < best[0]:
             best = (rank, plan)
     if best is None:
         return None
     plan = best[1]
-    free[plan.host_node] -= plan.host_bytes
+    free.take(plan.host_node, plan.host_bytes, plan.load)
     taken.add(plan.instance_id)
     return plan
 
@@ -250,7 +352,7 @@ def _replicated(inst: InstanceView) -> bool:
 
 
 def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: ModuleSettings,
-                  config: CoreConfig, free: dict[str, int], taken: set[str]) -> list[ModulePlan]:
+                  config: CoreConfig, free: _Room, taken: set[str]) -> list[ModulePlan]:
     """Algorithm 1 for the model's busiest instance that is alone of its model on its node:
     replicas of the layers `scale_up` picks, on the idle nodes with room (one range each), if
     they raise the modelled speedup."""
@@ -265,17 +367,17 @@ def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: 
         profile = perf.get(model, node.hardware)
         if profile is None:
             continue
-        plans = _replicas_for(node, inst, nodes, profile, settings, free, one_host=False,
-                              why=f"demand for {model}")
+        plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, free,
+                              one_host=False, why=f"demand for {model}")
         if plans:
             taken.add(inst.instance_id)
             return plans
     return []
 
 
-def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], profile: Profile,
-                  settings: ModuleSettings, free: dict[str, int], one_host: bool,
-                  why: str) -> list[ModulePlan]:
+def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
+                  profile: Profile, settings: ModuleSettings, config: CoreConfig, free: _Room,
+                  one_host: bool, why: str) -> list[ModulePlan]:
     full = _full(inst)
     per_layer = _stage_bytes(inst, 1)
     hosting = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
@@ -301,6 +403,7 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], pro
     if speedup(grown, hop_c) <= speedup(base, hop_c) + 1e-9:
         return []
     plans, layout = [], inst.layout
+    by_id = {n.node_id: n for n in nodes}
     for device in devices:
         held = grown.on.get(device.name, set()) - base.on.get(device.name, set())
         if not held:
@@ -310,9 +413,13 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], pro
                           start, end, host_bytes=_stage_bytes(inst, end - start), why=why)
         if plan.host_bytes > free[device.name]:
             continue
-        free[device.name] -= plan.host_bytes
-        layout = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
-                                   device.name, settings)
+        after = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
+                                  device.name, settings)
+        load = stage_load(profile, after, after.runs[-1])
+        if not _host_fits(by_id[device.name], load, perf, config, settings, free, replica=True):
+            continue
+        free.take(device.name, plan.host_bytes)
+        layout = after
         plans.append(plan)
     return plans
 
@@ -352,7 +459,7 @@ def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, nod
 
 def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
                 settings: ModuleSettings, config: CoreConfig,
-                free: dict[str, int]) -> ModulePlan | None:
+                free: _Room) -> ModulePlan | None:
     full = _full(inst)
     profile = perf.get(full.name, node.hardware)
     if profile is None or inst.status is not InstanceStatus.READY or not movable(full) or \
@@ -362,15 +469,16 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     now_s = _step_s(inst, inst.layout, profile, config)
     if now_s <= settings.spike * _tpot(inst):
         return None
-    trial = dict(free)
-    plans = _replicas_for(node, inst, nodes, profile, settings, trial, one_host=True,
+    trial = free.copy()
+    plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, trial,
+                          one_host=True,
                           why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
     if not plans:
         return None
     plan = plans[0]
     if _step_s(inst, plan.layout_after(inst, "?", settings), profile, config) >= now_s:
         return None  # the profile's small batches cost about as much: no gain
-    free[plan.host_node] -= plan.host_bytes
+    free.take(plan.host_node, plan.host_bytes, plan.load)
     return plan
 
 
@@ -391,6 +499,49 @@ def _passed_plan(node: NodeView, inst: InstanceView, perf: PerfModel, settings: 
     return ModulePlan(ModuleAction.DROP_REPLICA, inst.instance_id, node.node_id, run.node_id,
                       run.start, run.end, host_bytes=_stage_bytes(inst, run.end - run.start),
                       address=run.address, why="the spike passed")
+
+
+# -- room again: shed layers come back --------------------------------------------------------
+
+
+def _take_plans(nodes: list[NodeView], pressed: set[str], overloaded: set[str],
+                settings: ModuleSettings, keep: set[str], free: _Room) -> list[ModulePlan]:
+    plans = []
+    for node in nodes:
+        if node.node_id in pressed or node.draining:
+            continue
+        for inst in node.instances:
+            plan = _take_plan(node, inst, overloaded, settings, keep, free)
+            if plan is not None:
+                plans.append(plan)
+                keep.add(inst.instance_id)
+    return plans
+
+
+def _take_plan(node: NodeView, inst: InstanceView, overloaded: set[str],
+               settings: ModuleSettings, keep: set[str], free: _Room) -> ModulePlan | None:
+    """The moved run next to the instance's own layers comes back if its node has room for
+    its bytes (as `NodeScheduler.set_layout` will count them) with `take_headroom` of its
+    memory left over; none needed where the run's host is overloaded."""
+    if inst.layout is None or inst.instance_id in keep or inst.status is not InstanceStatus.READY:
+        return None
+    moved = [r for r in inst.layout.runs if not r.replica]
+    if not moved:
+        return None
+    run = min(moved, key=lambda r: r.start)
+    after = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if r != run))
+    here, back = inst.layout.local_layers(), after.local_layers()
+    spec = layout_spec(after) if back < after.model.layers else after.model
+    owner_after = spec.weight_bytes + -(-inst.kv_bytes * back // here)
+    need = owner_after - (inst.model.weight_bytes + inst.kv_bytes)
+    headroom = 0 if run.node_id in overloaded else settings.take_headroom * node.memory_bytes
+    if free[node.node_id] - need < headroom:
+        return None
+    free.take(node.node_id, need)
+    why = "its host is overloaded" if run.node_id in overloaded else "room again on its node"
+    return ModulePlan(ModuleAction.TAKE, inst.instance_id, node.node_id, run.node_id, run.start,
+                      run.end, host_bytes=_stage_bytes(inst, run.end - run.start),
+                      owner_bytes_after=owner_after, address=run.address, why=why)
 
 
 def _hosts_for(inst: InstanceView, node_id: str) -> bool:

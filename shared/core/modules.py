@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
-from shared.core.types import Hardware, InstanceLayout, InstanceView, ModelSpec
+from shared.core.types import Hardware, InstanceLayout, InstanceView, LayerRun, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -324,6 +324,31 @@ def layout_profile(profile: Profile, layout: InstanceLayout | None) -> Profile:
     if rep.replicas():
         profile = replicated_profile(profile, rep, hop)
     return pipeline_profile(profile, layout_hops(layout), hop)
+
+
+def stage_load(profile: Profile, layout: InstanceLayout, run: LayerRun) -> float:
+    """The share of its host's compute a stage of the instance (`run`, in `layout`) may take
+    while the instance runs iterations back to back: the stage's layers' work in one decode step
+    (each on its rows: the batch, or its share of it on a replica) over the step with the
+    layout (`layout_profile`), the largest over the profile's decode table; and at least the
+    run's share of the step's layers (each over its replicas), which is what a step's time gives
+    the stage where compute is proportional (the simulator's host model). Hosts are of the
+    owner's hardware kind, so one profile prices both."""
+    layers = layout.model.layers
+    degrees = layout_replication(layout).degrees()
+    share = sum(1 / degrees[i] if run.replica else 1 for i in range(run.start, run.end)) / layers
+    step = layout_profile(profile, layout)
+    dec = profile.decode
+    worst = 0.0
+    for b in dec.batch_sizes:
+        for n in dec.lengths:
+            total = step.decode_s(b, n)
+            if total <= 0:
+                continue
+            work = sum(profile.decode_s(math.ceil(b / degrees[i]) if run.replica else b, n)
+                       for i in range(run.start, run.end)) / layers
+            worst = max(worst, work / total)
+    return max(share, worst)
 
 
 def layout_spec(layout: InstanceLayout) -> ModelSpec:

@@ -93,6 +93,7 @@ class NodeScheduler:
         # Live preemption: preemptor instance -> the victims it waits for (runs nothing until
         # they are unloaded: the handover the admission was validated with).
         self._waits_for: dict[str, set[str]] = {}
+        self._loads: dict[str, float] = {}  # hold key -> the compute share it takes (`hold`)
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
@@ -540,13 +541,21 @@ class NodeScheduler:
         self._sync(now)
         return ops
 
-    def hold(self, key: str, nbytes: int, now: float) -> tuple[bool, list[MemOp]]:
+    def hold(self, key: str, nbytes: int, now: float,
+             load: float | None = None) -> tuple[bool, list[MemOp]]:
         """Hold `nbytes` on this node under `key` (0: release them) for something that is not an
         instance of the node: a layer replica of another node's instance (CoCoServe). The budget,
         pessimistic tracking and the reservation station account it like an instance's bytes;
-        the ops returned are executed and completed (`memop_done`) like any other."""
+        the ops returned are executed and completed (`memop_done`) like any other. `load`: the
+        share of the node's compute it takes (`modules.stage_load`; None: as held so far), in
+        the node's `stage_load` until it is released."""
         kind = MemOpKind.LOAD if nbytes else MemOpKind.UNLOAD
         ok, ops = self.ledger.request(kind, key, nbytes, now)
+        if not nbytes:
+            self._loads.pop(key, None)
+        elif ok and load is not None:
+            self._loads[key] = load
+        self.node.stage_load = sum(self._loads.values())
         self._sync(now)
         return ok, ops
 

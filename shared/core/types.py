@@ -293,6 +293,10 @@ class NodeView:
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot
     draining: bool = False  # an operator drains it: placers send it no new work
+    # The share of its compute that decoder layers it hosts for other nodes' instances may take
+    # (CoCoServe, `modules.stage_load`): its own iterations are validated as 1 / (1 - load)
+    # longer (`evaluate.contended`). 0: it hosts none.
+    stage_load: float = 0.0
 
     def instance(self, instance_id: str) -> InstanceView | None:
         return next((i for i in self.instances if i.instance_id == instance_id), None)

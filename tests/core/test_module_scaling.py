@@ -108,7 +108,8 @@ def test_memory_pressure_sheds_the_fewest_layers_that_free_the_deficit_to_a_node
     k = layers_to_shed(inst.model, inst.kv_bytes, LAYERS, LAYERS, HEAD, deficit)
     move = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, k, HEAD)
     assert plan == ModulePlan(ModuleAction.SHED, iid, "a", "b", LAYERS - k, LAYERS,
-                              move.dest_bytes, move.source_bytes_after, why=plan.why)
+                              move.dest_bytes, move.source_bytes_after, why=plan.why,
+                              load=pytest.approx(k / LAYERS))  # its share of every step
     assert plan.host_bytes >= deficit
     # No node with that much free memory, or a move under way for it: no plan.
     full = node("b", Hardware.CPU, 0.01, perf)
@@ -291,3 +292,164 @@ def test_an_overloaded_host_loses_the_replicas_it_hosts():
     quiet = replace(SETTINGS, spikes=False)  # (the batch is light: it would drop it anyway)
     assert plan_module_scaling([owner.view(), host.view()], perf, 0.0, [], quiet, CONFIG,
                                overloaded=["a"]) == []
+
+
+# -- the host's compute: a stage's work is the host's too --------------------------------------
+
+
+def busy_host(requests: int, node_id: str = "b", memory_gb: float = 40.0, perf=None):
+    """A host running `requests` of its own on an instance of another model (TPOT 0.25 s)."""
+    perf = perf or perf_for(proportional(), proportional("other"))
+    host = node(node_id, Hardware.CPU, memory_gb, perf)
+    iid = None
+    for k in range(requests):
+        iid = loaded(host, iid, request(f"own{k}", model_name="other", ttft=5.0), spec(name="other"))
+    return host
+
+
+def test_a_shed_goes_only_to_a_host_whose_own_requests_still_meet_their_tpot_with_its_work():
+    perf = perf_for(proportional(), proportional("other"))
+    owner, _, iid, _ = cluster(profile=proportional())
+    inst = owner.node.instance(iid)
+    one = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, 1, HEAD).dest_bytes
+    deficit = one + 1  # two layers: 2/8 of every step
+    # 9 requests at 0.02 s each: 0.198 s a round with the overestimate, 0.264 s once the stage
+    # takes a quarter of the node (over 0.25 s); 7 requests: 0.205 s contended.
+    loaded_host = busy_host(9, perf=perf)
+    assert plan_module_scaling([owner.view(), loaded_host.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    lighter = busy_host(7, perf=perf)
+    [plan] = plan_module_scaling([owner.view(), lighter.view()], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    assert (plan.host_node, plan.end - plan.start, plan.load) == ("b", 2, pytest.approx(0.25))
+    # A busy host with the most room loses to an idle one with enough.
+    idle = node("c", Hardware.CPU, 4.0, perf)
+    [plan] = plan_module_scaling([owner.view(), loaded_host.view(), idle.view()], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    assert plan.host_node == "c"
+    # The stages a host holds already count: 0.3 more of its compute and even 7 miss.
+    lighter.hold("x/layers/0:1", GB // 8, 0.0, load=0.3)
+    assert lighter.view().stage_load == pytest.approx(0.3)
+    assert plan_module_scaling([owner.view(), lighter.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    # An idle host takes moved stages up to max_host_load, no more.
+    assert plan_module_scaling([owner.view(), idle.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)],
+                               replace(SETTINGS, max_host_load=0.2), CONFIG) == []
+
+
+def test_a_host_reports_its_stages_load_and_its_own_admissions_count_it():
+    perf = perf_for(proportional("other"))
+    host = busy_host(9, perf=perf)
+    iid = host.node.instances[0].instance_id
+    key = stage_key("m@a#1", 6, 8)
+    ok, ops = host.hold(key, GB // 2, 0.0, load=0.25)
+    assert ok and host.view().stage_load == pytest.approx(0.25)
+    drain(host, ops)
+    # A 10th request: 0.22 s a round alone, 0.293 s with the stage's quarter: refused.
+    tenth = request("own9", model_name="other", ttft=5.0)
+    refused = host.admit(tenth, iid, spec(name="other"), 0.0)
+    assert not refused.admission.ok and refused.admission.reason.value == "tpot_budget"
+    host.hold(key, GB, 0.0)  # (the bytes follow the stage; its load stays)
+    assert host.view().stage_load == pytest.approx(0.25)
+    _, ops = host.hold(key, 0, 0.0)  # released
+    drain(host, ops)
+    assert host.view().stage_load == 0
+    assert host.admit(tenth, iid, spec(name="other"), 0.0).admission.ok
+
+
+@settings(max_examples=150, deadline=None)
+@given(own=st.integers(0, 12), held_load=st.floats(0.0, 0.6), tpot=st.floats(0.1, 0.5),
+       deficit_layers=st.floats(0.1, 4.0), per_request_s=st.floats(0.005, 0.03))
+def test_no_planned_shed_makes_its_hosts_predicted_round_exceed_its_tightest_tpot(
+        own, held_load, tpot, deficit_layers, per_request_s):
+    perf = perf_for(proportional(), proportional("other", per_request_s))
+    owner, _, iid, _ = cluster(owner_gb=6.0, profile=proportional())
+    host = node("b", Hardware.CPU, 40.0, perf)
+    hid = None
+    for k in range(own):
+        res = host.admit(request(f"own{k}", model_name="other", ttft=5.0, tpot=tpot), hid,
+                         spec(name="other"), 0.0)
+        if not res.admission.ok:
+            break
+        drain(host, res.start_ops)
+        hid = res.instance_id
+    if held_load:
+        drain(host, host.hold("x/layers/0:1", GB // 8, 0.0, load=held_load)[1])
+    inst = owner.node.instance(iid)
+    deficit = int(deficit_layers * layer_weight_bytes(inst.model, LAYERS, HEAD))
+    plans = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    for plan in plans:
+        assert plan.action is ModuleAction.SHED and plan.host_node == "b"
+        load = held_load + plan.load
+        assert plan.load >= (plan.end - plan.start) / LAYERS - 1e-9
+        assert load <= SETTINGS.max_host_load + 1e-9
+        mine = [i for i in host.node.instances if i.requests]
+        if mine:
+            step = sum(perf.get("other", Hardware.CPU).decode_s(i.batch_size, 100) for i in mine)
+            assert step * (1 + CONFIG.overestimate) / (1 - load) <= \
+                min(r.slo.tpot_s for i in mine for r in i.requests) + 1e-9
+        # ...and the host's own validation, with the stage held, agrees its requests fit.
+        drain(host, host.hold(stage_key(iid, plan.start, plan.end), plan.host_bytes, 0.0,
+                              load=plan.load)[1])
+        assert host.view().stage_load == pytest.approx(load)
+
+
+# -- room again: shed layers come back ----------------------------------------------------------
+
+
+def shed_to(owner, iid: str, start: int, end: int, host: str, address: str) -> None:
+    inst = owner.node.instance(iid)
+    full = inst.layout.model if inst.layout is not None else inst.model
+    runs = (*(inst.layout.runs if inst.layout else ()), LayerRun(start, end, host, address))
+    ok, ops = owner.set_layout(iid, InstanceLayout(full, runs, 1e-4, 1e10), 0.0)
+    assert ok
+    drain(owner, ops)
+
+
+def test_shed_layers_come_back_once_their_node_has_room_with_headroom_to_spare():
+    owner, host, iid, perf = cluster()
+    before = owner.ledger.allocated(iid)
+    shed_to(owner, iid, 6, 8, "b", "b:1")
+    views = [owner.view(), host.view()]
+    [plan] = plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG)
+    assert (plan.action, plan.instance_id, plan.owner_node, plan.host_node, plan.start,
+            plan.end, plan.address) == (ModuleAction.TAKE, iid, "a", "b", 6, 8, "b:1")
+    assert abs(plan.owner_bytes_after - before) <= LAYERS  # (the K/V pool's rounding)
+    inst = owner.node.instance(iid)
+    assert plan.layout_after(inst, "", SETTINGS).runs == ()
+    # Not with less headroom than asked, under pressure, while the caller keeps it, or off.
+    free = owner.ledger.capacity - owner.ledger.budget
+    tight = replace(SETTINGS, take_headroom=(free - (before - owner.ledger.allocated(iid)))
+                    / owner.ledger.capacity + 0.01)
+    assert plan_module_scaling(views, perf, 1.0, [], tight, CONFIG) == []
+    assert ModuleAction.TAKE not in [p.action for p in plan_module_scaling(
+        views, perf, 1.0, [MemoryPressure("a", 1)], SETTINGS, CONFIG)]
+    assert plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG,
+                               stay=frozenset({iid})) == []
+    assert plan_module_scaling(views, perf, 1.0, [], replace(SETTINGS, take=False),
+                               CONFIG) == []
+    # A host whose own requests run late gets its stage back without the headroom.
+    [back] = plan_module_scaling(views, perf, 1.0, [], tight, CONFIG, overloaded=["b"])
+    assert (back.action, back.address) == (ModuleAction.TAKE, "b:1")
+
+
+def test_the_run_next_to_the_instances_own_layers_comes_back_first_and_memory_stays_safe():
+    owner, host, iid, perf = cluster(owner_gb=5.0)
+    shed_to(owner, iid, 6, 8, "b", "b:1")
+    shed_to(owner, iid, 4, 6, "c", "c:1")
+    inst = owner.node.instance(iid)
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 1.0, [], SETTINGS, CONFIG)
+    assert (plan.action, plan.start, plan.end, plan.host_node) == (ModuleAction.TAKE, 4, 6, "c")
+    # Carried out as the node worker does: reserve the bytes, then the layout grows into them.
+    need = plan.owner_bytes_after - owner.ledger.allocated(iid)
+    ok, ops = owner.hold(f"{iid}/take", need, 2.0)
+    assert ok and owner.ledger.pessimistic <= owner.ledger.capacity
+    drain(owner, ops, 2.0)
+    drain(owner, owner.hold(f"{iid}/take", 0, 2.0)[1], 2.0)
+    ok, ops = owner.set_layout(iid, plan.layout_after(inst, "", SETTINGS), 2.0)
+    assert ok and owner.ledger.pessimistic <= owner.ledger.capacity
+    drain(owner, ops, 2.0)
+    assert owner.ledger.allocated(iid) == plan.owner_bytes_after
+    assert inst.layout.runs == (LayerRun(6, 8, "b", "b:1"),) and inst.layout.local_layers() == 6

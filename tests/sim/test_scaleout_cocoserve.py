@@ -163,3 +163,35 @@ def test_empty_nodes_host_replicas_only_when_allowed():
             arrive(sys_, f"x{i}", a, 10.0 + 0.001 * i, inp=2048, out=100)
         assert metrics.counters["cocoserve_scale_ups"] == expect
         assert ("gpu1" in sys_.cocoserve.hosts()) is bool(expect)
+
+
+def test_shed_layers_load_their_host_and_come_back_once_their_node_has_room():
+    """A shed (memory pressure on gpu0): the moved layers' stage on gpu1 is in gpu1's view as a
+    share of its compute, which its own admissions count; once the shed has settled and gpu0
+    has room, the periodic take-back brings them home while the instance's request streams."""
+    from shared.core.module_scaling import MemoryPressure, ModuleAction
+
+    sys_, loop, metrics, (a, b) = cluster()
+    arrive(sys_, "h", b, 0.0, node="gpu1")
+    w = arrive(sys_, "w", a, 0.0, node="gpu0", out=3000)
+    advance(sys_, loop, 5.0)
+    coco = sys_.cocoserve
+    gpu0, gpu1 = sys_.nodes["gpu0"].sched, sys_.nodes["gpu1"].sched
+    (inst,) = gpu0.node.instances
+    before = gpu0.ledger.target(inst.instance_id)
+    [plan] = coco._plan(pressures=[MemoryPressure("gpu0", 1 << 30)])  # what memory_pressure does
+    assert (plan.action, plan.owner_node, plan.host_node) == (ModuleAction.SHED, "gpu0", "gpu1")
+    coco._carry(plan)
+    advance(sys_, loop, 8.0)
+    ((iid, layout),) = coco.layouts.items()
+    assert iid == inst.instance_id and not layout.runs[0].replica
+    assert gpu0.ledger.target(iid) < before
+    assert gpu1.node.stage_load == pytest.approx(plan.load) and plan.load > 0
+    tokens = w.generated
+    # Settled (settle_s) and gpu0 has room: taken back, the host's hold and load released.
+    advance(sys_, loop, 8.0 + coco.settings.settle_s + 5.0)
+    assert metrics.counters["cocoserve_takes"] == 1
+    assert not coco.layouts and gpu0.node.instance(iid).layout is None
+    assert gpu0.ledger.target(iid) >= before - 8  # (the K/V pool's rounding)
+    assert gpu1.ledger.target(layout.runs[0].address) == 0 and gpu1.node.stage_load == 0
+    assert w.generated > tokens and not w.done
