@@ -62,6 +62,30 @@ NVME_BYTES_PER_S = 5 * GB  # every node reading its own local copy in parallel (
 REGISTRY_BYTES_PER_S = 1.25 * GB  # one 10 Gb/s link out of the registry, shared by all readers
 
 
+def rss_mb(pid: int) -> int | None:
+    """A process's resident memory now (MB), None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) // 1024
+    except OSError:
+        return None
+    return None
+
+
+def stop_processes(procs: list, logs: list, wait_s: float) -> None:
+    """Terminate the node processes, kill those still up after `wait_s`, close their logs."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(wait_s)
+        except Exception:
+            proc.kill()
+    for log in logs:
+        log.close()
+
+
 def first_pipeline_steps(n: int, k: int, blocks: int) -> int:
     """Steps until some execution pipeline's nodes hold every block between them (one source
     per sub-group, k-way orders): the earliest step after which a request can be served."""
@@ -283,15 +307,7 @@ async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) ->
             result["rows"].append(row)
         await nc.close()
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except Exception:
-                proc.kill()
-        for log in logs:
-            log.close()
+        stop_processes(procs, logs, 15)
         server.stop()
     result["load_average_after"] = os.getloadavg()
     return result
@@ -491,6 +507,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
             for f in files:
                 drop_page_cache(f)
             reports_before = len(placer.multicast_reports)
+            log_from = {n: (tmp / f"{n}.log").stat().st_size for n in names}
             first: dict[str, float] = {}
             finals: dict[str, TokenMessage] = {}
             ready: dict[str, float] = {}
@@ -541,12 +558,15 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
                 raise RuntimeError(f"expected one multicast: {[r.to_dict() for r in reports]}")
             if method == "storage" and reports:
                 raise RuntimeError("a storage run multicast")
+            timings = await pipeline_timings(tmp, log_from) if method == "pipeline" else []
             return {"ready_s": [round(ready.get(d, float("nan")), 4) for d in dests],
                     "ttft_min_s": round(min(first[r] for r in rids), 4),
                     "all_ready_s": max(ready.values()) if len(ready) == len(dests) else None,
                     "ttft_s": [round(first[r], 4) for r in rids],
                     "served_on": served_on,
-                    "multicast_s": reports[0].seconds if reports else None}
+                    "multicast_s": reports[0].seconds if reports else None,
+                    "rss_mb": {n: rss_mb(p.pid) for n, p in zip(names, procs)},
+                    **({"pipeline_timings": timings} if method == "pipeline" else {})}
 
         # One untimed burst each way (first-use costs: pool buffers, code paths).
         for method in methods:
@@ -579,19 +599,39 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
             await loop["runner"]
         await nc.close()
         await redis.aclose()
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except Exception:
-                proc.kill()
-        for log in logs:
-            log.close()
+        stop_processes(procs, logs, 20)
         for server in servers:
             server.stop()
     result["load_average_after"] = os.getloadavg()
     return result
+
+
+async def pipeline_timings(tmp: Path, log_from: dict[str, int], wait_s: float = 10.0
+                           ) -> list[dict]:
+    """The "pipeline timings" lines the node workers logged since `log_from` (each log's size
+    then), one dict per pipelined instance: how long its formation took (waiting for its
+    first blocks, the helper hosting the stage, the head's engine) and its switch to local
+    execution, which comes once the copy is whole (waited for up to `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        merged: dict[str, dict] = {}
+        for name, start in log_from.items():
+            with open(tmp / f"{name}.log", "rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+            for line in text.splitlines():
+                if line.startswith("{"):  # the node's JSON log format: the message inside
+                    try:
+                        line = json.loads(line).get("message", "")
+                    except json.JSONDecodeError:
+                        continue  # a line cut by the read
+                _, sep, payload = line.partition("pipeline timings ")
+                if sep:
+                    entry = json.loads(payload)
+                    merged.setdefault(entry["instance"], {}).update(entry)
+        if all("switch_s" in e for e in merged.values()) or time.monotonic() > deadline:
+            return list(merged.values())
+        await asyncio.sleep(0.2)
 
 
 def served_table(results: Path) -> str:
@@ -658,18 +698,26 @@ def ewl_table(results: Path) -> str:
     """The BENCHMARKS rows of the recorded --ewl runs (scaleout_ewl_*.json)."""
     lines = ["| shape (bytes) | k | link (MB/s) | first TTFT at t = 0, multicast / pipeline (s) | "
              "TTFT median / max, multicast (s) | TTFT median / max, pipeline (s) | the "
-             "multicast itself, multicast / pipeline run (s) |", "|---|---|---|---|---|---|---|"]
+             "multicast itself, multicast / pipeline run (s) | pipeline formation: stage "
+             "hosted / head engine / switch (s) |", "|---|---|---|---|---|---|---|---|"]
     for path in sorted(results.glob("scaleout_ewl_*.json")):
         r = json.loads(path.read_text())
         for row in r["rows"]:
             mc = [median([x["multicast_s"] for x in row[f"{m}_runs"]]) for m in
                   ("multicast", "pipeline")]
+            timings = [t for x in row["pipeline_runs"] for t in x.get("pipeline_timings", [])]
+            formation = " / ".join(
+                f"{median([t[key] for t in timings if key in t]):.2f}"
+                if any(key in t for t in timings) else "n/a"
+                for key in ("host_stage_s", "head_engine_s", "switch_s")) \
+                if timings else "not recorded"
             lines.append(
                 f"| {r['shape']} ({r['model_bytes'] / 1e6:.0f} MB) | {row['k']} | "
                 f"{r['link_bytes_per_s'] / 1e6:g} | {row['multicast_ttft_min_s']:.2f} / "
                 f"{row['pipeline_ttft_min_s']:.2f} | {row['multicast_ttft_median_s']:.2f} / "
                 f"{row['multicast_ttft_max_s']:.2f} | {row['pipeline_ttft_median_s']:.2f} / "
-                f"{row['pipeline_ttft_max_s']:.2f} | {mc[0]:.2f} / {mc[1]:.2f} |")
+                f"{row['pipeline_ttft_max_s']:.2f} | {mc[0]:.2f} / {mc[1]:.2f} | "
+                f"{formation} |")
     return "\n".join(lines)
 
 

@@ -506,13 +506,15 @@ class MulticastEndpoint:
             if t.id in self._transfers:
                 raise MulticastError(f"transfer {t.id} is already known here")
             self._transfers[t.id] = t
-        self._loop.call_later(float(ttl_s or DEFAULT_TTL_S), self._expire, t)
+        # The timer names the transfer by its id, not the object: a finished transfer's buffers
+        # must go back to the loader's pool now, not when its ttl runs out.
+        self._loop.call_later(float(ttl_s or DEFAULT_TTL_S), self._expire, t.id)
 
-    def _expire(self, t: _Transfer) -> None:
+    def _expire(self, transfer_id: str) -> None:
         with self._lock:
-            if self._transfers.get(t.id) is not t:
-                return  # finished
-            del self._transfers[t.id]
+            t = self._transfers.pop(transfer_id, None)
+        if t is None:
+            return  # finished
         log.warning("multicast %s on %s expired before its finish", t.id, self.node_id)
         if t.receiving:
             self._ended(t)

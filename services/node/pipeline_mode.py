@@ -28,6 +28,7 @@ copy. A pipeline whose copy never completes keeps serving through its helper.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -63,7 +64,8 @@ class Pipelined:
     split: int
     layers: int
     address: str
-    host: object  # the multicast's buffers (HostCheckpoint) the local layers are views of
+    host: object | None  # the multicast's buffers (HostCheckpoint) the local layers view; None
+    # once the pipeline is over
     events: dict[str, float] = field(default_factory=dict)  # what happened when (time.time())
 
 
@@ -106,6 +108,7 @@ class PipelineStarts:
         if got is None:
             raise RuntimeError("no blocks of it arrived in time")
         manifest, host, have = got
+        blocks_at = time.time()
         if len(have) == len(manifest.blocks):
             self._run_alone(instance_id)  # the whole copy came first: load it as usual
             return None
@@ -117,7 +120,7 @@ class PipelineStarts:
         helper = mode.helpers[0]
         address = self._host(helper, instance_id, record, split, layers, kv_bytes)
         pipe = Pipelined(instance_id, record, helper, split, layers, address, host,
-                         {"admitted": started, "blocks": time.time()})
+                         {"admitted": started, "blocks": blocks_at, "hosted": time.time()})
         try:
             engine = self._engine(record, kv_bytes, split, address,
                                   held_tensors(host, Holding("", frozenset(range(split)), True)))
@@ -133,6 +136,13 @@ class PipelineStarts:
             self.history.append(pipe)
         log.info("node %s: %s serves through a pipeline: layers 0-%d here, %d-%d on %s",
                  self.w.s.node_id, instance_id, split - 1, split, layers - 1, helper)
+        # One parseable line of the formation's timings (bench/scaleout.py --ewl reads it: the
+        # core's `pipeline_setup_s` + engine start is what blocks -> serving took here).
+        log.info("pipeline timings %s", json.dumps({
+            "instance": instance_id, "node": self.w.s.node_id, "split": split,
+            "wait_blocks_s": round(blocks_at - started, 4),
+            "host_stage_s": round(pipe.events["hosted"] - blocks_at, 4),
+            "head_engine_s": round(pipe.events["serving"] - pipe.events["hosted"], 4)}))
         self._call(self._switch_when_whole(pipe))
         return engine
 
@@ -216,6 +226,9 @@ class PipelineStarts:
         pipe.events["switched"] = time.time()
         log.info("node %s: %s runs alone now (layers %d-%d taken back from %s)",
                  self.w.s.node_id, pipe.instance_id, pipe.split, pipe.layers - 1, pipe.helper)
+        log.info("pipeline timings %s", json.dumps({
+            "instance": pipe.instance_id, "node": self.w.s.node_id,
+            "switch_s": round(pipe.events["switched"] - pipe.events["whole"], 4)}))
         await self._release_async(pipe)
 
     def kv_share(self, instance_id: str, kv_bytes: int) -> int:
@@ -245,6 +258,9 @@ class PipelineStarts:
         self._call(self._release_async(pipe), wait_s=30.0)
 
     async def _release_async(self, pipe: Pipelined) -> None:
+        # The pipeline is over (switched, unloaded or never served): its record in `history`
+        # must not keep the copy's buffers from the loader's pool.
+        pipe.host = None
         cmd = NodeCommand(CommandKind.RELEASE_LAYERS, instance_id=pipe.instance_id,
                           layer_start=pipe.split, layer_end=pipe.layers,
                           stage_node=self.w.s.node_id)

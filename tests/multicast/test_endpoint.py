@@ -145,3 +145,33 @@ async def test_a_transfer_whose_coordinator_never_finishes_it_is_forgotten(endpo
             break
         await asyncio.sleep(0.1)
     assert not reply["ok"] and "no transfer t-orphan" in reply["error"]
+
+
+async def test_a_received_model_dropped_from_the_dram_tier_frees_its_buffers_for_the_next(
+        endpoint, nc, source, small_model):
+    """A finished transfer keeps nothing: once its model leaves the DRAM tier, the buffers it
+    arrived in go back to the loader's pool (repeated bursts must not grow a node's memory)."""
+    host, manifest = source
+    views = {f: writable_view(buf) for f, buf in host.buffers.items()}
+    everything = [[s, "sender", b.index] for s, b in enumerate(manifest.blocks)]
+    for transfer in ("t-first", "t-second"):
+        events = Events()
+        sub = await nc.subscribe(multicast_events_subject(transfer), cb=events.cb)
+        try:
+            got = await ask(nc, "under-test", {"op": "prepare", "transfer": transfer,
+                                               "manifest": manifest.to_wire()})
+            assert got["ok"], got
+            for op, body in (("plan", {"epoch": 0, "addresses": {}, "sends": [],
+                                       "receives": everything}), ("go", {"epoch": 0})):
+                assert (await ask(nc, "under-test", {"op": op, "transfer": transfer,
+                                                     **body}))["ok"]
+            await asyncio.to_thread(_send_blocks, got["address"], transfer, 0, manifest.blocks,
+                                    views)
+            assert (await events.next("complete"))["registered"]
+            assert (await ask(nc, "under-test", {"op": "finish", "transfer": transfer}))["ok"]
+        finally:
+            await sub.unsubscribe()
+        assert endpoint.loader.free_buffer_bytes() == 0  # the DRAM tier holds the copy
+        reply = await ask(nc, "under-test", {"op": "drop", "model_path": str(small_model)})
+        assert reply["dropped"]
+        assert endpoint.loader.free_buffer_bytes() >= host.nbytes

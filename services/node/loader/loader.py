@@ -253,6 +253,10 @@ class CheckpointLoader:
             self._trim_buffers()
         return True
 
+    def free_buffer_bytes(self) -> int:
+        """Host-pool buffers nothing views any more: what the next load or transfer reuses."""
+        return self._buffers.free_bytes()
+
     def _trim_buffers(self) -> None:
         """Free buffers beyond what the DRAM budget leaves after the cached checkpoints."""
         self._buffers.trim(max(0, self._dram.capacity_bytes - self._dram.used_bytes))
