@@ -42,6 +42,9 @@ class CoreConfig:
     # Starting the helper's stage and attaching the head's engine to it (both from tensors
     # already in memory: no read), and one activation transfer's fixed cost (framing, a round
     # trip; bench/modules.py measured ~1 ms a hop on loopback, compute of a tiny stage included).
+    # The setup measured 0.03-0.06 s for the stage and as much for the head's engine on CPU
+    # nodes (bench/scaleout.py --ewl, small and 1B); 0.5 s leaves room for a GPU node, whose
+    # stage also copies its layers to device memory (not measured).
     pipeline_setup_s: float = 0.5
     pipeline_hop_latency_s: float = 0.002
     # Preemption by live migration (ServerlessLLM §5): the victims' requests move while they keep
