@@ -223,7 +223,7 @@ def test_lora_adapter_inherits_from_base(client_a, tenant_models):
 
 PIPELINE = PipelineMode(2, 0.002, 1e8, 2048, 3.0, ("cpu-1",))
 PIPELINE_JSON = {"hops": 2, "hop_latency_s": 0.002, "hop_bytes_per_s": 1e8, "token_bytes": 2048,
-                 "until": 3.0, "helpers": ["cpu-1"], "stages": []}
+                 "until": 3.0, "helpers": ["cpu-1"], "stages": [], "ranges": []}
 
 
 def _node(node_id: str, models: list[str]) -> NodeView:
