@@ -147,6 +147,11 @@ class CommandKind(str, enum.Enum):
     REPLICATE_LAYERS = "replicate_layers"
     TAKE_LAYERS = "take_layers"
     DROP_REPLICA = "drop_replica"
+    # Burst scale-out (λScale §3, shared/core/burst.py): start a new instance of `model` with no
+    # request yet (`NodeScheduler.start_instance`), checked and sized as one for `request` (a
+    # stand-in: it stays where it was placed); `multicast_s`/`pipeline` as for ADMIT. Later
+    # ADMITs join it by its id (the reply's instance_id).
+    START_INSTANCE = "start_instance"
 
 
 class RequestState(str, enum.Enum):

@@ -461,6 +461,8 @@ class NodeWorker:
                     reply = NodeReply(False, "draining")
                 elif cmd.kind is CommandKind.ADMIT:
                     reply = await self._admit(cmd)
+                elif cmd.kind is CommandKind.START_INSTANCE:
+                    reply = await self._start_instance(cmd)
                 else:
                     reply = await self._preempt_admit(cmd)
             except wire.WireError as exc:
@@ -471,7 +473,8 @@ class NodeWorker:
                 reply = NodeReply(False, f"error: {exc}")
             await self._respond(msg, replace(reply, node=self._view()))
             self.obs.command_result(command, kind, reply.accepted, reply.reason, reply.instance_id)
-            if reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request:
+            if reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request \
+                    and cmd.kind is not CommandKind.START_INSTANCE:  # its request is a stand-in
                 await self._announce(cmd.request)
 
     async def _respond(self, msg: Msg, reply: NodeReply) -> None:
@@ -520,6 +523,25 @@ class NodeWorker:
         if expected and not result.admission.ok:
             self.arriving.pop(record.name, None)  # refused: the placer sends it no multicast
         return self._commit(req, record, result, cold=cmd.instance_id is None)
+
+    async def _start_instance(self, cmd: NodeCommand) -> NodeReply:
+        """START_INSTANCE (burst scale-out): a new instance with no request yet, checked and
+        sized by the core as one for the stand-in request would be; its load starts now (waiting
+        for the multicast the placer announced, if any), and later ADMITs join it."""
+        if cmd.request is None or cmd.model is None or cmd.instance_id is not None:
+            return NodeReply(False, "bad_command: start_instance needs a request and a model")
+        record = cmd.model
+        await self._learn_model(record)
+        expected = self._expect_arrival(cmd, record)
+        result = self.sched.start_instance(request_view(cmd.request), model_spec(record), time.time())
+        if expected and not result.admission.ok:
+            self.arriving.pop(record.name, None)  # refused: the placer sends it no multicast
+        if result.admission.ok:
+            self._expect_load(result.instance_id, record)
+            self.records[result.instance_id] = record
+        self._start_ops(result.start_ops)
+        self.wake.set()
+        return NodeReply(result.admission.ok, result.admission.reason.value, result.instance_id)
 
     def _expect_arrival(self, cmd: NodeCommand, record: ModelRecord) -> bool:
         """A new instance whose model the placer multicasts here (λScale §5): the core's load
@@ -647,6 +669,11 @@ class NodeWorker:
         record = cmd.model if cmd.instance_id is None else self.records.get(cmd.instance_id)
         if record is None:
             return NodeReply(False, "instance_gone" if cmd.instance_id else "bad_command: no model")
+        await self._learn_model(record)
+        return req, record
+
+    async def _learn_model(self, record: ModelRecord) -> None:
+        """Before the core decides on `record`: its profile, its name and its tiers are known."""
         if self.sched.perf.get(record.name, self.sched.node.hardware) is None:
             # A profile stored after this node last read them (the profiler reports `ready` as
             # soon as it stored it): read them again once before the core may say no_profile.
@@ -655,7 +682,6 @@ class NodeWorker:
         if record.base_model is None:
             self.backbones[record.name] = record
         self._refresh_storage()
-        return req, record
 
     # --- LoRA adapters (issue 12; ServerlessLoRA §4.4) -----------------------------------------
     # A request for an adapter comes with `model` = its backbone and `adapter` = the adapter's

@@ -45,6 +45,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 from redis.asyncio import Redis
 
+from services.placer.burst import BurstStarter
 from services.placer.keeper import StateKeeper
 from services.placer.module_scaler import ModuleScaler
 from services.placer.preloader import ClusterPreloader
@@ -124,6 +125,9 @@ class Placer:
         self.modules = ModuleScaler(self, settings.modules, settings.module_scaling_s)
         # ServerlessLoRA §4.1: the cluster's pre-loading plan, from the rates every request shows.
         self.preloader = ClusterPreloader(self, settings.preload_interval_s)
+        # λScale's burst scale-out: the core's extra instances for a model whose demand outgrows
+        # the instance just started (off unless settings.core.burst_scaleout).
+        self.bursts = BurstStarter(self, settings.core)
         self._decision_counter = tel.meter("slinfer.placer").create_counter(
             tm.PLACER_DECISIONS, unit="{decision}", description="Placement decisions by action")
 
@@ -209,6 +213,7 @@ class Placer:
         if old is None:
             self.queue[req.request_id] = new
             self.preloader.note(req, new.received)
+            self.bursts.note(req, new.received)
         elif _stream_seq(old.msg) == _stream_seq(msg):
             old.msg = msg  # redelivered while we still hold it: answer the latest delivery
         elif new.rank() > old.rank():
@@ -424,7 +429,7 @@ class Placer:
         startup = plan.startup if new else None
         by_multicast = startup is not None and startup.method is not StartupMethod.TIER
         if by_multicast:  # MULTICAST, or PIPELINE: serving through a pipeline meanwhile
-            cmd = replace(cmd, multicast_s=startup.arrive_s, pipeline=startup.pipeline)
+            cmd = self.with_startup(cmd, startup)
             outcome["slinfer.placement.startup"] = _startup_label(startup)
         reply = await self._command(plan.node_id, cmd)
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
@@ -434,12 +439,7 @@ class Placer:
         if reply is not None and reply.accepted:
             outcome["slinfer.placement.moved"] = [r.request_id for r in reply.evicted]
             if by_multicast and reply.reason == "admitted":
-                dests = self._scaleout.setdefault((record.path, startup.sources), [])
-                if plan.node_id not in dests:
-                    dests.append(plan.node_id)
-                if startup.pipeline is not None:
-                    self._head_first.add((record.path, startup.sources))
-                    nodes = _with_stage(nodes, startup, model_spec(record))
+                nodes = self.join_multicast(record, startup, plan.node_id, nodes)
             if reply.migrating:
                 outcome["slinfer.placement.migrating_live"] = list(reply.migrating)
             await self._placed(p, plan, reply)
@@ -447,6 +447,32 @@ class Placer:
             await self._refused(p, plan.node_id, reply.reason if reply else "no reply")
         if reply is not None and reply.node is not None:  # fresher than Redis: use it
             nodes = [reply.node if n.node_id == reply.node.node_id else n for n in nodes]
+        if plan.action is PlaceAction.NEW_INSTANCE and reply is not None and reply.accepted \
+                and reply.reason == "admitted":
+            nodes = await self.bursts.after_new_instance(p.request, plan, record, nodes)
+        return nodes
+
+    @staticmethod
+    def with_startup(cmd: NodeCommand, startup: StartupChoice) -> NodeCommand:
+        """A new instance's command with its startup: the multicast the node's load waits for
+        (MULTICAST, or PIPELINE: serving through a pipeline meanwhile); TIER: unchanged."""
+        if startup.method is StartupMethod.TIER:
+            return cmd
+        return replace(cmd, multicast_s=startup.arrive_s, pipeline=startup.pipeline)
+
+    def join_multicast(self, record: ModelRecord, startup: StartupChoice, node_id: str,
+                       nodes: list[NodeView]) -> list[NodeView]:
+        """A node admitted a new instance that receives `record` by `startup`: it joins this
+        turn's multicast of the model from those sources (`_start_multicasts`). Returns the views
+        with a pipeline helper's stage reserved."""
+        if startup.method is StartupMethod.TIER:
+            return nodes
+        dests = self._scaleout.setdefault((record.path, startup.sources), [])
+        if node_id not in dests:
+            dests.append(node_id)
+        if startup.pipeline is not None:
+            self._head_first.add((record.path, startup.sources))
+            nodes = _with_stage(nodes, startup, model_spec(record))
         return nodes
 
     async def _refused(self, p: Pending, node_id: str, reason: str) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.module_scaling import ModuleSettings
-from shared.settings import core_config_from_env, env_bool, env_float, env_str
+from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class PlacerSettings:
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
-        core = core_config_from_env()
+        core = burst_from_env(core_config_from_env())
         return cls(nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
                    redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    core=core,
@@ -45,3 +46,16 @@ class PlacerSettings:
                                                   minimum=1.0),
                        shed=env_bool("SLINFER_MODULE_SHED", True),
                        replicate=env_bool("SLINFER_MODULE_REPLICATE", False)))
+
+
+def burst_from_env(core: CoreConfig, env: Mapping[str, str] | None = None) -> CoreConfig:
+    """λScale's burst scale-out (shared/core/burst.py, services/placer/burst.py): only the placer
+    decides it, so only the placer reads it. Off by default, as in the core: unlike multicast and
+    execute-while-load (on by default: they change how an instance the placement chose anyway
+    gets its weights), it starts instances no request asked for yet, on a rate estimate, and in
+    the simulator's spikes (bench/BENCHMARKS.md, λScale section) it bought nothing consistent."""
+    return replace(core,
+                   burst_scaleout=env_bool("SLINFER_BURST_SCALEOUT", False, env=env),
+                   burst_window_s=env_float("SLINFER_BURST_WINDOW_S", core.burst_window_s, env=env,
+                                            minimum=1e-3),
+                   burst_max=env_int("SLINFER_BURST_MAX", core.burst_max, env=env, minimum=1))

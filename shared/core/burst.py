@@ -22,7 +22,8 @@ The decision, at a placement that starts a new instance of model M (`place` said
   is admitted (`evaluate`), each empty until requests join it.
 
 Behind `CoreConfig.burst_scaleout` (off by default). Pure: views and numbers in, a `BurstPlan`
-out; the simulator starts the extra instances (`NodeScheduler.start_instance`).
+out; the simulator and the placer service (services/placer/burst.py, START_INSTANCE to the
+node) start the extra instances (`NodeScheduler.start_instance`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, new_instance_order
+from shared.core.startup import StartupChoice
 from shared.core.types import ModelSpec, NodeView, RequestView
 
 
@@ -50,6 +52,9 @@ class BurstSize:
 class BurstSpot:
     node_id: str
     admission: Admission  # a new instance there, validated with the placed request as stand-in
+    # how it gets its weights (`new_instance_order`'s choice): the placer adds a multicast one's
+    # node to the multicast of the placed request's instance (same model, same sources)
+    startup: StartupChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -117,5 +122,5 @@ def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
             continue
         adm = evaluate(spot.node, None, request, model, perf, now, config)
         if adm.ok:
-            spots.append(BurstSpot(spot.node.node_id, adm))
+            spots.append(BurstSpot(spot.node.node_id, adm, spot.startup))
     return BurstPlan(size, tuple(spots))

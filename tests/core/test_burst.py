@@ -4,6 +4,7 @@ the node's start of an instance with no request yet."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,8 +14,9 @@ from shared.core.admission import AdmitReason
 from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
 from shared.core.config import CoreConfig
 from shared.core.placement import Attempt, PlaceAction, PlacementPlan, place
-from shared.core.types import Hardware, InstanceStatus
-from tests.core.factories import flat_profile, model, node, perf_for, request
+from shared.core.startup import StartupMethod
+from shared.core.types import Hardware, InstanceStatus, StorageView
+from tests.core.factories import GB, flat_profile, model, node, perf_for, request
 
 ON = CoreConfig(burst_scaleout=True)
 
@@ -136,3 +138,30 @@ def test_only_instances_refused_as_full_measure_what_an_instance_takes():
     out_of_memory = PlacementPlan(PlaceAction.NEW_INSTANCE, "n1", attempts=(
         Attempt("n0", iid, AdmitReason.MEMORY),))
     assert per_instance(full, views) == 3 and per_instance(out_of_memory, views) == 0
+
+
+def test_each_extra_instance_carries_its_startup_a_multicast_from_the_placed_ones_sources():
+    """The placer joins the burst's extra instances to the placed instance's multicast: a spot
+    says how it gets its weights, and with one DRAM holder every spot receives from it."""
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(replace(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=30.0),
+                            engine_init_s=0.2))
+    scheds = [node(f"n{i}", perf=perf, config=ON) for i in range(5)]
+    tiers = {"dram": 20 * GB, "registry": 0.5 * GB}  # the registry: 20 s; a 100 Gb/s multicast: ~1 s
+    for s in scheds:
+        s.node.storage = StorageView(tiers, {}, multicast_bytes_per_s=12.5 * GB)
+    scheds[4].node.storage.holds["m"] = "dram"  # the holder: no room for an instance
+    scheds[4].node.memory_bytes = scheds[4].node.budget_bytes
+    for i in range(3):
+        assert scheds[0].admit(request(f"q{i}"), scheds[0].node.instances[0].instance_id
+                               if i else None, spec, 0.0).admission.ok
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    plan = place(new, spec, views, perf, 0.5, ON)
+    assert plan.action is PlaceAction.NEW_INSTANCE and plan.startup.method is StartupMethod.MULTICAST
+    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    assert len(burst.spots) == 2  # n1..n3 but the plan's node; n0 serves m, n4 has no room
+    assert plan.node_id not in {s.node_id for s in burst.spots}
+    assert all(s.startup.method is StartupMethod.MULTICAST and s.startup.sources == ("n4",)
+               for s in burst.spots)
+    assert plan.startup.sources == ("n4",)

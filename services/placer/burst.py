@@ -1,0 +1,112 @@
+"""Burst scale-out in the placer (λScale §3, §7.5; the decision is `shared.core.burst`'s).
+
+The placer sees every arrival, so it keeps each model's recent ones (`note`). When a placement
+has just started a new instance of a model (an accepted NEW_INSTANCE), the core is asked whether
+that model's recent demand outgrows what its instances hold; the extra instances it plans are
+started at once on their nodes (START_INSTANCE: an instance with no request yet), and those that
+receive the model by multicast join the placed instance's multicast of this turn (one multicast
+feeds them all). The requests that follow are placed on them by the ordinary `place`: each
+START reply's fresh node view shows the new instance to the rest of the turn.
+
+Arrivals are counted per placer: with several placers sharing the stream, each sees its share.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shared.cluster import model_spec, request_view
+from shared.core.burst import BurstPlan, plan_burst
+from shared.core.config import CoreConfig
+from shared.core.placement import PlacementPlan
+from shared.core.types import NodeView
+from shared.schemas import CommandKind, InferenceRequest, ModelRecord, NodeCommand
+
+if TYPE_CHECKING:
+    from services.placer.placer import Placer
+
+log = logging.getLogger("slinfer.placer.burst")
+
+
+@dataclass(frozen=True)
+class BurstRecord:
+    """One burst the placer carried out (tests, logs)."""
+
+    model: str
+    request_id: str  # the placement that set it off
+    planned: tuple[str, ...]  # the nodes the core chose for the extra instances
+    started: tuple[str, ...]  # those that started one (the others refused on fresher state)
+    instances: int  # the core's count, the placed request's instance included
+    demand: float
+
+
+class BurstStarter:
+    def __init__(self, placer: Placer, config: CoreConfig) -> None:
+        self.p = placer
+        self.config = config
+        self._arrivals: dict[str, deque[float]] = {}  # model -> arrival times within the window
+        self.records: deque[BurstRecord] = deque(maxlen=256)  # newest last
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.burst_scaleout
+
+    def note(self, req: InferenceRequest, now: float) -> None:
+        """A new request (not a redelivery, nor a resumed copy): one arrival of its model."""
+        if not self.enabled or req.resumed_token_ids:
+            return
+        seen = self._arrivals.setdefault(req.model, deque())
+        seen.append(now)
+        self._forget_old(seen, now)
+
+    def _forget_old(self, seen: deque[float], now: float) -> None:
+        while seen and seen[0] <= now - self.config.burst_window_s:
+            seen.popleft()
+
+    async def after_new_instance(self, req: InferenceRequest, plan: PlacementPlan,
+                                 record: ModelRecord, nodes: list[NodeView]) -> list[NodeView]:
+        """`plan` started a new instance for `req` (the node accepted): start the burst's extra
+        instances the core plans on `nodes` (the views with that instance in them). Returns the
+        views with the started instances in them."""
+        if not self.enabled:
+            return nodes
+        now = time.time()
+        seen = self._arrivals.get(req.model, deque())
+        self._forget_old(seen, now)
+        queued = sum(1 for q in self.p.queue.values()
+                     if q.request.model == req.model and q.request.request_id != req.request_id)
+        burst = plan_burst(plan, request_view(req), model_spec(record), nodes, self.p.perf, now,
+                           self.config, seen, queued)
+        if not burst.spots:
+            return nodes
+        return await self._start(req, record, burst, nodes)
+
+    async def _start(self, req: InferenceRequest, record: ModelRecord, burst: BurstPlan,
+                     nodes: list[NodeView]) -> list[NodeView]:
+        started = []
+        for spot in burst.spots:
+            cmd = NodeCommand(CommandKind.START_INSTANCE, request=req, model=record)
+            if spot.startup is not None:
+                cmd = self.p.with_startup(cmd, spot.startup)
+            reply = await self.p._command(spot.node_id, cmd)
+            if reply is not None and reply.accepted:
+                started.append(spot.node_id)
+                if spot.startup is not None:
+                    nodes = self.p.join_multicast(record, spot.startup, spot.node_id, nodes)
+            else:
+                log.info("burst: %s refused an instance of %s: %s", spot.node_id, record.name,
+                         reply.reason if reply else "no reply")
+            if reply is not None and reply.node is not None:  # fresher: the rest of the turn sees it
+                nodes = [reply.node if n.node_id == spot.node_id else n for n in nodes]
+        self.p.decisions["burst_instance"] = self.p.decisions.get("burst_instance", 0) + len(started)
+        self.records.append(BurstRecord(record.name, req.request_id,
+                                        tuple(s.node_id for s in burst.spots), tuple(started),
+                                        burst.size.instances, burst.size.demand))
+        log.info("burst of %s (demand %.1f, %d per instance): %d more instances on %s",
+                 record.name, burst.size.demand, burst.size.per_instance, len(started),
+                 ",".join(started) or "none")
+        return nodes
