@@ -243,8 +243,10 @@ def findings(summary: dict) -> list[str]:
         "a time per link, GPU-direct vs host-memory paths, λScale's own request scheduling "
         "across pipelines, its BurstGPT trace (here the Azure Functions sample plus synthetic "
         "spikes), H800s (here A100 profiles), the core's I/O-queue term for a multicast load (it "
-        "still adds the node's disk queue: conservative). Burst scale-out is in the simulator "
-        "only: the placer service does not call `shared.core.burst` yet.")
+        "still adds the node's disk queue: conservative). The placer service carries burst "
+        "scale-out out too (`SLINFER_BURST_SCALEOUT`, off by default: `services/placer/burst.py` "
+        "starts each extra instance with `START_INSTANCE`, all in one multicast; "
+        "`tests/multicast/test_burst_scaleout.py`); the rows here are the simulator's.")
     return out
 
 
