@@ -23,13 +23,19 @@ loses the replicas it hosts, cheapest first (`eviction_order`). A placement that
 on any node (memory pressure on the node that lacked the least, as the placer notes it) drops
 the replicas that node hosts, else sheds the fewest layers of one of its instances to a node
 with room (`layers_to_shed`): the moved layers then run there (the instance pays the hops,
-`pipeline_profile`), their bytes move when the transfer ends. An instance that is unloaded
-(keep-alive, preemption) gives its replicas and moved layers back.
+`pipeline_profile`), their bytes move when the transfer ends; only to a host whose own requests
+still meet their TPOT with the moved layers' share of its compute. Every second (the placer's
+planner period) shed layers whose node has room again come back (the planner's TAKE, not within
+`settle_s` of the shed): the owner reserves their bytes while they cross the link, then its
+layout shrinks back and the host lets the stage go. An instance that is unloaded (keep-alive,
+preemption) gives its replicas and moved layers back.
 
 Host compute. Every iteration of a split or replicated instance gives each host its share of the
 work: the layers it holds over the instance's layers, over their replica count for a replica
-(the batch is split evenly). A host's own next iteration waits for the work queued on it; its
-core does not know (it plans as if the node were its own), so interference shows as late tokens.
+(the batch is split evenly). A host's own next iteration waits for the work queued on it. Its
+core counts the moved layers' stages it holds (`NodeView.stage_load`, a bound: as if their
+owners decoded back to back) in its own admissions; replicas it does not count (they yield:
+dropped once its requests run late), so their interference shows as late tokens.
 
 Not modelled: the paper's fixed 39 ms inter-replica coordination (a hop here is one activation
 transfer over the link), projections as modules (layers only), the K/V of requests in flight

@@ -252,9 +252,13 @@ def cocoserve_table(summary: dict) -> str:
         "split among the replicas plus the hops, once the layers are across the link); a host "
         "whose own requests run late loses its replicas, and when no node has room the node that "
         "lacked the least drops the replicas it hosts, else sheds layers of an instance to a node "
-        "with room (migrations). Ratios are against slinfer on the same arrivals.",
+        "with room whose own requests still meet their TPOT with the moved layers' share of its "
+        "compute (migrations; the host's view then reports that share, `NodeView.stage_load`, "
+        "and its own admissions count it); shed layers come back once their node has room for "
+        "them with 10% of its memory to spare, at least `settle_s` (10 s) after the shed "
+        "(takes). Ratios are against slinfer on the same arrivals.",
         "",
-        "| size | models | system | SLO attain. (spikes) | TTFT p50 / p99 (s) | spikes: dropped, TTFT p90 (s) | TPOT p50 (s) | decode tok/s per used GPU (vs slinfer) | GPU node-s (vs slinfer) | scale-ups / replicas evicted / migrations / host violations |",
+        "| size | models | system | SLO attain. (spikes) | TTFT p50 / p99 (s) | spikes: dropped, TTFT p90 (s) | TPOT p50 (s) | decode tok/s per used GPU (vs slinfer) | GPU node-s (vs slinfer) | scale-ups / replicas evicted / migrations / takes / host violations |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in SIZES:
@@ -273,7 +277,8 @@ def cocoserve_table(summary: dict) -> str:
                         coco[k] = coco.get(k, 0) + v / len(rows)
                 extra = "-" if rows is base else (
                     f"{coco.get('scale_ups', 0):.0f} / {coco.get('replicas_evicted', 0):.0f} / "
-                    f"{coco.get('migrations', 0):.0f} / {coco.get('host_violations', 0):.0f}")
+                    f"{coco.get('migrations', 0):.0f} / {coco.get('takes', 0):.0f} / "
+                    f"{coco.get('host_violations', 0):.0f}")
                 cost = _f(_mean(rows, "gpu_node_seconds"), "{:.0f}")
                 thr = _f(_mean(rows, "decode_tokens_per_s_per_gpu"), "{:.0f}")
                 if rows is not base:

@@ -7,7 +7,9 @@ A, and the core plans to shed the fewest of alpha's layers that free the deficit
 room for those layers, not for an instance). B holds the bytes and serves the layers from its
 own process; A moves them there with their K/V between two iterations, and alpha's request
 streams on: its greedy output equals an unmoved instance's. Then beta fits on A and is served.
-Both nodes' published views show the moved bytes.
+Both nodes' published views show the moved bytes (and B the stage's share of its compute). Once
+beta's instance is reclaimed the pressure is gone: the placer has alpha take its layers back
+while its request still streams, and B lets the stage go.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ CONTEXT = 2048
 LONG, SHORT = 2000, 8  # alpha's request outlasts the move; beta's is short
 PROMPT = list(range(5, 21))
 CORE = CoreConfig(keep_alive_s=120.0, enable_consolidation=False)  # shed, not preempt
+# Beta's instance goes soon after its request: the room alpha's layers come back into.
+SHORT_LIVED = dataclasses.replace(CORE, keep_alive_s=1.0)
 
 
 def _profile(name: str) -> Profile:
@@ -56,13 +60,14 @@ def _profile(name: str) -> Profile:
                    load_s=0.5, engine_init_s=0.05)
 
 
-def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
+def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str,
+              core: CoreConfig = CORE) -> NodeSettings:
     return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
-                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url, core=CORE,
+                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url, core=core,
                         heartbeat_s=0.05, calibrate=False)
 
 
-async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_request_streams(
+async def test_a_node_under_memory_pressure_sheds_layers_and_takes_them_back_while_a_request_streams(
         own_servers, model_dir):
     nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
@@ -83,10 +88,11 @@ async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_requ
     # layer or two, not for an instance.
     a_bytes = instance + beta_need - layer // 2
     b_bytes = instance // 2
-    workers = {"mod-a": NodeWorker(_settings("mod-a", a_bytes, nats_url, redis_url), nc, redis),
-               "mod-b": NodeWorker(_settings("mod-b", b_bytes, nats_url, redis_url), nc, redis)}
-    placer = Placer(PlacerSettings(nats_url, redis_url, CORE, module_scaling_s=0.1,
-                                   modules=ModuleSettings(replicate=False)), nc, redis)
+    workers = {n: NodeWorker(_settings(n, m, nats_url, redis_url, SHORT_LIVED), nc, redis)
+               for n, m in (("mod-a", a_bytes), ("mod-b", b_bytes))}
+    placer = Placer(PlacerSettings(nats_url, redis_url, SHORT_LIVED, module_scaling_s=0.1,
+                                   modules=ModuleSettings(replicate=False, settle_s=1.0)),
+                    nc, redis)
     reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, LONG)
     stop = asyncio.Event()
     runner = None
@@ -118,31 +124,23 @@ async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_requ
         alpha = await submit("alpha", LONG)
         await until(lambda: len(tokens[alpha]) >= 5, timeout_s=120, what="alpha streaming")
         beta = await submit("beta", SHORT)
-        await until(lambda: beta in finals and alpha in finals, timeout_s=300,
-                    what="both requests")
+
+        def done(action: ModuleAction) -> list:
+            return [r for r in placer.modules.records if r.ok and r.plan.action is action]
 
         # The move: one shed of alpha's last layers from A to B, carried out.
-        [record] = [r for r in placer.modules.records if r.ok]
+        await until(lambda: done(ModuleAction.SHED), timeout_s=120, what="the shed")
+        [record] = done(ModuleAction.SHED)
         plan = record.plan
-        assert (plan.action, plan.owner_node, plan.host_node, plan.end) == \
-            (ModuleAction.SHED, "mod-a", "mod-b", spec.layers)
+        assert (plan.owner_node, plan.host_node, plan.end) == ("mod-a", "mod-b", spec.layers)
         moved = plan.end - plan.start
-        assert 1 <= moved < spec.layers
-        # alpha streamed through it: tokens before the move began and after it ended, and
-        # exactly what an unmoved instance generates.
-        times = [t for t, _ in tokens[alpha]]
-        assert times[0] < record.started and times[-1] > record.started + record.seconds
-        assert finals[alpha].error is None and finals[beta].error is None, \
-            (finals[alpha].error, finals[beta].error)
-        assert finals[alpha].output_token_ids == reference
-        assert finals[beta].node_id == "mod-a"  # the room the move made
-        assert len(finals[beta].output_token_ids) == SHORT
-
-        # Both views show the moved bytes: A's instance is its share, B holds the stage.
+        assert 1 <= moved < spec.layers and plan.load >= moved / spec.layers
         key = stage_key(plan.instance_id, plan.start, plan.end)
         hosted = workers["mod-b"].layers.host.get(key)
         assert hosted is not None and hosted.weight_bytes == moved * layer
 
+        # Both views show the move: A's instance is its share, B holds the stage's bytes and
+        # reports its share of B's compute (which B's own admissions count).
         async def views_settled() -> bool:
             views = {n.node_id: n for n in await read_nodes(redis)}
             inst = views["mod-a"].instance(plan.instance_id)
@@ -159,6 +157,34 @@ async def test_a_node_under_memory_pressure_sheds_layers_to_another_while_a_requ
             (plan.start, plan.end, "mod-b", hosted.address, False)
         assert views["mod-b"].budget_bytes >= moved * layer and not views["mod-b"].instances
         assert views["mod-a"].budget_bytes <= a_bytes
+        assert views["mod-b"].stage_load == pytest.approx(plan.load)
+
+        # Beta is served in the room the move made; its instance goes after it (keep-alive),
+        # and with the pressure gone alpha takes its layers back.
+        await until(lambda: beta in finals, timeout_s=300, what="beta's request")
+        assert finals[beta].error is None and finals[beta].node_id == "mod-a"
+        assert len(finals[beta].output_token_ids) == SHORT
+        await until(lambda: done(ModuleAction.TAKE), timeout_s=120, what="the take-back")
+        [take] = done(ModuleAction.TAKE)
+        assert (take.plan.instance_id, take.plan.start, take.plan.end, take.plan.host_node,
+                take.plan.address) == (plan.instance_id, plan.start, plan.end, "mod-b",
+                                       hosted.address)
+        assert take.started > record.started + record.seconds
+        a_inst = workers["mod-a"].sched.node.instance(plan.instance_id)
+        assert a_inst.layout is None and a_inst.model == spec
+        await until(lambda: workers["mod-b"].sched.ledger.budget == 0, timeout_s=30,
+                    what="B's hold released")
+        assert workers["mod-b"].sched.node.stage_load == 0
+        assert workers["mod-b"].layers.host.get(key) is None
+
+        # alpha streamed through both: tokens before the shed began and after the take
+        # ended, and exactly what an unmoved instance generates.
+        await until(lambda: alpha in finals, timeout_s=300, what="alpha's request")
+        times = [t for t, _ in tokens[alpha]]
+        assert times[0] < record.started and times[-1] > take.started + take.seconds, \
+            "alpha's request ended before the take-back: it did not stream through it"
+        assert finals[alpha].error is None, finals[alpha].error
+        assert finals[alpha].output_token_ids == reference
     finally:
         await shut_down(stop, runner, workers.values(), nc, redis, placer)
 
