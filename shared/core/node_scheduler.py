@@ -468,6 +468,8 @@ class NodeScheduler:
         inst = self._find(op.instance_id)
         if inst is not None and op.kind is MemOpKind.LOAD and inst.status is InstanceStatus.LOADING:
             inst.status = InstanceStatus.READY
+            if not inst.requests:  # (a burst's instance, started empty): its keep-alive counts
+                inst.last_active = now  # from when it can serve, not from its admission
         owner = self._find(_owner_id(op.instance_id))  # the instance, also for an adapter's op
         if owner is not None and not self.ledger.busy(owner.instance_id) and \
                 owner.instance_id not in self._adapters_busy():

@@ -111,6 +111,21 @@ def test_a_node_starts_an_empty_instance_that_later_requests_join():
     assert joined.admission.grace_s == pytest.approx(0.9)  # what is left of the load
 
 
+def test_an_empty_instance_keeps_alive_from_when_it_is_ready_not_from_its_start():
+    spec, perf, scheds = _cluster(ON, nodes=2, full=0)
+    sched = scheds[1]
+    result = sched.start_instance(request("like"), spec, 0.0)
+    load_done = 5.0 * ON.keep_alive_s  # a load longer than the keep-alive
+    for op in result.start_ops:
+        sched.memop_done(op, load_done)
+    inst = sched.node.instance(result.instance_id)
+    assert inst.status is InstanceStatus.READY
+    assert sched.reclaim_idle(load_done + 0.5 * ON.keep_alive_s) == []  # a request may join
+    assert sched.next_reclaim_at() == pytest.approx(load_done + ON.keep_alive_s)
+    assert [op.instance_id for op in sched.reclaim_idle(load_done + ON.keep_alive_s)] \
+        == [result.instance_id]
+
+
 def test_a_node_without_room_refuses_an_empty_instance():
     spec = model("m", weight_gb=100.0)
     perf = perf_for(flat_profile("m", Hardware.GPU))
