@@ -289,7 +289,11 @@ def _burst_finding(m: _Agg) -> str:
         "lists): SLINFER's placements diverge early in a run, and one spike then meets a "
         "crowded cluster. Burst scale-out is "
         "off in every §IX run (`CoreConfig.burst_scaleout`; their reports are byte-identical "
-        "with it in the code).")
+        "with it in the code). The slinfer + burst rows were re-simulated after a core fix: an "
+        "instance started empty (a burst's) now keeps alive from when it is ready, not from its "
+        "admission (with a load longer than the 1 s keep-alive it used to be reclaimed the moment "
+        "it could serve); the other rows do not start empty instances and stand. Their "
+        "comparison with the rows before the receiver plan (below) includes this fix.")
 
 
 def _ewl_finding(m: _Agg, fast: _Agg) -> str:
