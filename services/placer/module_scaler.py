@@ -194,32 +194,27 @@ class ModuleScaler:
         await self._release(plan)
 
     async def _drop(self, plan: ModulePlan, rec: ModuleRecord) -> None:
-        owner = await self._ask(plan.owner_node, NodeCommand(
-            CommandKind.DROP_REPLICA, instance_id=plan.instance_id, layer_start=plan.start,
-            layer_end=plan.end, stage_address=plan.address, stage_node=plan.host_node),
-            MOVE_TIMEOUT_S)
-        if owner is None and not await self._uses(plan, plan.address):
-            owner = NodeReply(True, "dropped (seen in its view)")
-        if owner is None or not (owner.accepted or owner.reason.startswith("not_here")):
-            rec.outcome = f"owner refused: {owner.reason if owner else 'no answer'}"
-            return
-        rec.ok, rec.outcome = True, "dropped"
-        await self._release(plan)
+        await self._owner_then_release(plan, rec, CommandKind.DROP_REPLICA, MOVE_TIMEOUT_S,
+                                       "dropped")
 
     async def _take(self, plan: ModulePlan, rec: ModuleRecord) -> None:
-        """The owner runs the layers again; then the host lets the stage go. An owner that did
-        not answer may have taken them or not: its view says (its layout no longer names the
-        stage), and the stage is released only then."""
+        await self._owner_then_release(plan, rec, CommandKind.TAKE_LAYERS, HOST_TIMEOUT_S,
+                                       "taken")
+
+    async def _owner_then_release(self, plan: ModulePlan, rec: ModuleRecord, kind: CommandKind,
+                                  timeout_s: float, done: str) -> None:
+        """The owner stops using the stage (drops the replica, or runs the layers again); then
+        the host lets it go. An owner that did not answer may have done it or not: its view
+        says (its layout no longer names the stage), and the stage is released only then."""
         owner = await self._ask(plan.owner_node, NodeCommand(
-            CommandKind.TAKE_LAYERS, instance_id=plan.instance_id, layer_start=plan.start,
-            layer_end=plan.end, stage_address=plan.address, stage_node=plan.host_node),
-            HOST_TIMEOUT_S)
+            kind, instance_id=plan.instance_id, layer_start=plan.start, layer_end=plan.end,
+            stage_address=plan.address, stage_node=plan.host_node), timeout_s)
         if owner is None and not await self._uses(plan, plan.address):
-            owner = NodeReply(True, "taken (seen in its view)")
+            owner = NodeReply(True, f"{done} (seen in its view)")
         if owner is None or not (owner.accepted or owner.reason.startswith("not_here")):
             rec.outcome = f"owner refused: {owner.reason if owner else 'no answer'}"
             return
-        rec.ok, rec.outcome = True, "taken"
+        rec.ok, rec.outcome = True, done
         await self._release(plan)
 
     async def _release(self, plan: ModulePlan) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shared.core.config import CoreConfig
 from shared.core.node_scheduler import NodeScheduler, new_node
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
-from shared.core.types import SLO, Hardware, ModelSpec, RequestView
+from shared.core.types import SLO, Hardware, ModelSpec, NodeView, RequestView, StorageView
 
 GB = 1024**3
 
@@ -62,3 +64,22 @@ def loaded(sched: NodeScheduler, iid: str | None, req: RequestView, spec: ModelS
     while pending:
         pending.extend(sched.memop_done(pending.pop(0), now))
     return res.instance_id
+
+
+# -- a model that can run split (execute-while-load) and GPU nodes with checkpoint tiers -------
+
+TIERS = {"dram": 20 * GB, "disk": 2 * GB, "registry": 0.5 * GB}
+# 8 GB, 32 layers, a 1 GB head: 16 blocks of 0.5 GB in a multicast of 16.
+SPLIT_SPEC = replace(model("m", weight_gb=8), layers=32, token_bytes=8192, head_bytes=1 * GB)
+SPLIT_PROFILE = replace(flat_profile("m", Hardware.GPU, prefill_s=0.1, decode_s=0.02,
+                                     load_s=30.0), engine_init_s=0.5)
+
+
+def tiered_gpu(node_id: str, link_bytes_per_s: float, holds: dict[str, str] | None = None,
+               memory_gb: float = 80, arriving: dict[str, float] | None = None) -> NodeView:
+    """A GPU node's view (SPLIT_PROFILE's perf) with TIERS and a multicast link."""
+    view = node(node_id, Hardware.GPU, memory_gb, perf_for(SPLIT_PROFILE)).view()
+    view.storage = StorageView(TIERS, holds or {}, multicast_bytes_per_s=link_bytes_per_s,
+                               arriving=arriving or {})
+    return view
+

@@ -19,27 +19,22 @@ from shared.core.multicast import (Block, arrival_steps, binomial_steps, head_fi
 from shared.core.placement import PlaceAction, place
 from shared.core.startup import (StartupMethod, choose_startup, head_blocks, pipeline_serve_steps,
                                  stage_bytes, with_startup)
-from shared.core.types import Hardware, StorageView
+from shared.core.types import Hardware
 
-from tests.core.factories import GB, flat_profile, model, node, perf_for, request
+from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, node, perf_for, request,
+                                  tiered_gpu)
 
 LINK = 12.5 * GB
-TIERS = {"dram": 20 * GB, "disk": 2 * GB, "registry": 0.5 * GB}
 CFG = CoreConfig(enable_pipeline=True)
-# 8 GB, 32 layers, a 1 GB head: 16 blocks of 0.5 GB; the head takes 2 blocks (+1 for the final
-# norm), one layer (0.22 GB) up to 2 more: a receiver serves after 5 of its blocks.
-SPEC = replace(model("m", weight_gb=8), layers=32, token_bytes=8192, head_bytes=1 * GB)
-PROFILE = replace(flat_profile("m", Hardware.GPU, prefill_s=0.1, decode_s=0.02, load_s=30.0),
-                  engine_init_s=0.5)
+# The head takes 2 of SPEC's 16 blocks (+1 for the final norm), one layer (0.22 GB) up to 2
+# more: a receiver serves after 5 of its blocks.
+SPEC, PROFILE = SPLIT_SPEC, SPLIT_PROFILE
 PERF = perf_for(PROFILE)
 
 
 def gpu(node_id: str, holds: dict[str, str] | None = None, memory_gb: float = 80,
         arriving: dict[str, float] | None = None):
-    view = node(node_id, Hardware.GPU, memory_gb, PERF).view()
-    view.storage = StorageView(TIERS, holds or {}, multicast_bytes_per_s=LINK,
-                               arriving=arriving or {})
-    return view
+    return tiered_gpu(node_id, LINK, holds, memory_gb, arriving)
 
 
 def test_head_first_orders_send_the_heads_blocks_first_in_every_subgroup():

@@ -18,26 +18,19 @@ from shared.core.pipeline import (StageRange, head_spans, layers_held, model_lay
                                   receiver_plan, transfer_hops)
 from shared.core.startup import (StartupMethod, choose_startup, helper_bytes, hosted_layer_bytes,
                                  receivers_in_order, stage_bytes, with_startup)
-from shared.core.types import Hardware, StorageView
 from shared.schemas import CommandKind, NodeCommand
 
-from tests.core.factories import GB, flat_profile, model, node, perf_for
+from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, perf_for, tiered_gpu
 
 LINK = 2.5 * GB  # 20 Gb/s: a 0.5 GB block a 0.2 s step, well above the pipeline's setup
-TIERS = {"dram": 20 * GB, "disk": 2 * GB, "registry": 0.5 * GB}
 CFG = CoreConfig(enable_pipeline=True, enable_receiver_pipelines=True)
-SPEC = replace(model("m", weight_gb=8), layers=32, token_bytes=8192, head_bytes=1 * GB)
-PROFILE = replace(flat_profile("m", Hardware.GPU, prefill_s=0.1, decode_s=0.02, load_s=30.0),
-                  engine_init_s=0.5)
+SPEC, PROFILE = SPLIT_SPEC, SPLIT_PROFILE
 PERF = perf_for(PROFILE)
 
 
 def gpu(node_id: str, holds: dict[str, str] | None = None, memory_gb: float = 80,
         arriving: dict[str, float] | None = None):
-    view = node(node_id, Hardware.GPU, memory_gb, PERF).view()
-    view.storage = StorageView(TIERS, holds or {}, multicast_bytes_per_s=LINK,
-                               arriving=arriving or {})
-    return view
+    return tiered_gpu(node_id, LINK, holds, memory_gb, arriving)
 
 
 def layout(layers: int = 32, blocks: int = 16, head_fraction: float = 0.125):

@@ -5,6 +5,7 @@ separate processes (`python -m services.node.multicast`) on a real nats-server."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,10 +19,18 @@ from pathlib import Path
 import nats
 import pytest
 import torch
+from redis.asyncio import Redis
 from safetensors import safe_open
 
+from services.node.loader import LoaderSettings
 from services.node.loader.convert import convert_checkpoint
+from services.node.settings import NodeSettings
+from services.node.worker import NodeWorker
+from shared.bus import ensure_streams
+from shared.cluster import save_profile
+from shared.core.config import CoreConfig
 from shared.modelgen import ensure_model
+from shared.registry import ModelRegistry, model_record_from_dir
 from shared.servers import popen_tied
 from shared.subjects import multicast_node_subject
 
@@ -58,6 +67,40 @@ async def nc(nats_url):
     conn = await nats.connect(nats_url)
     yield conn
     await conn.close()
+
+
+def node_settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str,
+                  **overrides) -> NodeSettings:
+    """An in-process CPU node worker of these tests: a quick heartbeat, no calibration, a
+    512 MiB DRAM tier, instances kept alive for the whole test (`overrides`: other fields)."""
+    fields = dict(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
+                  matrix_accel=True, nats_url=nats_url, redis_url=redis_url,
+                  core=CoreConfig(keep_alive_s=120.0), heartbeat_s=0.05, calibrate=False,
+                  loader=LoaderSettings(dram_cache_bytes=512 << 20))
+    return NodeSettings(**(fields | overrides))
+
+
+async def small_on_stack(own_servers, small_model: Path, context: int, profile):
+    """Clients of the test's own nats-server and valkey, with the `small` model registered
+    (its context cut to `context`) and `profile` saved: (nc, redis, record)."""
+    nats_url, redis_url = own_servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    await ensure_streams(nc.jetstream())
+    record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=context)
+    await ModelRegistry(redis).register(record)
+    await save_profile(redis, profile)
+    return nc, redis, record
+
+
+def source_and_nodes(source: str, nodes, memory_bytes: int, record, own_servers, nc,
+                     redis) -> dict:
+    """Node workers: `source` with room for half the model (a memory node: it only holds the
+    model in its DRAM tier), each of `nodes` with `memory_bytes`."""
+    urls = tuple(own_servers)
+    workers = {source: NodeWorker(node_settings(source, record.weight_bytes // 2, *urls), nc,
+                                  redis)}
+    return workers | {n: NodeWorker(node_settings(n, memory_bytes, *urls), nc, redis)
+                      for n in nodes}
 
 
 async def ask(nc, node: str, body: dict, timeout: float = 60.0) -> dict:

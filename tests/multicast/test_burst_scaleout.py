@@ -21,23 +21,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import nats
 import pytest
-from redis.asyncio import Redis
 
-from services.node.loader import LoaderSettings
-from services.node.settings import NodeSettings
-from services.node.worker import NodeWorker
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
-from shared.bus import ensure_streams
-from shared.cluster import read_nodes, save_profile
+from shared.cluster import read_nodes
 from shared.core.config import CoreConfig
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware
-from shared.registry import ModelRegistry, model_record_from_dir
 from shared.schemas import TokenMessage
 
+from tests.multicast.conftest import small_on_stack, source_and_nodes
 from tests.node.harness import submit
 from tests.polling import until
 from tests.reference import greedy_output
@@ -45,7 +39,6 @@ from tests.stack import shut_down
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MiB = 1 << 20
 SOURCE = "bs-src"
 NODES = ["bs-d0", "bs-d1", "bs-d2", "bs-d3", "bs-d4"]
 CONTEXT = 256
@@ -63,11 +56,6 @@ def _profile() -> Profile:
                    load_s=20.0, engine_init_s=1.5)
 
 
-def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
-    return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
-                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url,
-                        core=CoreConfig(keep_alive_s=120.0), heartbeat_s=0.05, calibrate=False,
-                        loader=LoaderSettings(dram_cache_bytes=512 * MiB))
 
 
 @dataclasses.dataclass
@@ -81,18 +69,12 @@ class Outcome:
 
 async def _run(own_servers, small_model, burst: bool) -> Outcome:
     nats_url, redis_url = own_servers
-    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
-    await ensure_streams(nc.jetstream())
-    record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=CONTEXT)
-    await ModelRegistry(redis).register(record)
-    await save_profile(redis, _profile())
+    nc, redis, record = await small_on_stack(own_servers, small_model, CONTEXT, _profile())
     # Room for one instance with a few requests' KV, never for two instances: what limits an
     # instance to one request is the TPOT, which is what the burst's measure reads.
     memory = record.weight_bytes + 1024 * record.kv_bytes_per_token
     assert memory < 2 * record.weight_bytes
-    workers = {SOURCE: NodeWorker(_settings(SOURCE, record.weight_bytes // 2, nats_url, redis_url),
-                                  nc, redis)}
-    workers |= {n: NodeWorker(_settings(n, memory, nats_url, redis_url), nc, redis) for n in NODES}
+    workers = source_and_nodes(SOURCE, NODES, memory, record, own_servers, nc, redis)
     core = CoreConfig(keep_alive_s=120.0, burst_scaleout=burst)
     placer = Placer(PlacerSettings(nats_url, redis_url, core), nc, redis)
     stop = asyncio.Event()

@@ -6,6 +6,7 @@ makes the node register the model in its DRAM tier; a sender that never connects
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -67,43 +68,51 @@ def _send_blocks(address, transfer: str, epoch: int, blocks, views, corrupt: boo
             sock.sendall(FRAME.pack(b.index, b.size) + bytes(data))
 
 
-async def test_a_corrupt_block_is_refused_and_the_good_one_completes_the_model(
-        endpoint, nc, source, small_model, small_digests):
-    host, manifest = source
-    views = {f: writable_view(buf) for f, buf in host.buffers.items()}
-    transfer = "t-corrupt"
+@contextlib.asynccontextmanager
+async def receiving(nc, transfer: str, manifest):
+    """The endpoint prepared as a destination of `transfer`: its events and its address."""
     events = Events()
     sub = await nc.subscribe(multicast_events_subject(transfer), cb=events.cb)
     try:
         got = await ask(nc, "under-test", {"op": "prepare", "transfer": transfer,
                                            "manifest": manifest.to_wire()})
         assert got["ok"], got
-        address = got["address"]
-        everything = [[s, "sender", b.index] for s, b in enumerate(manifest.blocks)]
+        yield events, got["address"]
+    finally:
+        await sub.unsubscribe()
 
-        async def epoch(number: int, corrupt: bool) -> None:
-            for op, body in (("plan", {"epoch": number, "addresses": {}, "sends": [],
-                                       "receives": everything}), ("go", {"epoch": number})):
-                reply = await ask(nc, "under-test", {"op": op, "transfer": transfer, **body})
-                assert reply["ok"], reply
-            await asyncio.to_thread(_send_blocks, address, transfer, number,
-                                    manifest.blocks[:1] if corrupt else manifest.blocks, views,
-                                    corrupt)
 
-        await epoch(0, corrupt=True)
+async def send_epoch(nc, transfer: str, address, number: int, manifest, views,
+                     corrupt: bool = False) -> None:
+    """As the coordinator: plan epoch `number` (every block from "sender") and start it; then,
+    as the sender, send the blocks (only the first, one bit flipped, with `corrupt`)."""
+    everything = [[s, "sender", b.index] for s, b in enumerate(manifest.blocks)]
+    for op, body in (("plan", {"epoch": number, "addresses": {}, "sends": [],
+                               "receives": everything}), ("go", {"epoch": number})):
+        reply = await ask(nc, "under-test", {"op": op, "transfer": transfer, **body})
+        assert reply["ok"], reply
+    await asyncio.to_thread(_send_blocks, address, transfer, number,
+                            manifest.blocks[:1] if corrupt else manifest.blocks, views, corrupt)
+
+
+async def test_a_corrupt_block_is_refused_and_the_good_one_completes_the_model(
+        endpoint, nc, source, small_model, small_digests):
+    host, manifest = source
+    views = {f: writable_view(buf) for f, buf in host.buffers.items()}
+    transfer = "t-corrupt"
+    async with receiving(nc, transfer, manifest) as (events, address):
+        await send_epoch(nc, transfer, address, 0, manifest, views, corrupt=True)
         suspect = await events.next("suspect")
         assert suspect["peer"] == "sender" and "block 0 from sender failed its checksum" in \
             suspect["reason"]
         reply = await ask(nc, "under-test", {"op": "abort", "transfer": transfer, "epoch": 0})
         assert reply["have"] == [] and not reply["complete"]
 
-        await epoch(1, corrupt=False)
+        await send_epoch(nc, transfer, address, 1, manifest, views)
         done = await events.next("complete")
         assert done["registered"]
         reply = await ask(nc, "under-test", {"op": "finish", "transfer": transfer})
         assert reply["complete"] and reply["registered"]
-    finally:
-        await sub.unsubscribe()
     digest = await ask(nc, "under-test", {"op": "digest", "model_path": str(small_model)})
     assert digest["tier"] == "dram" and digest["tensors"] == small_digests
 
@@ -153,24 +162,11 @@ async def test_a_received_model_dropped_from_the_dram_tier_frees_its_buffers_for
     arrived in go back to the loader's pool (repeated bursts must not grow a node's memory)."""
     host, manifest = source
     views = {f: writable_view(buf) for f, buf in host.buffers.items()}
-    everything = [[s, "sender", b.index] for s, b in enumerate(manifest.blocks)]
     for transfer in ("t-first", "t-second"):
-        events = Events()
-        sub = await nc.subscribe(multicast_events_subject(transfer), cb=events.cb)
-        try:
-            got = await ask(nc, "under-test", {"op": "prepare", "transfer": transfer,
-                                               "manifest": manifest.to_wire()})
-            assert got["ok"], got
-            for op, body in (("plan", {"epoch": 0, "addresses": {}, "sends": [],
-                                       "receives": everything}), ("go", {"epoch": 0})):
-                assert (await ask(nc, "under-test", {"op": op, "transfer": transfer,
-                                                     **body}))["ok"]
-            await asyncio.to_thread(_send_blocks, got["address"], transfer, 0, manifest.blocks,
-                                    views)
+        async with receiving(nc, transfer, manifest) as (events, address):
+            await send_epoch(nc, transfer, address, 0, manifest, views)
             assert (await events.next("complete"))["registered"]
             assert (await ask(nc, "under-test", {"op": "finish", "transfer": transfer}))["ok"]
-        finally:
-            await sub.unsubscribe()
         assert endpoint.loader.free_buffer_bytes() == 0  # the DRAM tier holds the copy
         reply = await ask(nc, "under-test", {"op": "drop", "model_path": str(small_model)})
         assert reply["dropped"]

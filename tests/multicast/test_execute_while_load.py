@@ -23,8 +23,6 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from services.node.loader import LoaderSettings
-from services.node.settings import NodeSettings
 from services.node.worker import NodeWorker
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
@@ -38,6 +36,7 @@ from shared.registry import ModelRegistry, model_record_from_dir
 from shared.schemas import InferenceRequest, TokenMessage
 from shared.subjects import REQUEST_SUBJECT, token_subject
 
+from tests.multicast.conftest import node_settings
 from tests.polling import until
 from tests.stack import shut_down
 from tests.reference import greedy_output
@@ -51,6 +50,11 @@ RATE = 10 * MiB  # every sending connection is paced to this: the whole copy tak
 CORE = CoreConfig(keep_alive_s=120.0, enable_pipeline=True)
 
 
+def _node(node_id: str, memory_bytes: int, nats_url: str, redis_url: str):
+    return node_settings(node_id, memory_bytes, nats_url, redis_url, core=CORE,
+                         multicast_link_bytes_per_s=RATE, multicast_rate_bytes_per_s=RATE)
+
+
 def _profile() -> Profile:
     """A stand-in profile (the startup is under test, not iteration timing): the registry
     read takes 20 s here, so the model comes by multicast."""
@@ -59,12 +63,6 @@ def _profile() -> Profile:
                    load_s=20.0, engine_init_s=0.05)
 
 
-def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
-    return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
-                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url, core=CORE,
-                        heartbeat_s=0.05, calibrate=False,
-                        loader=LoaderSettings(dram_cache_bytes=512 * MiB),
-                        multicast_link_bytes_per_s=RATE, multicast_rate_bytes_per_s=RATE)
 
 
 def _prompt() -> list[int]:
@@ -104,8 +102,8 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
     # Room for a stage of every layer but one (and its K/V), not for an instance.
     holder_memory = record.weight_bytes * 11 // 12 + 300 * kv_token
     assert holder_memory < record.weight_bytes
-    workers = {HOLDER: NodeWorker(_settings(HOLDER, holder_memory, nats_url, redis_url), nc, redis),
-               HEAD: NodeWorker(_settings(HEAD, one_instance, nats_url, redis_url), nc, redis)}
+    workers = {HOLDER: NodeWorker(_node(HOLDER, holder_memory, nats_url, redis_url), nc, redis),
+               HEAD: NodeWorker(_node(HEAD, one_instance, nats_url, redis_url), nc, redis)}
     placer = Placer(PlacerSettings(nats_url, redis_url, CORE), nc, redis)
     stop = asyncio.Event()
     runner = None

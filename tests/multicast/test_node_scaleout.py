@@ -24,8 +24,6 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from services.node.loader import LoaderSettings
-from services.node.settings import NodeSettings
 from services.node.worker import NodeWorker
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
@@ -39,14 +37,13 @@ from shared.schemas import CommandKind, InferenceRequest, NodeCommand, NodeReply
 from shared.subjects import node_command_subject, token_subject
 from shared import wire
 
-from tests.multicast.conftest import ask
+from tests.multicast.conftest import ask, node_settings, small_on_stack, source_and_nodes
 from tests.node.harness import submit
 from tests.polling import until
 from tests.stack import shut_down
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MiB = 1 << 20
 SOURCE = "mc-src"
 DESTS = ["mc-d1", "mc-d2", "mc-d3", "mc-d4"]
 CONTEXT = 256  # the record's context: one request of PROMPT + MAX_TOKENS tokens is over half
@@ -61,29 +58,17 @@ def _profile() -> Profile:
                    load_s=20.0, engine_init_s=0.05)
 
 
-def _settings(node_id: str, memory_bytes: int, nats_url: str, redis_url: str) -> NodeSettings:
-    return NodeSettings(node_id=node_id, hardware="cpu", device="cpu", memory_bytes=memory_bytes,
-                        matrix_accel=True, nats_url=nats_url, redis_url=redis_url,
-                        core=CoreConfig(keep_alive_s=120.0), heartbeat_s=0.05, calibrate=False,
-                        loader=LoaderSettings(dram_cache_bytes=512 * MiB))
 
 
 async def test_a_burst_scales_small_out_to_four_nodes_by_multicast_and_each_serves(
         own_servers, small_model, small_digests):
     nats_url, redis_url = own_servers
-    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
-    await ensure_streams(nc.jetstream())
-    record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=CONTEXT)
-    await ModelRegistry(redis).register(record)
-    await save_profile(redis, _profile())
+    nc, redis, record = await small_on_stack(own_servers, small_model, CONTEXT, _profile())
     kv_token = record.kv_bytes_per_token
     # One instance with one request (its KV: the 256-token floor) fits; a second request (2 x 160
     # tokens in 16-token blocks) does not: each request of the burst needs its own node.
     one_instance = record.weight_bytes + 300 * kv_token
-    workers = {SOURCE: NodeWorker(_settings(SOURCE, record.weight_bytes // 2, nats_url, redis_url),
-                                  nc, redis)}
-    workers |= {d: NodeWorker(_settings(d, one_instance, nats_url, redis_url), nc, redis)
-                for d in DESTS}
+    workers = source_and_nodes(SOURCE, DESTS, one_instance, record, own_servers, nc, redis)
     placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig(keep_alive_s=120.0)), nc, redis)
     stop = asyncio.Event()
     runner = None
@@ -148,7 +133,7 @@ async def test_a_node_whose_multicast_never_starts_loads_from_its_tiers(
     record = dataclasses.replace(model_record_from_dir("small", small_model), max_context=CONTEXT)
     await ModelRegistry(redis).register(record)
     await save_profile(redis, _profile())
-    worker = NodeWorker(_settings("fb-d1", 1 << 30, nats_url, redis_url), nc, redis)
+    worker = NodeWorker(node_settings("fb-d1", 1 << 30, nats_url, redis_url), nc, redis)
     placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
     try:
         await worker.start()
