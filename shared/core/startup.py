@@ -82,12 +82,6 @@ def multicast_sources(model: ModelSpec, nodes: list[NodeView], exclude: str = ""
             and n.storage.holds.get(model.name) == "dram" and n.storage.multicast_bytes_per_s > 0]
 
 
-def receivers_on_the_way(model: ModelSpec, nodes: list[NodeView], exclude: str = "") -> int:
-    """Nodes the model is being multicast to now (their views say it is arriving)."""
-    return sum(1 for n in nodes if n.node_id != exclude and n.storage is not None
-               and model.name in n.storage.arriving)
-
-
 def multicast_arrive_s(model_bytes: int, sources: list[NodeView], receiver: NodeView,
                        receivers: int, config: CoreConfig) -> float:
     """Seconds until `receivers` nodes (this one among them) hold the model when `sources` send
@@ -235,13 +229,13 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     sources = multicast_sources(model, nodes, exclude=node.node_id)
     if not sources:
         return keep
-    receivers = 1 + receivers_on_the_way(model, nodes, exclude=node.node_id)
+    on_way = receivers_in_order(model, nodes, exclude=node.node_id)  # the group it joins
+    receivers = 1 + len(on_way)
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
     via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
     names = tuple(sorted(n.node_id for n in sources))
     modes = [plan_pipeline(node, model, profile, sources, receivers, config),
-             plan_receiver_pipeline(node, model, profile, sources,
-                                    receivers_in_order(model, nodes, node.node_id), config)]
+             plan_receiver_pipeline(node, model, profile, sources, on_way, config)]
     mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)
