@@ -349,9 +349,22 @@ class JsonFormatter(logging.Formatter):
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class CurrentStderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever `sys.stderr` is when a record is emitted, not to the
+    stream it was when the handler was made: a process that swaps stderr (pytest's capture, a
+    daemon redirecting it) must not leave the root logger writing to a closed file."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # StreamHandler's would pin a stream
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+
 def configure_logs(log_format: str, level: str | int, service: str) -> None:
     """Replace the root logger's handlers with one stderr handler in the chosen format."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = CurrentStderrHandler()
     handler.addFilter(TraceContextFilter())
     if log_format == "json":
         handler.setFormatter(JsonFormatter(service))

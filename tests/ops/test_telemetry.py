@@ -346,3 +346,30 @@ async def test_server_span_middleware_names_by_route_and_continues_a_callers_tra
     text = tel.metrics_text().decode()
     assert re.search(r'^http_server_request_duration_seconds_count\{[^}]*http_route="/boom"[^}]*\} 1\.0$',
                      text, re.M), text
+
+
+def test_configured_logs_follow_a_swapped_stderr_and_never_write_to_a_closed_one(monkeypatch):
+    """The root handler writes to the stderr of the moment: a stream swapped out and closed
+    (pytest's capture between tests) gets nothing, so no 'I/O operation on closed file'."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    first, second = io.StringIO(), io.StringIO()
+    errors: list[BaseException] = []
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    try:
+        monkeypatch.setattr("sys.stderr", first)
+        tm.configure_logs("text", "INFO", "slinfer-test")
+        (handler,) = root.handlers
+        monkeypatch.setattr(handler, "handleError", lambda record: errors.append(record))
+        logging.getLogger("slinfer.test.stderr").warning("to the first")
+        first.close()
+        monkeypatch.setattr("sys.stderr", second)
+        logging.getLogger("slinfer.test.stderr").warning("to the second")
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+    assert errors == []
+    assert "to the second" in second.getvalue() and "to the first" not in second.getvalue()
