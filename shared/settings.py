@@ -132,5 +132,8 @@ def core_config_from_env(env: Mapping[str, str] | None = None):
         # The services carry execute-while-load out (services/node/pipeline_mode.py); the pure
         # core's default stays off (the simulator models λScale's pipelines on its own).
         enable_pipeline=env_bool("SLINFER_ENABLE_PIPELINE", True, env=env),
+        # ... with the receivers of one multicast hosting layers for each other (λScale
+        # Algorithm 2, services/node/pipeline_mode.py).
+        enable_receiver_pipelines=env_bool("SLINFER_RECEIVER_PIPELINES", False, env=env),
         live_preemption=env_bool("SLINFER_LIVE_PREEMPTION", True, env=env),
     )

@@ -6,7 +6,10 @@ ledger under its stage key (`NodeScheduler.hold`) before it is built: the hold's
 the reservation station starts once the bytes fit, builds the stage (`StageHost.run_op`); the
 reply waits for it and carries the stage's address. Its UNLOAD op releases it. Every few beats
 the held bytes follow what the stage really holds (its K/V pool mirrors the owner's, which the
-owner resizes). The hold also carries the stage's share of this node's compute (the command's
+owner resizes). A receiver of the model's multicast asked to host a range for another
+receiver's instance (λScale Algorithm 2: the command carries that pipeline) serves it from its own
+copy, its arriving blocks once they cover the range (`PipelineStarts.host_from_own_copy`), and
+holds the range's K/V only: its own instance's bytes count the weights. The hold also carries the stage's share of this node's compute (the command's
 `stage_load`), which the node's view reports and its own admissions count until it is released.
 
 A stage no instance's layout in the cluster view uses (its owner went away, dropped it, or never
@@ -166,8 +169,13 @@ class LayerMoves:
                              stage_bytes=self.w.sched.ledger.target(key))
         if self.host.owns(key):
             return NodeReply(False, "busy: being built")
+        tensors, own_copy = None, cmd.pipeline is not None and bool(cmd.pipeline.ranges)
+        if own_copy:  # a receiver hosting from its own copy (services/node/pipeline_mode.py)
+            tensors, why = await self.w.pipelines.host_from_own_copy(cmd)
+            if why is not None:
+                return NodeReply(False, why, cmd.instance_id)
         self.host.expect(key, record.path, cmd.layer_start, cmd.layer_end, cmd.instance_id,
-                         cmd.stage_node)
+                         cmd.stage_node, tensors, own_copy)
         if not self._hold(key, cmd.stage_bytes, cmd.stage_load):
             self.host.release(key)
             return NodeReply(False, "memory", cmd.instance_id)

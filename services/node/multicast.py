@@ -466,6 +466,24 @@ class MulticastEndpoint:
             self._ended(t)
         return {"known": True, "complete": t.complete, "registered": t.registered}
 
+    async def _op_holding(self, body: dict) -> dict:
+        """What this node can run of `model_path` from its blocks so far (a receiver heading an
+        execution pipeline asks the other receivers, λScale Algorithm 2): the decoder layers and
+        whether the head (`stages.holding_of`); every layer once its DRAM tier holds it whole."""
+        from services.node.stages import holding_of
+
+        key = _key(body["model_path"])
+        with self._lock:
+            t = next((t for t in self._transfers.values()
+                      if t.receiving and _key(t.manifest.model_path) == key), None)
+        if t is not None:
+            with t.cond:
+                have = set(t.have)
+            held = holding_of(t.manifest.index, list(t.manifest.blocks), have)
+            return {"layers": sorted(held.layers), "head": held.head, "whole": False}
+        whole = self.loader.tier_of(body["model_path"]) == "dram"
+        return {"layers": [], "head": False, "whole": whole}
+
     async def _op_abandon(self, body: dict) -> dict:
         """The coordinator will not bring `model_path` here after all (no source could offer it,
         or this node failed out of the transfer before it began): a load waiting for it stops

@@ -4,25 +4,40 @@ local execution.
 
 The placer chose the startup (`shared.core.startup`, PIPELINE) and sent it with the ADMIT
 (`NodeCommand.pipeline`); the core's view of the instance carries it (`InstanceView.pipeline`:
-validated with the pipeline's hops). The instance's LOAD op (a worker thread) then:
+validated with the pipeline's hops). Its helpers are of two kinds:
+
+- a *DRAM holder* (`PipelineMode.ranges == ()`): a node holding the model in its DRAM tier
+  runs every layer this node lacks, [p, L), serving them from its DRAM tier's copy;
+- *receivers* of the same multicast (λScale Algorithm 2, `ranges` non-empty): the k-way
+  orders give them different parts of the model first, so each range of `ranges` runs on the
+  receiver named there, served from the blocks of its own arriving copy.
+
+The instance's LOAD op (a worker thread) then:
 
 1. waits until the multicast under way (sent head-first) has brought this node the head's
-   blocks and those of layers 0..p-1 (p >= 1): `MulticastEndpoint.wait_blocks`, the layers a
-   node can run from its blocks being `stages.holding_of`;
-2. asks the helper (a node holding the model in its DRAM tier) to host layers [p, L) for it
-   (HOST_LAYERS: the helper holds their bytes in its ledger and serves them from its DRAM
-   tier's copy, `services/node/stage_host.py`);
-3. builds the engine with layers [0, p) and the head from the blocks already here (views of the
-   multicast's buffers: no copy) and [p, L) remote: the instance serves.
+   blocks and those of the layers it runs itself (`MulticastEndpoint.wait_blocks`, the layers a
+   node can run from its blocks being `stages.holding_of`): for a DRAM holder, layers 0..p-1
+   (p >= 1); for receivers, until this node and the receivers `mode.helpers` names cover every
+   layer between them, asking those what they hold (their endpoints' `holding`) as blocks
+   arrive. The ranges are then cut from what each holds (`pipeline_stages`, this node the
+   head), not taken from the plan's `ranges`: the core plans over a layer-order layout, while a
+   checkpoint's bytes follow its tensor names (layers 0, 1, 10, 11, 2, ...), so who holds which
+   layers first differs; the view then names the ranges and hops really run;
+2. asks each helper to host its range (HOST_LAYERS: the helper holds its bytes in its ledger and
+   builds the stage, `services/node/stage_host.py`; a receiver first waits, bounded, for its own
+   blocks of the range: `host_from_own_copy`);
+3. builds the engine with the head and its own layers from the blocks already here (views of
+   the multicast's buffers: no copy) and the ranges remote: the instance serves.
 
 Then, once the whole model is here (`wait_for_model`), between two iterations (the token loop's
-lock) the engine takes layers [p, L) with the K/V of every request in flight (`take_layers`:
-the stage's K/V comes over, so greedy output does not change), the helper is told to release
-the stage, and the core's view of the instance says it runs alone.
+lock) the engine takes every remote range back with the K/V of every request in flight
+(`take_layers`: the stage's K/V comes over, so greedy output does not change), the helpers are
+told to release their stages, and the core's view of the instance says it runs alone.
 
-Anything that keeps the pipeline from forming (no transfer came, the helper refused, the stage
-or the engine failed to build) falls back to the ordinary path: the load waits for the whole
-copy. A pipeline whose copy never completes keeps serving through its helper.
+Anything that keeps the pipeline from forming (no transfer came, a helper refused, a stage or
+the engine failed to build) falls back to the ordinary path: the load waits for the whole copy
+(the stages already hosted are released). A pipeline whose copy never completes keeps serving
+through its helpers.
 """
 
 from __future__ import annotations
@@ -37,10 +52,10 @@ from typing import TYPE_CHECKING
 
 from services.node.stages import held_tensors, holding_of
 from shared import wire
-from shared.core.pipeline import Holding
-from shared.core.types import PipelineMode
+from shared.core.pipeline import Holding, StageRange, pipeline_stages, transfer_hops
+from shared.core.types import HostedRange, PipelineMode
 from shared.schemas import CommandKind, ModelRecord, NodeCommand, NodeReply
-from shared.subjects import node_command_subject
+from shared.subjects import multicast_node_subject, node_command_subject
 
 if TYPE_CHECKING:
     from services.node.worker import NodeWorker
@@ -51,22 +66,47 @@ log = logging.getLogger("slinfer.node.pipeline")
 FORM_PATIENCE = 4.0
 FORM_MIN_WAIT_S = 30.0
 HELPER_TIMEOUT_S = 120.0  # HOST_LAYERS: the helper builds the stage before it answers
+# A receiver asked to host a range waits this long for its own blocks of it (the plan expects
+# them about when the head holds its own layers: the k-way orders are known to both).
+OWN_COPY_WAIT_S = 60.0
+COVER_POLL_S = 0.1  # a receiver heading a pipeline asks the others what they hold this often
 SWITCH_TRIES = 200  # the switch waits for a running memory op of the instance this often
 
 
 @dataclass
+class RemoteStage:
+    """Layers [start, end) of a pipelined instance, run by a stage on `helper`."""
+
+    helper: str
+    start: int
+    end: int
+    address: str = ""  # the stage's host:port once hosted
+
+    def layers(self) -> frozenset[int]:
+        return frozenset(range(self.start, self.end))
+
+
+@dataclass
 class Pipelined:
-    """An instance serving through a pipeline: layers [split, layers) on `helper`."""
+    """An instance serving through a pipeline: `stages` run on their helpers, the rest here."""
 
     instance_id: str
     record: ModelRecord
-    helper: str
-    split: int
     layers: int
-    address: str
+    stages: list[RemoteStage]
     host: object | None  # the multicast's buffers (HostCheckpoint) the local layers view; None
     # once the pipeline is over
     events: dict[str, float] = field(default_factory=dict)  # what happened when (time.time())
+
+    @property
+    def local(self) -> frozenset[int]:
+        """The decoder layers this node runs itself."""
+        remote = frozenset().union(*(s.layers() for s in self.stages))
+        return frozenset(range(self.layers)) - remote
+
+    @property
+    def helpers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.helper for s in self.stages))
 
 
 class PipelineStarts:
@@ -102,74 +142,179 @@ class PipelineStarts:
 
     def _form(self, instance_id: str, record: ModelRecord, kv_bytes: int, mode: PipelineMode):
         started = time.time()
-        got = self.w.multicast.wait_blocks(  # `until`: when the copy should be whole
-            record.path, lambda manifest, have: _split(manifest, have) > 0,
-            max(FORM_MIN_WAIT_S, FORM_PATIENCE * (mode.until - started)))
-        if got is None:
+        # `until`: when the copy should be whole
+        deadline = started + max(FORM_MIN_WAIT_S, FORM_PATIENCE * (mode.until - started))
+        found = self._receivers_cover(record, mode, deadline) if mode.ranges else \
+            self._holder_split(record, mode, deadline)
+        if found is None:
             raise RuntimeError("no blocks of it arrived in time")
-        manifest, host, have = got
+        host, remote = found
         blocks_at = time.time()
-        if len(have) == len(manifest.blocks):
-            self._run_alone(instance_id)  # the whole copy came first: load it as usual
+        if not remote:
+            self._run_alone(instance_id)  # the whole copy (or every layer) came first: load it
             return None
         layers = record.layers
-        split = _split(manifest, have)
-        if split >= layers:  # every layer is here already: nothing to run elsewhere
-            self._run_alone(instance_id)
-            return None
-        helper = mode.helpers[0]
-        address = self._host(helper, instance_id, record, split, layers, kv_bytes)
-        pipe = Pipelined(instance_id, record, helper, split, layers, address, host,
-                         {"admitted": started, "blocks": blocks_at, "hosted": time.time()})
+        pipe = Pipelined(instance_id, record, layers, remote, host, {"admitted": started,
+                                                                    "blocks": blocks_at})
         try:
-            engine = self._engine(record, kv_bytes, split, address,
-                                  held_tensors(host, Holding("", frozenset(range(split)), True)))
+            for stage in remote:
+                stage.address = self._host(stage, instance_id, record, kv_bytes, mode)
+            pipe.events["hosted"] = time.time()
+            engine = self._engine(record, kv_bytes, pipe,
+                                  held_tensors(host, Holding("", pipe.local, True)))
         except BaseException:
             self._release(pipe)
             raise
         pipe.events["serving"] = time.time()
-        inst = self.w.sched.node.instance(instance_id)
-        if inst is not None and inst.pipeline is not None:  # the view names the helper's stage
-            inst.pipeline = replace(inst.pipeline, stages=(address,))
+        self._in_view(instance_id, pipe)
         with self._lock:
             self.serving[instance_id] = pipe
             self.history.append(pipe)
-        log.info("node %s: %s serves through a pipeline: layers 0-%d here, %d-%d on %s",
-                 self.w.s.node_id, instance_id, split - 1, split, layers - 1, helper)
+        log.info("node %s: %s serves through a pipeline: %d layers here, %s", self.w.s.node_id,
+                 instance_id, len(pipe.local),
+                 ", ".join(f"{s.start}-{s.end - 1} on {s.helper}" for s in remote))
         # One parseable line of the formation's timings (bench/scaleout.py --ewl reads it: the
         # core's `pipeline_setup_s` + engine start is what blocks -> serving took here).
         log.info("pipeline timings %s", json.dumps({
-            "instance": instance_id, "node": self.w.s.node_id, "split": split,
+            "instance": instance_id, "node": self.w.s.node_id, "local_layers": len(pipe.local),
+            "remote": [[s.helper, s.start, s.end] for s in remote],
+            "receivers": bool(mode.ranges),
             "wait_blocks_s": round(blocks_at - started, 4),
             "host_stage_s": round(pipe.events["hosted"] - blocks_at, 4),
             "head_engine_s": round(pipe.events["serving"] - pipe.events["hosted"], 4)}))
         self._call(self._switch_when_whole(pipe))
         return engine
 
-    def _host(self, helper: str, instance_id: str, record: ModelRecord, split: int, layers: int,
-              kv_bytes: int) -> str:
-        """HOST_LAYERS on the helper: its stage's address."""
-        share = (layers - split) / layers
-        weights = (record.weight_bytes - record.head_bytes) * (layers - split) // layers
+    def _holder_split(self, record: ModelRecord, mode: PipelineMode, deadline: float):
+        """(A DRAM holder's pipeline) Once this node holds the head and layers 0..p-1: the
+        multicast's buffers and the holder's stage of [p, L) ([] : the copy is whole)."""
+        got = self.w.multicast.wait_blocks(
+            record.path, lambda m, have: _split(m, have) > 0, deadline - time.time())
+        if got is None:
+            return None
+        manifest, host, have = got
+        split = _split(manifest, have)
+        whole = len(have) == len(manifest.blocks) or split >= record.layers
+        return host, [] if whole else [RemoteStage(mode.helpers[0], split, record.layers)]
+
+    def _receivers_cover(self, record: ModelRecord, mode: PipelineMode, deadline: float):
+        """(Receivers hosting for each other) Once this node holds the head and a layer, and the
+        receivers of its pipeline (`mode.helpers`) hold every layer it lacks between them:
+        the multicast's buffers and the stages of the ranges they run (`pipeline_stages` with
+        this node as the head, from what each holds *now*: the checkpoint's byte order, not
+        the core's layer-order layout, decides who holds which layers first); [] : the copy is
+        whole. Polled, as the others' blocks arrive on their own."""
+        me = self.w.s.node_id
+        while True:
+            got = self.w.multicast.wait_blocks(
+                record.path, lambda m, have: _heads(m, have), deadline - time.time())
+            if got is None:
+                return None
+            manifest, host, have = got
+            if len(have) == len(manifest.blocks):
+                return host, []
+            mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
+            theirs = [self._holding(h, record) for h in mode.helpers]
+            stages = pipeline_stages([mine, *theirs], record.layers, head_node=me)
+            if stages is not None:
+                return host, [RemoteStage(s.node, s.start, s.end) for s in stages
+                              if s.node != me]
+            if time.time() > deadline:
+                return None
+            time.sleep(COVER_POLL_S)
+
+    def _holding(self, node: str, record: ModelRecord) -> Holding:
+        """What another receiver can run of the model now (its endpoint's `holding`)."""
+        try:
+            msg = self._call(self.w.nc.request(
+                multicast_node_subject(node),
+                json.dumps({"op": "holding", "model_path": record.path}).encode(), timeout=5.0),
+                wait_s=6.0)
+            body = json.loads(msg.data)
+        except Exception as exc:  # it may come back at the next poll
+            log.debug("receiver %s did not say what it holds: %r", node, exc)
+            return Holding(node, frozenset(), False)
+        if body.get("whole"):
+            return Holding(node, frozenset(range(record.layers)), True)
+        return Holding(node, frozenset(body.get("layers", ())), bool(body.get("head")))
+
+    def _in_view(self, instance_id: str, pipe: Pipelined) -> None:
+        """The core's view of the instance names its stages (the helpers keep them while an
+        instance's view uses them) and, for receivers, the ranges and hops it really runs."""
+        inst = self.w.sched.node.instance(instance_id)
+        if inst is None or inst.pipeline is None:
+            return
+        mode = replace(inst.pipeline, stages=tuple(s.address for s in pipe.stages))
+        if mode.ranges:
+            ranges = tuple(HostedRange(s.helper, s.start, s.end) for s in pipe.stages)
+            runs = [StageRange(r.helper, r.start, r.end) for r in ranges]
+            runs += [StageRange(self.w.s.node_id, i, i + 1) for i in sorted(pipe.local)]
+            mode = replace(mode, ranges=ranges, helpers=pipe.helpers,
+                           hops=transfer_hops(sorted(runs, key=lambda r: r.start),
+                                              self.w.s.node_id))
+        inst.pipeline = mode
+
+    def _host(self, stage: RemoteStage, instance_id: str, record: ModelRecord, kv_bytes: int,
+              mode: PipelineMode) -> str:
+        """HOST_LAYERS on the stage's helper: its address. A DRAM holder holds the range's
+        weights and K/V; a receiver (`mode.ranges`, sent along so it knows it hosts from its own
+        copy) the K/V only: its own instance's bytes count the weights (as the core's
+        `startup.hosted_layer_bytes`)."""
+        layers = record.layers
+        count = stage.end - stage.start
+        kv = int(kv_bytes * count / layers)
+        weights = 0 if mode.ranges else (record.weight_bytes - record.head_bytes) * count // layers
         cmd = NodeCommand(CommandKind.HOST_LAYERS, instance_id=instance_id, model=record,
-                          layer_start=split, layer_end=layers, stage_node=self.w.s.node_id,
-                          stage_bytes=weights + int(kv_bytes * share))
-        reply = self._call(self._ask(helper, cmd), wait_s=HELPER_TIMEOUT_S + 5)
+                          layer_start=stage.start, layer_end=stage.end,
+                          stage_node=self.w.s.node_id, stage_bytes=max(1, weights + kv),
+                          pipeline=mode if mode.ranges else None)
+        reply = self._call(self._ask(stage.helper, cmd), wait_s=HELPER_TIMEOUT_S + 5)
         if not reply.accepted or not reply.stage_address:
-            raise RuntimeError(f"helper {helper} refused layers {split}:{layers}: {reply.reason}")
+            raise RuntimeError(f"helper {stage.helper} refused layers {stage.start}:{stage.end}: "
+                               f"{reply.reason}")
         return reply.stage_address
 
-    def _engine(self, record: ModelRecord, kv_bytes: int, split: int, address: str, weights):
+    def _engine(self, record: ModelRecord, kv_bytes: int, pipe: Pipelined, weights):
         from services.node.engines.torch_engine import TorchEngine
 
         # The pool of the local layers only, in as many blocks as the whole instance's: the
-        # stage mirrors it, and the switch adds the other layers' pools (the ledger's kv_bytes).
+        # stages mirror it, and the switch adds the other layers' pools (the ledger's kv_bytes).
         engine = TorchEngine(record.path, device=self.w.s.device,
-                             kv_capacity_bytes=kv_bytes * split // record.layers,
-                             loader=self.w.loader, remote_layers=[address], weights=weights)
+                             kv_capacity_bytes=kv_bytes * len(pipe.local) // record.layers,
+                             loader=self.w.loader, remote_layers=[s.address for s in pipe.stages],
+                             weights=weights)
         engine.load()
         engine.load_info["tier"] = "pipeline"  # the node's LoadRecord says how it started
         return engine
+
+    # -- a receiver hosting for another receiver (HOST_LAYERS with `ranges`) ----------------------
+
+    async def host_from_own_copy(self, cmd: NodeCommand) -> tuple[dict | None, str | None]:
+        """(The worker's event loop) The tensors of layers [start, end) of `cmd.model` from this
+        node's own copy: views of the blocks of its multicast under way once they cover the
+        range (waited for up to OWN_COPY_WAIT_S), or None when its DRAM tier holds the whole
+        copy already (the stage host views that). The second item: why it cannot (or None)."""
+        path = cmd.model.path
+        if self._in_dram(path):
+            return None, None
+        if self.w.multicast is None:
+            return None, "not_here: no multicast endpoint to receive the model by"
+        want = frozenset(range(cmd.layer_start, cmd.layer_end))
+        got = await asyncio.to_thread(
+            self.w.multicast.wait_blocks, path,
+            lambda m, have: want <= holding_of(m.index, list(m.blocks), set(have)).layers,
+            OWN_COPY_WAIT_S)
+        if got is None:  # no transfer under way: it may have completed meanwhile
+            return (None, None) if self._in_dram(path) else \
+                (None, f"not_here: layers {cmd.layer_start}:{cmd.layer_end} did not arrive")
+        _, host, _ = got
+        return held_tensors(host, Holding("", want, False)), None
+
+    def _in_dram(self, path: str) -> bool:
+        try:
+            return self.w.loader is not None and self.w.loader.tier_of(path) == "dram"
+        except Exception:  # noqa: BLE001 - not a converted checkpoint here
+            return False
 
     # -- the switch (the worker's event loop) ---------------------------------------------------
 
@@ -191,7 +336,7 @@ class PipelineStarts:
             return
         pipe.events["whole"] = time.time()
         if pipe.instance_id not in self.serving:
-            return  # unloaded before its copy was whole: its stage was released then
+            return  # unloaded before its copy was whole: its stages were released then
         try:
             await self._switch(pipe)
         except Exception as exc:
@@ -199,17 +344,18 @@ class PipelineStarts:
                         "serving through its pipeline", self.w.s.node_id, pipe.instance_id, exc)
 
     async def _switch(self, pipe: Pipelined) -> None:
-        """Take the layers back between two iterations with no memory op of the instance
-        running (`LayerMoves._changing`: a K/V resize waits meanwhile, and then sizes the
-        pool of every layer); retried while one runs."""
-        rest = Holding("", frozenset(range(pipe.split, pipe.layers)), False)
+        """Take every remote range back between two iterations with no memory op of the
+        instance running (`LayerMoves._changing`: a K/V resize waits meanwhile, and then sizes
+        the pool of every layer); retried while one runs."""
+        rest = Holding("", frozenset(range(pipe.layers)) - pipe.local, False)
         tensors = held_tensors(pipe.host, rest)
 
         def take() -> None:
             engine = self.w.engines.get(pipe.instance_id)
             if engine is None or pipe.instance_id not in self.serving:
                 raise LookupError("unloaded")
-            engine.take_layers(pipe.split, pipe.layers, tensors)
+            for stage in pipe.stages:  # each stage whole (stages.Split.take)
+                engine.take_layers(stage.start, stage.end, tensors)
             with self._lock:
                 self.serving.pop(pipe.instance_id, None)
 
@@ -224,8 +370,9 @@ class PipelineStarts:
             raise error
         self._run_alone(pipe.instance_id)
         pipe.events["switched"] = time.time()
-        log.info("node %s: %s runs alone now (layers %d-%d taken back from %s)",
-                 self.w.s.node_id, pipe.instance_id, pipe.split, pipe.layers - 1, pipe.helper)
+        log.info("node %s: %s runs alone now (layers %s taken back from %s)", self.w.s.node_id,
+                 pipe.instance_id, ", ".join(f"{s.start}-{s.end - 1}" for s in pipe.stages),
+                 ",".join(pipe.helpers))
         log.info("pipeline timings %s", json.dumps({
             "instance": pipe.instance_id, "node": self.w.s.node_id,
             "switch_s": round(pipe.events["switched"] - pipe.events["whole"], 4)}))
@@ -235,12 +382,12 @@ class PipelineStarts:
         """The K/V bytes of the layers the instance runs here (all of them once it switched):
         its pool keeps as many blocks as the whole instance's `kv_bytes` would have."""
         pipe = self.serving.get(instance_id)
-        return kv_bytes if pipe is None else kv_bytes * pipe.split // pipe.layers
+        return kv_bytes if pipe is None else kv_bytes * len(pipe.local) // pipe.layers
 
     # -- unload -----------------------------------------------------------------------------------
 
     def unloaded(self, instance_id: str) -> None:
-        """(Any thread) The instance is gone: its helper's stage goes too."""
+        """(Any thread) The instance is gone: its helpers' stages go too."""
         with self._lock:
             pipe = self.serving.pop(instance_id, None)
         if pipe is not None:
@@ -261,18 +408,21 @@ class PipelineStarts:
         # The pipeline is over (switched, unloaded or never served): its record in `history`
         # must not keep the copy's buffers from the loader's pool.
         pipe.host = None
-        cmd = NodeCommand(CommandKind.RELEASE_LAYERS, instance_id=pipe.instance_id,
-                          layer_start=pipe.split, layer_end=pipe.layers,
+        await asyncio.gather(*(self._release_stage(pipe.instance_id, s) for s in pipe.stages))
+        pipe.events["released"] = time.time()
+
+    async def _release_stage(self, instance_id: str, stage: RemoteStage) -> None:
+        cmd = NodeCommand(CommandKind.RELEASE_LAYERS, instance_id=instance_id,
+                          layer_start=stage.start, layer_end=stage.end,
                           stage_node=self.w.s.node_id)
         try:
-            reply = await self._ask(pipe.helper, cmd)
-            pipe.events["released"] = time.time()
+            reply = await self._ask(stage.helper, cmd)
             if not reply.accepted:
-                log.warning("helper %s kept %s's stage: %s", pipe.helper, pipe.instance_id,
-                            reply.reason)
+                log.warning("helper %s kept %s's stage %d:%d: %s", stage.helper, instance_id,
+                            stage.start, stage.end, reply.reason)
         except Exception as exc:  # its orphan check releases it (stage_host.ORPHAN_GRACE_S)
-            log.warning("could not tell helper %s to release %s's stage: %r", pipe.helper,
-                        pipe.instance_id, exc)
+            log.warning("could not tell helper %s to release %s's stage: %r", stage.helper,
+                        instance_id, exc)
 
     async def _ask(self, node: str, cmd: NodeCommand) -> NodeReply:
         msg = await self.w.nc.request(node_command_subject(node), wire.encode(cmd),
@@ -295,3 +445,9 @@ def _split(manifest, have) -> int:
     while p in holding.layers:
         p += 1
     return p
+
+
+def _heads(manifest, have) -> bool:
+    """This node holds the head and at least one layer: it can head a pipeline."""
+    holding = holding_of(manifest.index, list(manifest.blocks), set(have))
+    return holding.head and bool(holding.layers)

@@ -78,6 +78,10 @@ class StageOrder:
     owner_instance: str
     owner_node: str
     tensors: Mapping[str, torch.Tensor] | None = None
+    # The weights are this node's own copy of the model, which its own instance's bytes count
+    # already (a receiver hosting for another receiver, λScale Algorithm 2): the stage's bytes
+    # are its K/V pool only.
+    own_copy: bool = False
 
 
 @dataclass
@@ -95,9 +99,11 @@ class HostedStage:
         return self.order.key
 
     def bytes(self) -> int:
-        """Its memory now: weights plus the K/V pool the owner sized (it mirrors the owner's)."""
+        """Its memory now: weights (unless its node's own copy) plus the K/V pool the owner
+        sized (it mirrors the owner's)."""
         mem = self.server.stage.memory()
-        return self.weight_bytes + mem["kv_blocks"] * mem["kv_block_bytes"]
+        weights = 0 if self.order.own_copy else self.weight_bytes
+        return weights + mem["kv_blocks"] * mem["kv_block_bytes"]
 
 
 class StageHost:
@@ -116,13 +122,15 @@ class StageHost:
     # -- building ------------------------------------------------------------------------------
 
     def expect(self, key: str, model_path: str, start: int, end: int, owner_instance: str,
-               owner_node: str, tensors: Mapping[str, torch.Tensor] | None = None) -> StageOrder:
+               owner_node: str, tensors: Mapping[str, torch.Tensor] | None = None,
+               own_copy: bool = False) -> StageOrder:
         """Announce a stage that `build(key)` makes later (the hold's LOAD op)."""
         if key != stage_key(owner_instance, start, end):
             raise ValueError(f"{key!r} is not the stage key of {owner_instance} {start}:{end}")
         if not 0 <= start < end:
             raise ValueError(f"layers {start}:{end} are not a range")
-        order = StageOrder(key, str(model_path), start, end, owner_instance, owner_node, tensors)
+        order = StageOrder(key, str(model_path), start, end, owner_instance, owner_node, tensors,
+                           own_copy)
         with self._lock:
             if key in self.hosted:
                 raise ValueError(f"{key} is hosted here already")

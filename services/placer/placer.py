@@ -57,7 +57,7 @@ from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
-from shared.core.startup import StartupChoice, StartupMethod, stage_bytes
+from shared.core.startup import StartupChoice, StartupMethod, helper_bytes
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -548,11 +548,12 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
 
 
 def _with_stage(nodes: list[NodeView], startup: StartupChoice, spec) -> list[NodeView]:
-    """The placer's view once the pipeline's helper reserved its stage (the next decision of
-    this turn must not count the same room; the helper's own view follows at its heartbeat)."""
-    need = stage_bytes(spec)
-    return [replace(n, budget_bytes=n.budget_bytes + need)
-            if n.node_id in startup.pipeline.helpers else n for n in nodes]
+    """The placer's view once the pipeline's helpers reserved their stages (the next decision
+    of this turn must not count the same room; a helper's own view follows at its heartbeat):
+    a DRAM holder its stage, a receiver its ranges' K/V, as the core planned (`helper_bytes`)."""
+    need = helper_bytes(spec, startup.pipeline)
+    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id])
+            if n.node_id in need else n for n in nodes]
 
 
 def _startup_label(startup: StartupChoice) -> str:

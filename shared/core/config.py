@@ -36,8 +36,8 @@ class CoreConfig:
     # the services turn it on (SLINFER_ENABLE_PIPELINE), their node workers carry it out.
     enable_pipeline: bool = False
     # ...and the receivers of one multicast host layers for each other (λScale Algorithm 2,
-    # `shared.core.pipeline.receiver_plan`), besides a DRAM holder's stage. Off until the node
-    # workers carry it out (services/node/pipeline_mode.py hosts a DRAM holder's stage only).
+    # `shared.core.pipeline.receiver_plan`), besides a DRAM holder's stage; the node workers
+    # carry it out (services/node/pipeline_mode.py), the services read SLINFER_RECEIVER_PIPELINES.
     enable_receiver_pipelines: bool = False
     # Starting the helper's stage and attaching the head's engine to it (both from tensors
     # already in memory: no read), and one activation transfer's fixed cost (framing, a round

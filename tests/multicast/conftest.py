@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,9 @@ from shared.core.config import CoreConfig
 from shared.modelgen import ensure_model
 from shared.registry import ModelRegistry, model_record_from_dir
 from shared.servers import popen_tied
-from shared.subjects import multicast_node_subject
+from shared import wire
+from shared.schemas import InferenceRequest, TokenMessage
+from shared.subjects import REQUEST_SUBJECT, multicast_node_subject, token_subject
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,6 +104,26 @@ def source_and_nodes(source: str, nodes, memory_bytes: int, record, own_servers,
                                   redis)}
     return workers | {n: NodeWorker(node_settings(n, memory_bytes, *urls), nc, redis)
                       for n in nodes}
+
+
+async def submit_timed(nc, finals: dict, first_token_at: dict, prompt_len: int,
+                       max_tokens: int, prefix: str) -> str:
+    """A greedy request (prompt 5, 6, ...) on the placer's stream; when its first token came
+    (this process's clock) lands in `first_token_at`, its final message in `finals`."""
+    rid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+    async def on_token(msg) -> None:
+        m = wire.decode(TokenMessage, msg.data)
+        if m.token_ids and rid not in first_token_at:
+            first_token_at[rid] = time.time()
+        if m.finished:
+            finals[rid] = m
+
+    await nc.subscribe(token_subject(rid), cb=on_token)
+    req = InferenceRequest(rid, "t", "small", [5 + i for i in range(prompt_len)], max_tokens,
+                           time.time(), 60.0, 0.5, temperature=0.0)
+    await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req), headers={"Nats-Msg-Id": rid})
+    return rid
 
 
 async def ask(nc, node: str, body: dict, timeout: float = 60.0) -> dict:

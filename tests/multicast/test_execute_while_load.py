@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
-import uuid
 
 import nats
 import pytest
@@ -26,17 +24,15 @@ from redis.asyncio import Redis
 from services.node.worker import NodeWorker
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
-from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import read_nodes, save_profile
 from shared.core.config import CoreConfig
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware
 from shared.registry import ModelRegistry, model_record_from_dir
-from shared.schemas import InferenceRequest, TokenMessage
-from shared.subjects import REQUEST_SUBJECT, token_subject
+from shared.schemas import TokenMessage
 
-from tests.multicast.conftest import node_settings
+from tests.multicast.conftest import node_settings, submit_timed
 from tests.polling import until
 from tests.stack import shut_down
 from tests.reference import greedy_output
@@ -67,25 +63,6 @@ def _profile() -> Profile:
 
 def _prompt() -> list[int]:
     return [5 + i for i in range(PROMPT)]
-
-
-async def _submit(nc, finals: dict, first_token_at: dict) -> str:
-    """A greedy request on the placer's stream; when its first token came (this process's
-    clock) lands in `first_token_at`, its final message in `finals`."""
-    rid = f"ewl-{uuid.uuid4().hex[:8]}"
-
-    async def on_token(msg) -> None:
-        m = wire.decode(TokenMessage, msg.data)
-        if m.token_ids and rid not in first_token_at:
-            first_token_at[rid] = time.time()
-        if m.finished:
-            finals[rid] = m
-
-    await nc.subscribe(token_subject(rid), cb=on_token)
-    req = InferenceRequest(rid, "t", "small", _prompt(), MAX_TOKENS, time.time(), 60.0, 0.5,
-                           temperature=0.0)
-    await nc.jetstream().publish(REQUEST_SUBJECT, wire.encode(req), headers={"Nats-Msg-Id": rid})
-    return rid
 
 
 async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole(
@@ -120,7 +97,7 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
         await until(holder_published, what="the holder's DRAM tier in the cluster view")
         finals: dict[str, TokenMessage] = {}
         first_token_at: dict[str, float] = {}
-        early = await _submit(nc, finals, first_token_at)  # arrives at t = 0 of the scale-out
+        early = await submit_timed(nc, finals, first_token_at, PROMPT, MAX_TOKENS, "ewl")  # arrives at t = 0 of the scale-out
         await placer.start()
         runner = asyncio.create_task(placer.run(stop))
         await until(lambda: early in finals, timeout_s=240, what="the first request")
@@ -128,7 +105,9 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
         pipelines = workers[HEAD].pipelines
         assert len(pipelines.history) == 1, "the instance did not serve through a pipeline"
         pipe = pipelines.history[0]
-        assert pipe.helper == HOLDER and 1 <= pipe.split < 12
+        (stage,) = pipe.stages  # one DRAM holder's stage of every layer the head lacks
+        assert stage.helper == HOLDER and 1 <= stage.start < stage.end == 12
+        assert pipe.local == frozenset(range(stage.start))
         await until(lambda: "released" in pipe.events, timeout_s=120, what="the mode switch")
         events = pipe.events
         # The first token came through the pipeline, before the copy was whole; the switch after.
@@ -147,7 +126,7 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
         assert view.pipeline is None  # the core now validates it as a local instance
 
         # A request after the switch: the same instance, local, the same greedy output.
-        late = await _submit(nc, finals, first_token_at)
+        late = await submit_timed(nc, finals, first_token_at, PROMPT, MAX_TOKENS, "ewl")
         await until(lambda: late in finals, timeout_s=120, what="the second request")
         assert finals[late].error is None and finals[late].node_id == HEAD
         assert finals[late].output_token_ids == reference
