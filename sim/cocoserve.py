@@ -32,10 +32,13 @@ preemption) gives its replicas and moved layers back.
 
 Host compute. Every iteration of a split or replicated instance gives each host its share of the
 work: the layers it holds over the instance's layers, over their replica count for a replica
-(the batch is split evenly). A host's own next iteration waits for the work queued on it. Its
-core counts the moved layers' stages it holds (`NodeView.stage_load`, a bound: as if their
-owners decoded back to back) in its own admissions; replicas it does not count (they yield:
-dropped once its requests run late), so their interference shows as late tokens.
+(the batch is split evenly). A host's own next iteration waits for the work queued on it. Each
+moved layers' stage has a meter of the host's time spent on it (`busy.BusyMeter`, the core's
+`busy_window_s`), started when the owner attaches the stage; once it has measured a window, the
+host's core counts the measured share (`NodeScheduler.stage_measured`) in its own admissions
+instead of the planner's prediction (`module_scaling.predicted_load`, which the owner's measured
+busy fraction gives). Replicas it does not count (they yield: dropped once its requests run
+late), so their interference shows as late tokens.
 
 Not modelled: the paper's fixed 39 ms inter-replica coordination (a hop here is one activation
 transfer over the link), projections as modules (layers only), the K/V of requests in flight
@@ -47,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from shared.core.busy import BusyMeter
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
                                         memory_deficit, plan_module_scaling)
@@ -96,6 +100,7 @@ class CoCoServe:
         self.layouts: dict[str, InstanceLayout] = {}  # instance -> its layout (until unloaded)
         self.op_s: dict[int, float] = {}  # op id -> its duration (the ops this controller made)
         self.host_work: dict[str, float] = {}  # host -> until when its share keeps it busy
+        self.meters: dict[str, BusyMeter] = {}  # a moved stage's key -> its host's time on it
         self.shed_at: dict[str, float] = {}  # instance -> when its last shed ended
         self.next_take = 0.0  # when shed layers are next looked at for taking back
 
@@ -201,6 +206,7 @@ class CoCoServe:
         self._release(plan.host_node, plan.address)
 
     def _release(self, host: str, key: str) -> None:
+        self.meters.pop(key, None)
         hsn = self.sys.nodes[host]
         t = self.transfers.pop(key, None)
         if t is not None and t.node:
@@ -228,6 +234,7 @@ class CoCoServe:
         looked at for taking back every TAKE_EVERY_S.)"""
         if now >= self.next_take:
             self.next_take = now + TAKE_EVERY_S
+            self._measured(list(self.meters), now)  # (idle stages' loads decay too)
             self._take_back()
         layout = self.layouts.get(instance_id)
         if layout is None:
@@ -237,7 +244,25 @@ class CoCoServe:
         for run in layout.runs:
             share = sum(1 / (degrees[i] if run.replica else 1) for i in range(run.start, run.end))
             work = seconds * share / layers
-            self.host_work[run.node_id] = max(now, self.host_work.get(run.node_id, 0.0)) + work
+            start = max(now, self.host_work.get(run.node_id, 0.0))
+            self.host_work[run.node_id] = start + work
+            meter = self.meters.get(run.address)
+            if meter is not None:
+                self.meters[run.address] = meter.observe(start, start + work)
+                self._measured([run.address], now)
+
+    def _measured(self, keys: list[str], now: float) -> None:
+        """The hosts of these stages count their measured share once they measured a window."""
+        for key in keys:
+            meter = self.meters[key]
+            if meter.observed_s(now) >= meter.window_s:
+                host = self._host_of(key)
+                if host is not None:
+                    self.sys.nodes[host].sched.stage_measured(key, meter.fraction(now))
+
+    def _host_of(self, key: str) -> str | None:
+        return next((r.node_id for lay in self.layouts.values() for r in lay.runs
+                     if r.address == key), None)
 
     def _take_back(self) -> None:
         """The planner's take-back plans (shed layers whose node has room again), carried out."""
@@ -307,6 +332,7 @@ class CoCoServe:
             return False
         if plan.action is ModuleAction.SHED:
             self.shed_at[plan.instance_id] = self.sys.loop.now
+            self.meters[t.key] = BusyMeter.start(self.sys.config.busy_window_s, self.sys.loop.now)
         return True
 
     def _taken(self, t: Transfer) -> bool:

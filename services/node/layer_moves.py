@@ -9,8 +9,13 @@ the held bytes follow what the stage really holds (its K/V pool mirrors the owne
 owner resizes). A receiver of the model's multicast asked to host a range for another
 receiver's instance (λScale Algorithm 2: the command carries that pipeline) serves it from its own
 copy, its arriving blocks once they cover the range (`PipelineStarts.host_from_own_copy`), and
-holds the range's K/V only: its own instance's bytes count the weights. The hold also carries the stage's share of this node's compute (the command's
-`stage_load`), which the node's view reports and its own admissions count until it is released.
+holds the range's K/V only: its own instance's bytes count the weights. The hold also carries
+the stage's share of this node's compute: the planner's prediction (the command's `stage_load`)
+until the node has measured the stage for a window (its forwards' seconds, sampled every beat,
+`busy.BusyMeter` over the core's `busy_window_s`), the measured share then
+(`NodeScheduler.stage_measured`). The node's view reports it and its own admissions count it
+until it is released. (Replicas come with no load: they yield to the node's own work, so they
+are neither predicted nor measured.)
 
 A stage no instance's layout in the cluster view uses (its owner went away, dropped it, or never
 attached it) is released after a grace (`stage_host.ORPHAN_GRACE_S`).
@@ -36,6 +41,7 @@ from nats.aio.msg import Msg
 
 from services.node.stage_host import StageHost, is_stage_key
 from shared.cluster import read_nodes
+from shared.core.busy import BusyMeter
 from shared.core.modules import layout_spec, stage_key
 from shared.core.types import InstanceLayout, InstanceStatus, LayerRun
 from shared.schemas import CommandKind, NodeCommand, NodeReply
@@ -63,6 +69,10 @@ class LayerMoves:
         # Instances whose engine is changing its layers now: their memory ops wait (an engine's
         # K/V pool must not be resized while its layers' K/V moves).
         self.moving: set[str] = set()
+        # Stage key -> (its meter, the forward seconds and the time it was last sampled at), for
+        # the stages hosted with a load (moved layers).
+        self.meters: dict[str, tuple[BusyMeter, float, float]] = {}
+        self._counted: set[str] = set()  # stage keys hosted with a load
 
     # -- the worker's hooks --------------------------------------------------------------------
 
@@ -104,8 +114,34 @@ class LayerMoves:
     async def close(self) -> None:
         await asyncio.to_thread(self.host.close)
 
+    def measure(self, now: float) -> None:
+        """(Heartbeat) Sample the forward seconds of the stages hosted with a load; once a
+        stage is measured for a window its measured share replaces the planned one."""
+        window = self.w.s.core.busy_window_s
+        for key in list(self.meters.keys() | self._counted):
+            hosted = self.host.get(key)
+            if hosted is None or key not in self._counted:
+                self.meters.pop(key, None)
+                continue
+            spent = hosted.server.stage.forward_s
+            if key not in self.meters:  # from when it is built: its idle time counts too
+                self.meters[key] = (BusyMeter.start(window, now), spent, now)
+                continue
+            meter, last_s, last_t = self.meters[key]
+            meter = meter.observe(last_t, now, busy_s=spent - last_s)
+            self.meters[key] = (meter, spent, now)
+            if meter.observed_s(now) >= meter.window_s:
+                self.w.sched.stage_measured(key, meter.fraction(now))
+
+    def measured(self, key: str, now: float) -> float | None:
+        """The stage's measured share of this node's compute so far (None: not measured)."""
+        entry = self.meters.get(key)
+        return entry[0].fraction(now) if entry is not None else None
+
     async def tend(self) -> None:
-        """(Heartbeat) Release orphans; make the held bytes follow the stages' real bytes."""
+        """(Heartbeat) Measure the stages' loads; release orphans; make the held bytes follow
+        the stages' real bytes."""
+        self.measure(time.time())
         if not self.host.hosted or time.monotonic() - self._tended < TEND_EVERY_S:
             return
         self._tended = time.monotonic()
@@ -197,8 +233,12 @@ class LayerMoves:
         return NodeReply(True, "released", cmd.instance_id)
 
     def _hold(self, key: str, nbytes: int, load: float | None = None) -> bool:
-        """Hold `nbytes` under `key` (0: release); `load`: the stage's share of this node's
-        compute, in its view until released (None: as held so far)."""
+        """Hold `nbytes` under `key` (0: release); `load`: the stage's predicted share of this
+        node's compute, in its view until released or measured (None: as held so far)."""
+        if not nbytes:
+            self._counted.discard(key)
+        elif load:
+            self._counted.add(key)
         ok, ops = self.w.sched.hold(key, nbytes, time.time(), load)
         self.w._start_ops(ops)
         self.w.wake.set()

@@ -326,6 +326,9 @@ class LayerStage:
                                   head_dim, self.dtype, self.device)
         self.workspace = _Workspace(self.cache, DECODE_WORKSPACE_BYTES)
         self.config = config
+        # Seconds its forwards ran, all told: its host samples it to measure the stage's share
+        # of its compute (services/node/layer_moves.py).
+        self.forward_s = 0.0
 
     def info(self) -> dict:
         return {"start": self.start, "end": self.end, "block_size": self.cache.block_size,
@@ -339,8 +342,15 @@ class LayerStage:
         return {"weight_bytes": self.weight_bytes, "kv_blocks": c.num_blocks,
                 "kv_used_blocks": c.used_blocks, "kv_block_bytes": c.block_bytes}
 
-    @torch.inference_mode()
     def forward(self, spec: StepSpec, hidden: torch.Tensor, last_only: bool) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return self._forward(spec, hidden, last_only)
+        finally:
+            self.forward_s += time.perf_counter() - started
+
+    @torch.inference_mode()
+    def _forward(self, spec: StepSpec, hidden: torch.Tensor, last_only: bool) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)
         positions = spec.positions(self.device)
         cos, sin = self.rotary(hidden, positions)

@@ -62,8 +62,13 @@ class CoreConfig:
     # Only instances that can start within this burst together (λScale's regime: multicast or a
     # local copy); slower starts gain nothing from starting at once and share the slow tier.
     burst_max_startup_s: float = 3.0
+    # CoCoServe host compute: an instance's busy fraction (its node's iterations) and a hosted
+    # stage's (its host's forwards) are measured over this time constant (`busy.BusyMeter`).
+    busy_window_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not self.busy_window_s > 0:
+            raise ValueError(f"busy_window_s must be > 0, got {self.busy_window_s}")
         if self.watermark < 0:
             raise ValueError(f"watermark must be >= 0, got {self.watermark}")
         if self.overestimate < 0:

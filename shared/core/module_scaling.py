@@ -20,9 +20,13 @@ and memory models.
   nor for an instance the caller keeps as it is (`stay`: a shed younger than `settle_s`).
 
 A host's compute. A stage runs its layers for every iteration of the instance, on the host's
-compute: it takes up to `modules.stage_load` of it, which the host's view reports
-(`NodeView.stage_load`, the loads of the stages it holds) and its shadow validation counts
-(`evaluate.contended`: each of its own iterations takes 1 / (1 - load) as long). A shed or a
+compute. The host measures the share its stages take (each stage's busy fraction over the
+core's `busy_window_s`) and reports the sum (`NodeView.stage_load`), which its shadow validation
+counts (`evaluate.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
+not placed yet has no measurement: its load is predicted (`predicted_load`) as the owner's
+measured busy fraction (`InstanceView.busy`, grown by the hops the move adds) times the stage's
+share of a step (`modules.stage_load`, the ceiling: its share were the owner busy all the time);
+the host reports the prediction until it has measured the stage for a window. A shed or a
 replica goes only to a host whose own busy instances still fit one decode round each within
 their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
 then take at most `max_host_load`. (A replica yields: it is dropped once the host's own requests
@@ -84,7 +88,7 @@ class ModuleSettings:
     take_headroom: float = 0.1
     # The caller keeps a shed's layers where they went at least this long (`stay`).
     settle_s: float = 10.0
-    # The most of a host's compute the stages it holds may take (`modules.stage_load`).
+    # The most of a host's compute the stages it holds may take (measured or predicted).
     max_host_load: float = 0.5
 
     def __post_init__(self) -> None:
@@ -118,8 +122,9 @@ class ModulePlan:
     owner_bytes_after: int = 0  # the instance's bytes on its node after the move
     address: str = ""  # DROP_REPLICA, TAKE: the stage's address
     why: str = ""
-    # SHED: the share of the host's compute the stage takes (`modules.stage_load`), which the
-    # host reports in its view; a replica yields to the host's own work and reports none.
+    # SHED: the share of the host's compute the stage is predicted to take (`predicted_load`),
+    # which the host reports in its view until it has measured the stage; a replica yields to
+    # the host's own work and reports none.
     load: float = 0.0
 
     def layout_after(self, inst: InstanceView, address: str, settings: ModuleSettings
@@ -179,13 +184,13 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
                               taken, free)
     if settings.replicate:
         for model in dict.fromkeys(r.model for r in demand):
-            plans += _demand_plans(model, nodes, perf, settings, config, free, taken)
+            plans += _demand_plans(model, nodes, perf, settings, config, free, taken, now)
     if settings.replicate and settings.spikes:
         for node in nodes:
             for inst in node.instances:
                 if inst.instance_id in taken:
                     continue
-                plan = _spike_plan(node, inst, nodes, perf, settings, config, free) or \
+                plan = _spike_plan(node, inst, nodes, perf, settings, config, free, now) or \
                     _passed_plan(node, inst, perf, settings, config)
                 if plan is not None:
                     plans.append(plan)
@@ -218,6 +223,25 @@ class _Room:
 
     def copy(self) -> _Room:
         return _Room(dict(self.free), dict(self.load))
+
+
+def predicted_load(inst: InstanceView, profile: Profile, after: InstanceLayout,
+                   config: CoreConfig, now: float) -> float:
+    """The share of its host's compute the newest run of `after` (the instance's layout with
+    it) is predicted to take: the stage's share of a step (`modules.stage_load`) times the share
+    of time the owner will be stepping, its measured busy fraction grown by the hops (the same
+    steps, each `after`'s step over the current one longer). An owner measured for less than a
+    window (`InstanceView.busy`): the ceiling, as if it stepped all the time, since a few
+    iterations tell little of its load; the host measures the stage once it runs and reports
+    that instead, so a prediction errs only until then."""
+    ceiling = stage_load(profile, after, after.runs[-1])
+    meter = inst.busy
+    if meter is None or meter.observed_s(now) < meter.window_s:
+        return ceiling
+    before_s = _step_s(inst, inst.layout, profile, config)
+    after_s = _step_s(inst, after, profile, config)
+    grown = after_s / before_s if before_s > 0 else 1.0
+    return ceiling * min(1.0, meter.fraction(now) * grown)
 
 
 def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
@@ -325,7 +349,7 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
         after = plan.layout_after(inst, "", settings)
         if not _meets_tpot(inst, after, perf, node, config):
             continue
-        load = stage_load(profile, after, after.runs[-1])
+        load = predicted_load(inst, profile, after, config, now)
         hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
                  and not n.draining and free[n.node_id] >= move.dest_bytes
                  and _host_fits(n, load, perf, config, settings, free)]
@@ -352,7 +376,8 @@ def _replicated(inst: InstanceView) -> bool:
 
 
 def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: ModuleSettings,
-                  config: CoreConfig, free: _Room, taken: set[str]) -> list[ModulePlan]:
+                  config: CoreConfig, free: _Room, taken: set[str],
+                  now: float) -> list[ModulePlan]:
     """Algorithm 1 for the model's busiest instance that is alone of its model on its node:
     replicas of the layers `scale_up` picks, on the idle nodes with room (one range each), if
     they raise the modelled speedup."""
@@ -367,7 +392,7 @@ def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: 
         profile = perf.get(model, node.hardware)
         if profile is None:
             continue
-        plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, free,
+        plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, free, now,
                               one_host=False, why=f"demand for {model}")
         if plans:
             taken.add(inst.instance_id)
@@ -377,7 +402,7 @@ def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: 
 
 def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
                   profile: Profile, settings: ModuleSettings, config: CoreConfig, free: _Room,
-                  one_host: bool, why: str) -> list[ModulePlan]:
+                  now: float, one_host: bool, why: str) -> list[ModulePlan]:
     full = _full(inst)
     per_layer = _stage_bytes(inst, 1)
     hosting = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
@@ -415,7 +440,7 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], per
             continue
         after = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
                                   device.name, settings)
-        load = stage_load(profile, after, after.runs[-1])
+        load = predicted_load(inst, profile, after, config, now)
         if not _host_fits(by_id[device.name], load, perf, config, settings, free, replica=True):
             continue
         free.take(device.name, plan.host_bytes)
@@ -458,8 +483,8 @@ def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, nod
 
 
 def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
-                settings: ModuleSettings, config: CoreConfig,
-                free: _Room) -> ModulePlan | None:
+                settings: ModuleSettings, config: CoreConfig, free: _Room,
+                now: float) -> ModulePlan | None:
     full = _full(inst)
     profile = perf.get(full.name, node.hardware)
     if profile is None or inst.status is not InstanceStatus.READY or not movable(full) or \
@@ -470,7 +495,7 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     if now_s <= settings.spike * _tpot(inst):
         return None
     trial = free.copy()
-    plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, trial,
+    plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, trial, now,
                           one_host=True,
                           why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
     if not plans:

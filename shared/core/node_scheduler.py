@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shared.core.admission import Admission, AdmitReason
+from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
 from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
@@ -94,6 +95,7 @@ class NodeScheduler:
         # they are unloaded: the handover the admission was validated with).
         self._waits_for: dict[str, set[str]] = {}
         self._loads: dict[str, float] = {}  # hold key -> the compute share it takes (`hold`)
+        self._started: tuple[str, float] | None = None  # the running iteration's instance, start
 
     # --- admission -----------------------------------------------------------------------------
     def admit(self, request: RequestView, instance_id: str | None, model: ModelSpec,
@@ -384,6 +386,7 @@ class NodeScheduler:
                 self.node.busy_until = now + predicted
                 self.node.running = RunningIteration(choice.instance_id, choice.request_ids,
                                                      choice.kind is IterationKind.PREFILL)
+                self._started = (choice.instance_id, now)
                 considered = tuple((i.instance_id, least_headroom(i, now)) for i in self.node.instances
                                    if runnable(i, now, blocked))
                 return StepPlan(choice, predicted, tuple(ops), tuple(evictions), considered)
@@ -441,6 +444,13 @@ class NodeScheduler:
     def _idle(self, now: float) -> None:
         self.node.busy_until = now
         self.node.running = None
+        if self._started is not None:  # the instance's busy fraction (module scaling reads it)
+            iid, started = self._started
+            self._started = None
+            inst = self._find(iid)
+            if inst is not None:
+                meter = inst.busy or BusyMeter.start(self.config.busy_window_s, started)
+                inst.busy = meter.observe(started, now)
 
     def cancel(self, request_id: str, now: float) -> list[MemOp]:
         for inst in self.node.instances:
@@ -560,6 +570,13 @@ class NodeScheduler:
         self.node.stage_load = sum(self._loads.values())
         self._sync(now)
         return ok, ops
+
+    def stage_measured(self, key: str, load: float) -> None:
+        """The share of the node's compute the stage held under `key` took, as the node
+        measured it (`busy.BusyMeter`): it replaces the planned figure in `stage_load`."""
+        if key in self._loads:
+            self._loads[key] = min(1.0, max(0.0, load))
+            self.node.stage_load = sum(self._loads.values())
 
     def set_layout(self, instance_id: str, layout: InstanceLayout | None,
                    now: float) -> tuple[bool, list[MemOp]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shared.core.busy import BusyMeter
+
 
 class Hardware(str, enum.Enum):
     CPU = "cpu"
@@ -204,6 +206,9 @@ class InstanceView:
     # node's ledger holds the whole instance (weights + KV: what it holds after the switch);
     # each helper holds its stage (`shared.core.modules.stage_key`).
     pipeline: PipelineMode | None = None
+    # The share of recent wall time its iterations ran, measured by its node (None: none yet);
+    # module scaling predicts a stage of its layers' load from it.
+    busy: BusyMeter | None = None
 
     @property
     def accepts(self) -> bool:
@@ -293,9 +298,10 @@ class NodeView:
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
     heartbeat: float = 0.0  # node-local clock time of the snapshot
     draining: bool = False  # an operator drains it: placers send it no new work
-    # The share of its compute that decoder layers it hosts for other nodes' instances may take
-    # (CoCoServe, `modules.stage_load`): its own iterations are validated as 1 / (1 - load)
-    # longer (`evaluate.contended`). 0: it hosts none.
+    # The share of its compute that decoder layers it hosts for other nodes' instances take
+    # (CoCoServe): each stage's measured busy fraction once measured for a window, the planner's
+    # prediction before (`NodeScheduler.hold`, `stage_measured`). Its own iterations are
+    # validated as 1 / (1 - load) longer (`evaluate.contended`). 0: it hosts none.
     stage_load: float = 0.0
 
     def instance(self, instance_id: str) -> InstanceView | None:

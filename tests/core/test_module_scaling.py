@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.evaluate import node_profiles
 from shared.core.memory import MemOpKind
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
-                                        memory_deficit, plan_module_scaling)
+                                        memory_deficit, plan_module_scaling, predicted_load)
 from shared.core.modules import (layer_weight_bytes, layers_to_shed, layout_hop,
                                  pipeline_profile, plan_layer_move, share_spec, stage_key)
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
@@ -338,6 +339,37 @@ def test_a_shed_goes_only_to_a_host_whose_own_requests_still_meet_their_tpot_wit
                                replace(SETTINGS, max_host_load=0.2), CONFIG) == []
 
 
+def measured_busy(sched, iid: str, share: float, for_s: float = 100.0) -> None:
+    """The instance's node measured it busy `share` of the last `for_s` seconds (up to 0.0)."""
+    meter = BusyMeter.start(CONFIG.busy_window_s, -for_s)
+    sched.node.instance(iid).busy = meter.observe(-for_s, 0.0, busy_s=share * for_s)
+
+
+def test_a_stage_is_predicted_from_its_owners_measured_busy_fraction():
+    """The host that the ceiling (2/8 of its compute) turns away takes the stage of an owner
+    measured 40% busy: about a tenth of its compute. An owner measured under a window is
+    predicted at the ceiling."""
+    perf = perf_for(proportional(), proportional("other"))
+    owner, _, iid, _ = cluster(profile=proportional())
+    inst = owner.node.instance(iid)
+    deficit = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, 1, HEAD).dest_bytes + 1
+    host = busy_host(9, perf=perf)
+    measured_busy(owner, iid, 0.4, for_s=CONFIG.busy_window_s / 2)
+    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    measured_busy(owner, iid, 0.4)
+    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    # the hops make each step a little longer: 40% busy grows a little
+    assert plan.host_node == "b" and 0.25 * 0.4 < plan.load < 0.25 * 0.45
+    assert predicted_load(owner.view().instance(iid), proportional(),
+                          plan.layout_after(inst, "b:1", SETTINGS), CONFIG, 0.0) == plan.load
+    # idle since: the owner's fraction decays, and so does the prediction
+    [later] = plan_module_scaling([owner.view(), host.view()], perf, 20.0,
+                                  [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    assert later.load < plan.load / 5
+
+
 def test_a_host_reports_its_stages_load_and_its_own_admissions_count_it():
     perf = perf_for(proportional("other"))
     host = busy_host(9, perf=perf)
@@ -360,11 +392,16 @@ def test_a_host_reports_its_stages_load_and_its_own_admissions_count_it():
 
 @settings(max_examples=150, deadline=None)
 @given(own=st.integers(0, 12), held_load=st.floats(0.0, 0.6), tpot=st.floats(0.1, 0.5),
-       deficit_layers=st.floats(0.1, 4.0), per_request_s=st.floats(0.005, 0.03))
+       deficit_layers=st.floats(0.1, 4.0), per_request_s=st.floats(0.005, 0.03),
+       owner_busy=st.one_of(st.none(), st.floats(0.0, 1.0)))
 def test_no_planned_shed_makes_its_hosts_predicted_round_exceed_its_tightest_tpot(
-        own, held_load, tpot, deficit_layers, per_request_s):
+        own, held_load, tpot, deficit_layers, per_request_s, owner_busy):
+    """...with the stage's predicted load: the ceiling for an owner not measured, its measured
+    busy fraction's part of it for one that is."""
     perf = perf_for(proportional(), proportional("other", per_request_s))
     owner, _, iid, _ = cluster(owner_gb=6.0, profile=proportional())
+    if owner_busy is not None:
+        measured_busy(owner, iid, owner_busy)
     host = node("b", Hardware.CPU, 40.0, perf)
     hid = None
     for k in range(own):
@@ -383,7 +420,8 @@ def test_no_planned_shed_makes_its_hosts_predicted_round_exceed_its_tightest_tpo
     for plan in plans:
         assert plan.action is ModuleAction.SHED and plan.host_node == "b"
         load = held_load + plan.load
-        assert plan.load >= (plan.end - plan.start) / LAYERS - 1e-9
+        share = (plan.end - plan.start) / LAYERS
+        assert share * (1 if owner_busy is None else owner_busy) - 1e-9 <= plan.load <= share + 1e-9
         assert load <= SETTINGS.max_host_load + 1e-9
         mine = [i for i in host.node.instances if i.requests]
         if mine:

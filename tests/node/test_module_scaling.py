@@ -51,6 +51,8 @@ PROMPT = list(range(5, 21))
 CORE = CoreConfig(keep_alive_s=120.0, enable_consolidation=False)  # shed, not preempt
 # Beta's instance goes soon after its request: the room alpha's layers come back into.
 SHORT_LIVED = dataclasses.replace(CORE, keep_alive_s=1.0)
+WINDOW_S = 0.5  # a host's measurement window for the stages it hosts (the core's is 10 s)
+PLANNED = 0.5  # a HOST_LAYERS command's predicted load, until the host has measured it
 
 
 def _profile(name: str) -> Profile:
@@ -134,7 +136,7 @@ async def test_a_node_under_memory_pressure_sheds_layers_and_takes_them_back_whi
         plan = record.plan
         assert (plan.owner_node, plan.host_node, plan.end) == ("mod-a", "mod-b", spec.layers)
         moved = plan.end - plan.start
-        assert 1 <= moved < spec.layers and plan.load >= moved / spec.layers
+        assert 1 <= moved < spec.layers and plan.load > 0  # (predicted: see the core's tests)
         key = stage_key(plan.instance_id, plan.start, plan.end)
         hosted = workers["mod-b"].layers.host.get(key)
         assert hosted is not None and hosted.weight_bytes == moved * layer
@@ -196,20 +198,23 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         connections, model_dir):
     """HOST_LAYERS / SHED_LAYERS / REPLICATE_LAYERS / DROP_REPLICA / TAKE_LAYERS /
     RELEASE_LAYERS one after the other on one instance whose long request streams all along:
-    its output equals an unmoved instance's; every refusal leaves both nodes as they were."""
+    its output equals an unmoved instance's; every refusal leaves both nodes as they were. B
+    reports the moved stage's planned load until it has measured it: ~0 while the stage
+    serves nothing, more than 0 while the owner's steps run through it."""
     from tests.node.harness import Harness
 
     nc, redis = connections
     a = Harness(nc, redis, model_dir, 1 << 30, "lay-a", heartbeat_s=0.05)
-    b = Harness(nc, redis, model_dir, 64 << 20, "lay-b", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, 64 << 20, "lay-b", heartbeat_s=0.05,
+                core=CoreConfig(keep_alive_s=30.0, busy_window_s=WINDOW_S))
     record = a.records["alpha"]
     spec = model_spec(record)
     layer = layer_weight_bytes(spec, spec.layers, spec.head_bytes)
-    reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, 600)
+    reference = await asyncio.to_thread(greedy_output, model_dir, PROMPT, LONG)
     await a.worker.start()
     await b.worker.start()
     try:
-        req = dataclasses.replace(a.request("alpha", 0, 600, ttft=60.0, tpot=1.0),
+        req = dataclasses.replace(a.request("alpha", 0, LONG, ttft=60.0, tpot=1.0),
                                   prompt_token_ids=PROMPT)
         await a.watch(req)
         reply = await a.command(NodeCommand(CommandKind.ADMIT, request=req, model=record))
@@ -220,10 +225,10 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         inst = sched_a.node.instance(iid)
         full_bytes = sched_a.ledger.target(iid)
 
-        def host(start: int, end: int, nbytes: int) -> NodeCommand:
+        def host(start: int, end: int, nbytes: int, load: float = 0.0) -> NodeCommand:
             return NodeCommand(CommandKind.HOST_LAYERS, model=record, instance_id=iid,
                                layer_start=start, layer_end=end, stage_node="lay-a",
-                               stage_bytes=nbytes)
+                               stage_bytes=nbytes, stage_load=load)
 
         def to_owner(kind: CommandKind, start: int, end: int, address: str) -> NodeCommand:
             return NodeCommand(kind, instance_id=iid, layer_start=start, layer_end=end,
@@ -235,9 +240,15 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         assert not refused.accepted and refused.reason == "memory"
         assert sched_b.ledger.budget == 0 and not b.worker.layers.host.keys()
         # Hosted: B holds the bytes first, the stage serves from B's process.
-        hosted = await b.command(host(2, 4, 2 * layer + (4 << 20)))
+        hosted = await b.command(host(2, 4, 2 * layer + (4 << 20), load=PLANNED))
         assert hosted.accepted and hosted.stage_address, hosted.reason
         assert hosted.node.budget_bytes == 2 * layer + (4 << 20)
+        assert hosted.node.stage_load == pytest.approx(PLANNED)  # not measured yet
+        key = stage_key(iid, 2, 4)
+        # Serving nothing for a window: B measures it idle, and reports that.
+        await until(lambda: sched_b.node.stage_load < PLANNED, timeout_s=30,
+                    what="B's measured stage load")
+        assert sched_b.node.stage_load == pytest.approx(0.0, abs=1e-6)
         # A shed to a stage that is not there: refused, A's instance unchanged.
         bad = await a.command(to_owner(CommandKind.SHED_LAYERS, 2, 4, "127.0.0.1:1"))
         assert not bad.accepted and bad.reason.startswith("engine:")
@@ -248,6 +259,12 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         assert inst.model == share_spec(spec, 2, spec.layers, spec.head_bytes, head=True)
         assert inst.layout.runs[0].address == hosted.stage_address
         assert sched_a.ledger.target(iid) < full_bytes - 2 * layer
+        # Now every step of A's runs layers 2-3 on B: B measures its share of its time.
+        await until(lambda: sched_b.node.stage_load > 0.01, timeout_s=30,
+                    what="B measuring the stage's forwards")
+        served = b.worker.layers.measured(key, time.time())
+        assert 0.01 < served < 1 and sched_b.node.stage_load == pytest.approx(served, abs=0.05)
+        assert req.request_id not in a.finals  # (measured while it streamed)
         # Taken back: A reserves, reads the layers, takes their K/V; then B lets the stage go.
         taken = await a.command(to_owner(CommandKind.TAKE_LAYERS, 2, 4, hosted.stage_address))
         assert taken.accepted, taken.reason
