@@ -252,9 +252,12 @@ def cocoserve_table(summary: dict) -> str:
         "split among the replicas plus the hops, once the layers are across the link); a host "
         "whose own requests run late loses its replicas, and when no node has room the node that "
         "lacked the least drops the replicas it hosts, else sheds layers of an instance to a node "
-        "with room whose own requests still meet their TPOT with the moved layers' share of its "
-        "compute (migrations; the host's view then reports that share, `NodeView.stage_load`, "
-        "and its own admissions count it); shed layers come back once their node has room for "
+        "with room whose own requests still meet their TPOT with the stage's predicted share of "
+        "its compute (migrations; `predicted_load`: the owner's measured busy fraction times the "
+        "moved layers' share of a step, the k/L ceiling for an owner measured under a 10 s "
+        "window; the host's view reports that until it has measured its time on the stage for a "
+        "window, the measured share then, `NodeView.stage_load`, and its own admissions count "
+        "it); shed layers come back once their node has room for "
         "them with 10% of its memory to spare, at least `settle_s` (10 s) after the shed "
         "(takes). Ratios are against slinfer on the same arrivals.",
         "",
