@@ -48,7 +48,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONTEXT = 2048
 LONG, SHORT = 2000, 8  # alpha's request outlasts the move; beta's is short
 PROMPT = list(range(5, 21))
-CORE = CoreConfig(keep_alive_s=120.0, enable_consolidation=False)  # shed, not preempt
+# Shed, not preempt; a measurement window longer than the test: B reports the planned load (and
+# the planner predicts with the ceiling) throughout (the harness test below measures).
+CORE = CoreConfig(keep_alive_s=120.0, enable_consolidation=False, busy_window_s=600.0)
 # Beta's instance goes soon after its request: the room alpha's layers come back into.
 SHORT_LIVED = dataclasses.replace(CORE, keep_alive_s=1.0)
 WINDOW_S = 0.5  # a host's measurement window for the stages it hosts (the core's is 10 s)
@@ -136,7 +138,7 @@ async def test_a_node_under_memory_pressure_sheds_layers_and_takes_them_back_whi
         plan = record.plan
         assert (plan.owner_node, plan.host_node, plan.end) == ("mod-a", "mod-b", spec.layers)
         moved = plan.end - plan.start
-        assert 1 <= moved < spec.layers and plan.load > 0  # (predicted: see the core's tests)
+        assert 1 <= moved < spec.layers and plan.load >= moved / spec.layers  # the ceiling
         key = stage_key(plan.instance_id, plan.start, plan.end)
         hosted = workers["mod-b"].layers.host.get(key)
         assert hosted is not None and hosted.weight_bytes == moved * layer
