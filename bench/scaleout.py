@@ -341,20 +341,23 @@ def served_model_dir(shape: str) -> Path:
     return copy
 
 
-def stand_in_profile(name: str):
+def stand_in_profile(name: str, one_request: bool = False):
     """Placement needs a profile of the model; the iteration estimates do not matter here (the
-    burst's SLOs are loose) and the startup estimate is bypassed (each method is forced)."""
+    burst's SLOs are loose) and the startup estimate is bypassed (each method is forced).
+    `one_request`: a batch of two decodes past the burst's 5 s TPOT SLO, so an instance takes
+    one request whatever room its node has."""
     from shared.core.perf_model import DecodeTable, PrefillTable, Profile
     from shared.core.types import Hardware
 
-    return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
-                   DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]]),
+    decode = DecodeTable([1, 2, 256], [1, 8192], [[0.01, 0.01], [10.0, 10.0], [10.0, 10.0]]) \
+        if one_request else DecodeTable([1, 256], [1, 8192], [[0.01, 0.01], [0.01, 0.01]])
+    return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]), decode,
                    load_s=60.0, engine_init_s=0.05)
 
 
 async def serve_shape(shape: str, ks: list[int], repeats: int,
                       methods: tuple[str, ...] = ("multicast", "storage"),
-                      link_bytes_per_s: float | None = None) -> dict:
+                      link_bytes_per_s: float | None = None, sources: int = 1) -> dict:
     """The burst of k requests through node workers (one process each) and a placer: k + 1
     nodes, node n0 a memory node holding the model in its DRAM tier (no room for an instance),
     n1..nk with room for one instance holding one request each. Per run, one method forced on
@@ -362,7 +365,12 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     dropped), or (`pipeline`) multicast with execute-while-load: n0 then has room for one
     stage of the model's layers, so one new instance of the burst can serve through a pipeline
     with n0 while its copy arrives (λScale §4.3). `link_bytes_per_s`: every node paces its
-    sending connections to it and declares it as its link (None: loopback, unpaced)."""
+    sending connections to it and declares it as its link (None: loopback, unpaced).
+    `sources`: that many memory nodes (n0, n1, ...) hold the model (a k-way multicast); with
+    `receivers` (execute-while-load with receivers hosting layers for each other, λScale
+    Algorithm 2) they have no room for a stage, each destination has room for the K/V of a
+    context besides its instance (what hosting for another receiver holds, at most), and the
+    profile keeps an instance to one request (`stand_in_profile`'s `one_request`)."""
     import dataclasses
 
     import nats
@@ -391,9 +399,9 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     files = [model_dir / "slinfer-checkpoint" / p.file for p in index.partitions]
     size = index.file_bytes
     per_node = size + SERVE_PROCESS_BYTES
-    fits = [k for k in ks if (k + 1) * per_node + MEMORY_MARGIN <= available_bytes()]
-    result = {"shape": shape, "model_bytes": size, "repeats": repeats,
-              "skipped_k": {k: f"{k + 1} node workers x {per_node / 1e9:.2f} GB + "
+    fits = [k for k in ks if (k + sources) * per_node + MEMORY_MARGIN <= available_bytes()]
+    result = {"shape": shape, "model_bytes": size, "repeats": repeats, "sources": sources,
+              "skipped_k": {k: f"{k + sources} node workers x {per_node / 1e9:.2f} GB + "
                                f"{MEMORY_MARGIN / 1e9:.0f} GB margin > "
                                f"{available_bytes() / 1e9:.1f} GB available"
                             for k in ks if k not in fits},
@@ -402,7 +410,8 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
               "rows": []}
     if not fits:
         return result
-    names = [f"n{i}" for i in range(max(fits) + 1)]
+    names = [f"n{i}" for i in range(max(fits) + sources)]
+    holders, receivers = names[:sources], names[sources:]
     tmp = Path(tempfile.mkdtemp(prefix="scaleout-serve-"))
     servers = [start_nats(tmp / "nats"), start_redis(tmp / "redis")]
     nats_url, redis_url = servers[0].url, servers[1].url
@@ -413,8 +422,10 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     try:
         await ensure_streams(nc.jetstream())
         await ModelRegistry(redis).register(record)
-        await save_profile(redis, stand_in_profile(record.name))
+        await save_profile(redis, stand_in_profile(record.name, "receivers" in methods))
         one_instance = record.weight_bytes + 300 * record.kv_bytes_per_token
+        if "receivers" in methods:  # room to host the K/V of every layer for another receiver
+            one_instance += SERVE_CONTEXT * record.kv_bytes_per_token
         # The memory node: no room for an instance; with the pipeline method, room for one stage.
         holder = record.weight_bytes // 2
         if "pipeline" in methods:
@@ -427,7 +438,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
         for name in names:
             env = {**os.environ, "SLINFER_NATS_URL": nats_url, "SLINFER_REDIS_URL": redis_url,
                    "SLINFER_NODE_ID": name, "SLINFER_NODE_HARDWARE": "cpu",
-                   "SLINFER_NODE_MEMORY_BYTES": str(holder if name == "n0" else one_instance),
+                   "SLINFER_NODE_MEMORY_BYTES": str(holder if name in holders else one_instance),
                    **link_env,
                    "SLINFER_NODE_DRAM_CACHE_BYTES": str(size + (256 << 20)),
                    "SLINFER_NODE_DISK_CACHE_BYTES": "0", "SLINFER_DATA_DIR": str(tmp),
@@ -467,7 +478,8 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
                 raise RuntimeError(f"{node}: {reply.get('error')}")
             return reply
 
-        await ask("n0", {"op": "load", "model_path": record.path})  # the holder's DRAM tier
+        for h in holders:  # the holders' DRAM tiers
+            await ask(h, {"op": "load", "model_path": record.path})
         placer = Placer(PlacerSettings(nats_url, redis_url,
                                        CoreConfig(require_matrix_accel=False)), nc, redis)
         await placer.start()
@@ -482,26 +494,28 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
             loop["runner"] = asyncio.create_task(placer.run(loop["stop"]))
 
         async def burst(dests: list[str], method: str) -> dict:
-            by_multicast = method in ("multicast", "pipeline")
+            by_multicast = method in ("multicast", "pipeline", "receivers")
             placer.s = dataclasses.replace(placer.s, core=CoreConfig(
                 require_matrix_accel=False,  # as the nodes run (SLINFER_REQUIRE_MATRIX_ACCEL)
                 enable_multicast=by_multicast, force_multicast=by_multicast,
-                enable_pipeline=method == "pipeline"))
+                enable_pipeline=method in ("pipeline", "receivers"),
+                enable_receiver_pipelines=method == "receivers"))
 
             async def unloaded() -> bool:
                 v = await views()
                 return all(d in v and not v[d].instances and not v[d].storage.arriving
-                           for d in names[1:])
+                           for d in receivers)
 
             async def dropped() -> bool:
                 v = await views()
                 return all(d in v and v[d].storage.holds.get(record.name) != "dram"
-                           for d in names[1:]) \
-                    and "n0" in v and v["n0"].storage.holds.get(record.name) == "dram"
+                           for d in receivers) \
+                    and all(h in v and v[h].storage.holds.get(record.name) == "dram"
+                            for h in holders)
 
             await wait(unloaded, "the last burst's instances unloaded (keep-alive)")
             await asyncio.gather(*(ask(d, {"op": "drop", "model_path": record.path})
-                                   for d in names[1:]))
+                                   for d in receivers))
             await wait(dropped, "the destinations' DRAM tiers without the model")
             print(f"burst {method} k={len(dests)}", flush=True)
             for f in files:
@@ -558,7 +572,8 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
                 raise RuntimeError(f"expected one multicast: {[r.to_dict() for r in reports]}")
             if method == "storage" and reports:
                 raise RuntimeError("a storage run multicast")
-            timings = await pipeline_timings(tmp, log_from) if method == "pipeline" else []
+            piped = method in ("pipeline", "receivers")
+            timings = await pipeline_timings(tmp, log_from) if piped else []
             return {"ready_s": [round(ready.get(d, float("nan")), 4) for d in dests],
                     "ttft_min_s": round(min(first[r] for r in rids), 4),
                     "all_ready_s": max(ready.values()) if len(ready) == len(dests) else None,
@@ -566,13 +581,13 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
                     "served_on": served_on,
                     "multicast_s": reports[0].seconds if reports else None,
                     "rss_mb": {n: rss_mb(p.pid) for n, p in zip(names, procs)},
-                    **({"pipeline_timings": timings} if method == "pipeline" else {})}
+                    **({"pipeline_timings": timings} if piped else {})}
 
         # One untimed burst each way (first-use costs: pool buffers, code paths).
         for method in methods:
-            await burst(names[1:2], method)
+            await burst(receivers[:1], method)
         for k in sorted(fits):
-            dests = names[1:k + 1]
+            dests = receivers[:k]
             runs = {method: [] for method in methods}
             for _ in range(repeats):
                 for method in methods:
@@ -685,13 +700,18 @@ def served(args, argv: list[str] | None) -> int:
 
 
 def execute_while_load(args, argv: list[str] | None) -> int:
-    """The burst multicast with and without execute-while-load, the link paced (`--link-mbps`)."""
+    """The burst multicast with and without execute-while-load, the link paced (`--link-mbps`):
+    `--ewl-methods` multicast,pipeline (a DRAM holder hosts the stage) by default, or
+    multicast,receivers (receivers host for each other, with `--sources` >= 2)."""
     link = args.link_mbps * 1e6
-    return _record(args, argv, args.ewl, "ewl",
+    methods = tuple(args.ewl_methods.split(","))
+    kind = "ewl" if (methods, args.sources) == (("multicast", "pipeline"), 1) else \
+        f"ewl-{'-'.join(m for m in methods if m != 'multicast')}-{args.sources}src"
+    return _record(args, argv, args.ewl, kind,
                    f"loopback TCP between node worker processes of this machine, every sending "
                    f"connection paced to {args.link_mbps:g} MB/s",
-                   lambda shape, ks: asyncio.run(serve_shape(shape, ks, args.repeats,
-                                                             ("multicast", "pipeline"), link)))
+                   lambda shape, ks: asyncio.run(serve_shape(shape, ks, args.repeats, methods,
+                                                             link, args.sources)))
 
 
 def ewl_table(results: Path) -> str:
@@ -744,6 +764,10 @@ def main(argv: list[str] | None = None) -> int:
                         "without execute-while-load (λScale §4.3) over a paced link")
     p.add_argument("--link-mbps", type=float, default=100.0,
                    help="--ewl: the link every node paces its sends to (MB/s)")
+    p.add_argument("--ewl-methods", default="multicast,pipeline",
+                   help="--ewl: the methods compared (multicast, pipeline, receivers)")
+    p.add_argument("--sources", type=int, default=1,
+                   help="--ewl: memory nodes holding the model (a k-way multicast)")
     p.add_argument("--ewl-table", action="store_true",
                    help="print the BENCHMARKS table of the recorded --ewl results")
     p.add_argument("--ks", help="destination counts to measure (default 2,4,8; those that do "
