@@ -741,6 +741,35 @@ def ewl_table(results: Path) -> str:
     return "\n".join(lines)
 
 
+def ewl_sources_table(results: Path) -> str:
+    """The BENCHMARKS rows of the recorded k-way --ewl runs (scaleout_ewl-*-<k>src_*.json): per
+    method, each burst's earliest and latest first token (medians of the runs), and how the
+    pipelines formed (from the heads' `pipeline timings` lines)."""
+    lines = ["| shape | sources | k | link (MB/s) | method | first token, earliest / latest "
+             "(s) | instances served through a pipeline per burst | where their other layers "
+             "ran | waiting for blocks / stages hosted / head engine (s) | the multicast "
+             "itself (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(results.glob("scaleout_ewl-*src_*.json")):
+        r = json.loads(path.read_text())
+        for row in r["rows"]:
+            for method in r["methods"]:
+                runs = row[f"{method}_runs"]
+                timings = [t for x in runs for t in x.get("pipeline_timings", [])
+                           if "remote" in t]
+                where = sorted({", ".join(f"{h} {a}-{b - 1}" for h, a, b in t["remote"])
+                                for t in timings})
+                formation = " / ".join(f"{median([t[key] for t in timings]):.2f}" for key in
+                                       ("wait_blocks_s", "host_stage_s", "head_engine_s")) \
+                    if timings else "-"
+                lines.append(
+                    f"| {r['shape']} | {r['sources']} | {row['k']} | "
+                    f"{r['link_bytes_per_s'] / 1e6:g} | {method} | "
+                    f"{row[f'{method}_ttft_min_s']:.2f} / {row[f'{method}_ttft_max_s']:.2f} | "
+                    f"{len(timings) / len(runs):g} | {'; '.join(where) or '-'} | {formation} | "
+                    f"{median([x['multicast_s'] for x in runs]):.2f} |")
+    return "\n".join(lines)
+
+
 def measured(args, argv: list[str] | None) -> int:
     return _record(args, argv, args.measure, "measured",
                    "loopback TCP between processes of this machine",
@@ -782,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ewl_table:
         print(ewl_table(Path(args.results)))
+        print()
+        print(ewl_sources_table(Path(args.results)))
         return 0
     if args.ewl:
         return execute_while_load(args, argv)
