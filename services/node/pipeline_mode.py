@@ -7,7 +7,7 @@ The placer chose the startup (`shared.core.startup`, PIPELINE) and sent it with 
 validated with the pipeline's hops). Its helpers are of two kinds:
 
 - a *DRAM holder* (`PipelineMode.ranges == ()`): a node holding the model in its DRAM tier
-  runs every layer this node lacks, [p, L), serving them from its DRAM tier's copy;
+  runs every layer this node lacks, serving them from its DRAM tier's copy;
 - *receivers* of the same multicast (λScale Algorithm 2, `ranges` non-empty): the k-way
   orders give them different parts of the model first, so each range of `ranges` runs on the
   receiver named there, served from the blocks of its own arriving copy.
@@ -16,8 +16,9 @@ The instance's LOAD op (a worker thread) then:
 
 1. waits until the multicast under way (sent head-first) has brought this node the head's
    blocks and those of the layers it runs itself (`MulticastEndpoint.wait_blocks`, the layers a
-   node can run from its blocks being `stages.holding_of`): for a DRAM holder, layers 0..p-1
-   (p >= 1); for receivers, until this node and the receivers `mode.helpers` names cover every
+   node can run from its blocks being `stages.holding_of`): for a DRAM holder, one layer (the
+   first its sub-group's order brings: with k >= 2 sources not always layer 0), the holder then
+   hosting each run of layers this node lacks; for receivers, until this node and the receivers `mode.helpers` names cover every
    layer between them, asking those what they hold (their endpoints' `holding`) as blocks
    arrive. The ranges are then cut from what each holds (`pipeline_stages`, this node the
    head), not taken from the plan's `ranges`: the core plans over a layer-order layout, while a
@@ -145,7 +146,7 @@ class PipelineStarts:
         # `until`: when the copy should be whole
         deadline = started + max(FORM_MIN_WAIT_S, FORM_PATIENCE * (mode.until - started))
         found = self._receivers_cover(record, mode, deadline) if mode.ranges else \
-            self._holder_split(record, mode, deadline)
+            self._holder_stages(record, mode, deadline)
         if found is None:
             raise RuntimeError("no blocks of it arrived in time")
         host, remote = found
@@ -185,17 +186,22 @@ class PipelineStarts:
         self._call(self._switch_when_whole(pipe))
         return engine
 
-    def _holder_split(self, record: ModelRecord, mode: PipelineMode, deadline: float):
-        """(A DRAM holder's pipeline) Once this node holds the head and layers 0..p-1: the
-        multicast's buffers and the holder's stage of [p, L) ([] : the copy is whole)."""
-        got = self.w.multicast.wait_blocks(
-            record.path, lambda m, have: _split(m, have) > 0, deadline - time.time())
+    def _holder_stages(self, record: ModelRecord, mode: PipelineMode, deadline: float):
+        """(A DRAM holder's pipeline) Once this node holds the head and a layer: the multicast's
+        buffers and the holder's stages of the runs of layers this node lacks ([] : the copy is
+        whole). The layer is the first of its sub-group's order, which with k >= 2 sources need
+        not be layer 0 (the core's estimate counts on it: `startup.pipeline_serve_steps`)."""
+        got = self.w.multicast.wait_blocks(record.path, _heads, deadline - time.time())
         if got is None:
             return None
         manifest, host, have = got
-        split = _split(manifest, have)
-        whole = len(have) == len(manifest.blocks) or split >= record.layers
-        return host, [] if whole else [RemoteStage(mode.helpers[0], split, record.layers)]
+        if len(have) == len(manifest.blocks):
+            return host, []
+        me = self.w.s.node_id
+        mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
+        holder = Holding(mode.helpers[0], frozenset(range(record.layers)), True)
+        stages = pipeline_stages([mine, holder], record.layers, head_node=me)
+        return host, [RemoteStage(s.node, s.start, s.end) for s in stages if s.node != me]
 
     def _receivers_cover(self, record: ModelRecord, mode: PipelineMode, deadline: float):
         """(Receivers hosting for each other) Once this node holds the head and a layer, and the
@@ -206,8 +212,7 @@ class PipelineStarts:
         whole. Polled, as the others' blocks arrive on their own."""
         me = self.w.s.node_id
         while True:
-            got = self.w.multicast.wait_blocks(
-                record.path, lambda m, have: _heads(m, have), deadline - time.time())
+            got = self.w.multicast.wait_blocks(record.path, _heads, deadline - time.time())
             if got is None:
                 return None
             manifest, host, have = got
@@ -240,18 +245,19 @@ class PipelineStarts:
 
     def _in_view(self, instance_id: str, pipe: Pipelined) -> None:
         """The core's view of the instance names its stages (the helpers keep them while an
-        instance's view uses them) and, for receivers, the ranges and hops it really runs."""
+        instance's view uses them) and the hops it really pays (the core validates its requests
+        with them); for receivers, the ranges they really run."""
         inst = self.w.sched.node.instance(instance_id)
         if inst is None or inst.pipeline is None:
             return
-        mode = replace(inst.pipeline, stages=tuple(s.address for s in pipe.stages))
+        me = self.w.s.node_id
+        runs = [StageRange(s.helper, s.start, s.end) for s in pipe.stages]
+        runs += [StageRange(me, i, i + 1) for i in sorted(pipe.local)]
+        mode = replace(inst.pipeline, stages=tuple(s.address for s in pipe.stages),
+                       hops=transfer_hops(sorted(runs, key=lambda r: r.start), me))
         if mode.ranges:
-            ranges = tuple(HostedRange(s.helper, s.start, s.end) for s in pipe.stages)
-            runs = [StageRange(r.helper, r.start, r.end) for r in ranges]
-            runs += [StageRange(self.w.s.node_id, i, i + 1) for i in sorted(pipe.local)]
-            mode = replace(mode, ranges=ranges, helpers=pipe.helpers,
-                           hops=transfer_hops(sorted(runs, key=lambda r: r.start),
-                                              self.w.s.node_id))
+            mode = replace(mode, helpers=pipe.helpers, ranges=tuple(
+                HostedRange(s.helper, s.start, s.end) for s in pipe.stages))
         inst.pipeline = mode
 
     def _host(self, stage: RemoteStage, instance_id: str, record: ModelRecord, kv_bytes: int,
@@ -434,17 +440,6 @@ class PipelineStarts:
         when `wait_s` is given, else let it run on (a task)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result(wait_s) if wait_s is not None else future
-
-
-def _split(manifest, have) -> int:
-    """p: this node holds the head and layers 0..p-1 whole (0: it cannot head a pipeline yet)."""
-    holding = holding_of(manifest.index, list(manifest.blocks), set(have))
-    if not holding.head:
-        return 0
-    p = 0
-    while p in holding.layers:
-        p += 1
-    return p
 
 
 def _heads(manifest, have) -> bool:
