@@ -9,7 +9,8 @@ the held bytes follow what the stage really holds (its K/V pool mirrors the owne
 owner resizes). A receiver of the model's multicast asked to host a range for another
 receiver's instance (λScale Algorithm 2: the command carries that pipeline) serves it from its own
 copy, its arriving blocks once they cover the range (`PipelineStarts.host_from_own_copy`), and
-holds the range's K/V only: its own instance's bytes count the weights. The hold also carries
+holds the range's K/V only while its own instance's bytes count the weights (when that instance
+goes first, the hold grows by the range's weights, which the stage's views keep alive). The hold also carries
 the stage's share of this node's compute: the planner's prediction (the command's `stage_load`)
 until the node has measured the stage for a window (its forwards' seconds, sampled every beat,
 `busy.BusyMeter` over the core's `busy_window_s`), the measured share then
@@ -157,8 +158,10 @@ class LayerMoves:
             log.info("releasing %s: no instance uses it", key)
             self._hold(key, 0)
         ledger = self.w.sched.ledger
+        copies = self._own_copies()
         for key, hosted in list(self.host.hosted.items()):
-            actual = await asyncio.to_thread(hosted.bytes)
+            counted = hosted.order.own_copy and hosted.order.model_path in copies
+            actual = await asyncio.to_thread(hosted.bytes, counted)
             held = ledger.target(key)
             # (Not below the reservation before its owner attached it: its pool comes then.)
             if actual == held or ledger.busy(key) or \
@@ -168,6 +171,12 @@ class LayerMoves:
                 self._drift_logged.add(key)
                 log.warning("stage %s holds %d bytes, its hold %d: the budget has no room for "
                             "the difference", key, actual, ledger.target(key))
+
+    def _own_copies(self) -> set[str]:
+        """The models whose weights an instance on this node counts in the ledger (a stage on
+        the node's own copy of one of them holds its K/V only)."""
+        return {self.w.records[i.instance_id].path for i in self.w.sched.node.instances
+                if i.instance_id in self.w.records}
 
     # -- answering -----------------------------------------------------------------------------
 

@@ -98,11 +98,14 @@ class HostedStage:
     def key(self) -> str:
         return self.order.key
 
-    def bytes(self) -> int:
-        """Its memory now: weights (unless its node's own copy) plus the K/V pool the owner
-        sized (it mirrors the owner's)."""
+    def bytes(self, copy_counted: bool | None = None) -> int:
+        """Its memory now: weights plus the K/V pool the owner sized (it mirrors the owner's).
+        A stage on the node's own copy counts no weights while an instance of the node holds
+        that copy (`copy_counted`, by default: while it is the node's own copy); once that
+        instance is gone the stage's views keep the copy alive, so its weights count again."""
         mem = self.server.stage.memory()
-        weights = 0 if self.order.own_copy else self.weight_bytes
+        counted = self.order.own_copy if copy_counted is None else copy_counted
+        weights = 0 if counted else self.weight_bytes
         return weights + mem["kv_blocks"] * mem["kv_block_bytes"]
 
 

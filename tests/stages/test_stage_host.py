@@ -110,3 +110,20 @@ def test_memory_ops_of_a_stage_key_build_and_release_it(tiny):
     assert host.keys() == []
     with pytest.raises(KeyError, match="announced"):
         host.run_op("load", key)
+
+
+def test_a_stage_on_the_nodes_own_copy_counts_its_weights_only_once_no_instance_does(tiny):
+    """λScale Algorithm 2: a receiver hosting from its own copy holds the K/V only while its own
+    instance counts the weights; once that instance is gone the stage's views keep the copy."""
+    host = StageHost()
+    key = stage_key("tiny@head#1", 1, 3)
+    tensors = read_tensors(tiny, lambda n: (i := layer_of(n)) is not None and 1 <= i < 3)
+    host.expect(key, str(tiny), 1, 3, "tiny@head#1", "head", tensors, own_copy=True)
+    hosted = host.build(key)
+    try:
+        kv = hosted.bytes()
+        assert hosted.bytes(copy_counted=True) == kv  # by default: the instance counts them
+        assert hosted.bytes(copy_counted=False) == kv + hosted.weight_bytes
+        assert hosted.weight_bytes == _layer_bytes(tiny, 1, 3) > 0
+    finally:
+        host.close()
