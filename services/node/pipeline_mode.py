@@ -197,11 +197,8 @@ class PipelineStarts:
         manifest, host, have = got
         if len(have) == len(manifest.blocks):
             return host, []
-        me = self.w.s.node_id
-        mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
-        holder = Holding(mode.helpers[0], frozenset(range(record.layers)), True)
-        stages = pipeline_stages([mine, holder], record.layers, head_node=me)
-        return host, [RemoteStage(s.node, s.start, s.end) for s in stages if s.node != me]
+        return host, _holder_runs(manifest, have, self.w.s.node_id, mode.helpers[0],
+                                  record.layers)
 
     def _receivers_cover(self, record: ModelRecord, mode: PipelineMode, deadline: float):
         """(Receivers hosting for each other) Once this node holds the head and a layer, and the
@@ -440,6 +437,15 @@ class PipelineStarts:
         when `wait_s` is given, else let it run on (a task)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result(wait_s) if wait_s is not None else future
+
+
+def _holder_runs(manifest, have, me: str, holder: str, layers: int) -> list[RemoteStage]:
+    """The runs of layers node `me` lacks with the blocks `have`, each a stage on `holder` (a
+    DRAM holder: it holds them all); [] when `me` holds every layer."""
+    mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
+    everything = Holding(holder, frozenset(range(layers)), True)
+    stages = pipeline_stages([mine, everything], layers, head_node=me) or []
+    return [RemoteStage(s.node, s.start, s.end) for s in stages if s.node != me]
 
 
 def _heads(manifest, have) -> bool:
