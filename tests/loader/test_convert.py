@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from services.node.loader import CheckpointLoader, LoaderSettings, convert_checkpoint, read_index
 from services.node.loader.checkpoint_format import ALIGNMENT, INDEX_FILE, default_checkpoint_dir
 from services.node.loader.convert import main, source_tensors, verify_checkpoint
+from shared.core.pipeline import layer_index
 from tests.loader.conftest import odd_tensors
 
 
@@ -70,9 +71,23 @@ def test_layout_is_aligned_and_packed_in_source_order(odd_model):
     # A tensor larger than the partition target gets a partition of its own.
     big = next(e for e in index.tensors if e.name == "f.big")
     assert [e.name for e in by_file[big.file]] == ["f.big"]
-    # Source order kept: file by file, by position of the data in the file.
+    # No decoder layers: the source order kept, file by file, by position of the data in the file.
     assert [e.name for e in index.tensors] == [t.name for t in source_tensors(odd_model)]
     assert sorted(e.name for e in index.tensors) == sorted(odd_tensors())
+
+
+def test_the_head_comes_first_then_the_layers_by_number(tiny_model):
+    """Run order (execute-while-load runs from a prefix of the bytes): the source files sort by
+    name (layers 0, 1, 10, 11, 2, ...), the checkpoint holds the head, then layer 0, 1, 2, ..."""
+    source = [t.name for t in source_tensors(tiny_model)]
+    index = convert_checkpoint(tiny_model, partition_bytes=1 << 20).index
+    by_position = sorted(index.tensors, key=lambda e: (e.file, e.offset))
+    layers = [layer_index(e.name) for e in by_position]
+    head = [e.name for e, i in zip(by_position, layers) if i is None]
+    assert layers[:len(head)] == [None] * len(head) and head  # the head first
+    assert layers[len(head):] == sorted(layers[len(head):])  # then layer by layer
+    assert head == [n for n in source if layer_index(n) is None]  # each in source order
+    assert sorted(e.name for e in index.tensors) == sorted(source)
 
 
 def test_second_conversion_does_nothing(odd_model):

@@ -2,9 +2,15 @@
 format of `checkpoint_format` (written once, at registration or on first load; read many times).
 
 The conversion copies raw tensor bytes: safetensors headers give each tensor's dtype, shape and
-byte range, so nothing is decoded and no dtype changes. Tensors keep the order they have in the
-source files (sequential reads of the source) and are packed into partitions of about
-`partition_bytes`, each tensor at an ALIGNMENT boundary. Everything is written into a temporary
+byte range, so nothing is decoded and no dtype changes. Tensors are packed into partitions of
+about `partition_bytes`, each at an ALIGNMENT boundary, in the order a model runs (`run_order`):
+what is not a decoder layer (embeddings, final norm, LM head: the *head*) first, then the
+decoder layers by number. A safetensors file sorts its tensors by name (layers 0, 1, 10, 11, 2,
+...), so a prefix of its bytes holds scattered layers; in run order a prefix holds the head and
+layers 0..p-1, which is what execute-while-load needs from the first blocks of a multicast
+(λScale §4.3: the node runs the layers it holds, a helper the rest, with two activation hops) and
+what the core's plans assume (`shared.core.pipeline.model_layout`, whose head the multicast sends
+first wherever its bytes lie). Everything is written into a temporary
 directory beside the target and renamed into place at the end, so a crash leaves no half
 checkpoint, and a second run that finds a complete checkpoint of the same source does nothing.
 """
@@ -22,6 +28,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from shared.core.pipeline import layer_index
 
 from .checkpoint_format import (ALIGNMENT, INDEX_FILE, SAFETENSORS_DTYPES, CheckpointIndex,
                                 Partition, TensorEntry, align_up, default_checkpoint_dir,
@@ -78,6 +86,16 @@ def source_tensors(model_dir: Path) -> list[SourceTensor]:
     return tensors
 
 
+def run_order(tensors: list[SourceTensor]) -> list[SourceTensor]:
+    """The head's tensors, then each decoder layer's, layer by layer; the source order within
+    each (a stable sort)."""
+    def key(t: SourceTensor) -> int:
+        layer = layer_index(t.name)
+        return -1 if layer is None else layer
+
+    return sorted(tensors, key=key)
+
+
 def plan_layout(tensors: list[SourceTensor], partition_bytes: int
                 ) -> list[list[tuple[SourceTensor, int]]]:
     """Partitions as lists of (tensor, aligned offset): filled in order up to partition_bytes
@@ -104,7 +122,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path | None = None,
     existing = read_index(out)
     if existing is not None and existing.fingerprint == fingerprint:
         return ConvertResult(out, False, existing)
-    tensors = source_tensors(model_dir)
+    tensors = run_order(source_tensors(model_dir))
     layout = plan_layout(tensors, partition_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
