@@ -18,12 +18,14 @@ The instance's LOAD op (a worker thread) then:
    blocks and those of the layers it runs itself (`MulticastEndpoint.wait_blocks`, the layers a
    node can run from its blocks being `stages.holding_of`): for a DRAM holder, one layer (the
    first its sub-group's order brings: with k >= 2 sources not always layer 0), the holder then
-   hosting each run of layers this node lacks; for receivers, until this node and the receivers `mode.helpers` names cover every
-   layer between them, asking those what they hold (their endpoints' `holding`) as blocks
-   arrive. The ranges are then cut from what each holds (`pipeline_stages`, this node the
-   head), not taken from the plan's `ranges`: the core plans over a layer-order layout, while a
-   checkpoint's bytes follow its tensor names (layers 0, 1, 10, 11, 2, ...), so who holds which
-   layers first differs; the view then names the ranges and hops really run;
+   hosting each run of layers this node lacks; for receivers, until this node and the receivers
+   `mode.helpers` names cover every layer between them, asking those what they hold (their
+   endpoints' `holding`) as blocks arrive. The ranges are then cut from what each holds (`pipeline_stages`, this node the
+   head), not taken from the plan's `ranges`: the core plans over an idealised layout
+   (`pipeline.model_layout`: equal layers, blocks cut evenly), while the checkpoint's blocks
+   end where its tensors do, and one converted before the run order (`loader/convert.py`)
+   holds its layers in name order (0, 1, 10, 11, 2, ...); the view then names the ranges and
+   hops really run;
 2. asks each helper to host its range (HOST_LAYERS: the helper holds its bytes in its ledger and
    builds the stage, `services/node/stage_host.py`; a receiver first waits, bounded, for its own
    blocks of the range: `host_from_own_copy`);
@@ -204,8 +206,8 @@ class PipelineStarts:
         """(Receivers hosting for each other) Once this node holds the head and a layer, and the
         receivers of its pipeline (`mode.helpers`) hold every layer it lacks between them:
         the multicast's buffers and the stages of the ranges they run (`pipeline_stages` with
-        this node as the head, from what each holds *now*: the checkpoint's byte order, not
-        the core's layer-order layout, decides who holds which layers first); [] : the copy is
+        this node as the head, from what each holds *now*: the checkpoint's real blocks, not
+        the core's idealised layout, decide who holds which layers first); [] : the copy is
         whole. Polled, as the others' blocks arrive on their own."""
         me = self.w.s.node_id
         while True:
