@@ -147,8 +147,7 @@ class PipelineStarts:
         started = time.time()
         # `until`: when the copy should be whole
         deadline = started + max(FORM_MIN_WAIT_S, FORM_PATIENCE * (mode.until - started))
-        found = self._receivers_cover(record, mode, deadline) if mode.ranges else \
-            self._holder_stages(record, mode, deadline)
+        found = self._cover(record, mode, deadline)
         if found is None:
             raise RuntimeError("no blocks of it arrived in time")
         host, remote = found
@@ -188,28 +187,19 @@ class PipelineStarts:
         self._call(self._switch_when_whole(pipe))
         return engine
 
-    def _holder_stages(self, record: ModelRecord, mode: PipelineMode, deadline: float):
-        """(A DRAM holder's pipeline) Once this node holds the head and a layer: the multicast's
-        buffers and the holder's stages of the runs of layers this node lacks ([] : the copy is
-        whole). The layer is the first of its sub-group's order, which with k >= 2 sources need
-        not be layer 0 (the core's estimate counts on it: `startup.pipeline_serve_steps`)."""
-        got = self.w.multicast.wait_blocks(record.path, _heads, deadline - time.time())
-        if got is None:
-            return None
-        manifest, host, have = got
-        if len(have) == len(manifest.blocks):
-            return host, []
-        return host, _holder_runs(manifest, have, self.w.s.node_id, mode.helpers[0],
-                                  record.layers)
+    def _cover(self, record: ModelRecord, mode: PipelineMode, deadline: float):
+        """Once this node holds the head and a layer, and its helpers hold every layer it lacks
+        between them: the multicast's buffers and the stages of the runs they host ([] : the
+        copy is whole; None: no cover by `deadline`).
 
-    def _receivers_cover(self, record: ModelRecord, mode: PipelineMode, deadline: float):
-        """(Receivers hosting for each other) Once this node holds the head and a layer, and the
-        receivers of its pipeline (`mode.helpers`) hold every layer it lacks between them:
-        the multicast's buffers and the stages of the ranges they run (`pipeline_stages` with
-        this node as the head, from what each holds *now*: the checkpoint's real blocks, not
-        the core's idealised layout, decide who holds which layers first); [] : the copy is
-        whole. Polled, as the others' blocks arrive on their own."""
-        me = self.w.s.node_id
+        - A DRAM holder (`mode.ranges == ()`) holds every layer: the cover exists at once, the
+          holder hosting each run this node lacks. The layer here is the first of its
+          sub-group's order, with k >= 2 sources not always layer 0 (the core's estimate counts
+          on it: `startup.pipeline_serve_steps`).
+        - Receivers (`mode.helpers`, hosting for each other) are asked what they hold as blocks
+          arrive (polled): the ranges come from what each holds *now*, since the checkpoint's
+          real blocks, not the core's idealised layout, decide who holds which layers first."""
+        everything = Holding(mode.helpers[0], frozenset(range(record.layers)), True)
         while True:
             got = self.w.multicast.wait_blocks(record.path, _heads, deadline - time.time())
             if got is None:
@@ -217,12 +207,11 @@ class PipelineStarts:
             manifest, host, have = got
             if len(have) == len(manifest.blocks):
                 return host, []
-            mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
-            theirs = [self._holding(h, record) for h in mode.helpers]
-            stages = pipeline_stages([mine, *theirs], record.layers, head_node=me)
-            if stages is not None:
-                return host, [RemoteStage(s.node, s.start, s.end) for s in stages
-                              if s.node != me]
+            others = [self._holding(h, record) for h in mode.helpers] if mode.ranges \
+                else [everything]
+            runs = _remote_runs(manifest, have, self.w.s.node_id, others, record.layers)
+            if runs is not None:
+                return host, runs
             if time.time() > deadline:
                 return None
             time.sleep(COVER_POLL_S)
@@ -441,12 +430,15 @@ class PipelineStarts:
         return future.result(wait_s) if wait_s is not None else future
 
 
-def _holder_runs(manifest, have, me: str, holder: str, layers: int) -> list[RemoteStage]:
-    """The runs of layers node `me` lacks with the blocks `have`, each a stage on `holder` (a
-    DRAM holder: it holds them all); [] when `me` holds every layer."""
+def _remote_runs(manifest, have, me: str, others: list[Holding],
+                 layers: int) -> list[RemoteStage] | None:
+    """With the blocks `have`, node `me` heads a pipeline in which `others` run each run of
+    layers it lacks (`pipeline_stages`): those runs as stages ([] : it holds every layer; None:
+    no cover yet)."""
     mine = holding_of(manifest.index, list(manifest.blocks), set(have), me)
-    everything = Holding(holder, frozenset(range(layers)), True)
-    stages = pipeline_stages([mine, everything], layers, head_node=me) or []
+    stages = pipeline_stages([mine, *others], layers, head_node=me)
+    if stages is None:
+        return None
     return [RemoteStage(s.node, s.start, s.end) for s in stages if s.node != me]
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from services.node.loader.checkpoint_format import default_checkpoint_dir, read_index
-from services.node.pipeline_mode import _heads, _holder_runs
+from services.node.pipeline_mode import _heads, _remote_runs
 from shared.core.multicast import cut_blocks
-from shared.core.pipeline import layer_index
+from shared.core.pipeline import Holding, layer_index
 
 
 def test_a_node_heads_once_it_holds_the_head_and_a_layer_and_the_holder_runs_the_rest(
@@ -29,7 +29,8 @@ def test_a_node_heads_once_it_holds_the_head_and_a_layer_and_the_holder_runs_the
                 and t.file == b.file and t.offset < b.end and b.start < t.offset + t.size}
 
     def remote(have: set[int]) -> list[tuple[int, int]]:
-        return [(s.start, s.end) for s in _holder_runs(manifest, have, "me", "holder", 4)]
+        holder = Holding("holder", frozenset(range(4)), True)  # a DRAM holder: every layer
+        return [(s.start, s.end) for s in _remote_runs(manifest, have, "me", [holder], 4)]
 
     assert not _heads(manifest, set()) and not _heads(manifest, head)  # no layer to run
     assert not _heads(manifest, blocks_of(0))  # layers without the head: cannot head
@@ -38,3 +39,6 @@ def test_a_node_heads_once_it_holds_the_head_and_a_layer_and_the_holder_runs_the
     assert remote(head | blocks_of(0) | blocks_of(1)) == [(2, 4)]
     assert remote(head | blocks_of(2)) == [(0, 2), (3, 4)]
     assert remote(set(range(len(blocks)))) == []  # everything here: nothing elsewhere
+    # Without the layers here and with no one else holding them: no cover yet.
+    lacking = Holding("receiver", frozenset({3}), False)
+    assert _remote_runs(manifest, head | blocks_of(0), "me", [lacking], 4) is None
