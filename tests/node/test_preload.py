@@ -213,11 +213,14 @@ async def test_the_placers_plan_spreads_checkpoints_over_the_nodes_and_nodes_fal
         # A second node joins. One tier cannot hold both checkpoints, and a node planning from
         # its own calls would only juggle them; the placer puts one into the second node's tier.
         await second.start()
+
+        def read_for_the_placer() -> bool:  # the round's record comes after its read is done
+            return any(r.source == "placer" and r.read for r in second.preloads)
+
         await until(lambda: in_dram(first) | in_dram(second) == {"bb-a", "bb-b"}
-                    and in_dram(first) and in_dram(second), timeout_s=60,
-                    what="each backbone's checkpoint in one node's DRAM tier")
+                    and in_dram(first) and in_dram(second) and read_for_the_placer(),
+                    timeout_s=60, what="each backbone's checkpoint in one node's DRAM tier")
         assert not second.loads  # it never loaded either model: it holds one for the cluster
-        assert any(r.source == "placer" and r.read for r in second.preloads)
         assert placer.preloader.sent["pre-second"].checkpoints == sorted(in_dram(second))
 
         # The placer stops: its last plan goes stale and each node plans from its own calls.
