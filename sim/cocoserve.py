@@ -234,7 +234,10 @@ class CoCoServe:
         looked at for taking back every TAKE_EVERY_S.)"""
         if now >= self.next_take:
             self.next_take = now + TAKE_EVERY_S
-            self._measured(list(self.meters), now)  # (idle stages' loads decay too)
+            for key in list(self.meters):  # (idle stages' loads decay too)
+                host = self._host_of(key)
+                if host is not None:
+                    self._measured(key, host, now)
             self._take_back()
         layout = self.layouts.get(instance_id)
         if layout is None:
@@ -249,16 +252,13 @@ class CoCoServe:
             meter = self.meters.get(run.address)
             if meter is not None:
                 self.meters[run.address] = meter.observe(start, start + work)
-                self._measured([run.address], now)
+                self._measured(run.address, run.node_id, now)
 
-    def _measured(self, keys: list[str], now: float) -> None:
-        """The hosts of these stages count their measured share once they measured a window."""
-        for key in keys:
-            meter = self.meters[key]
-            if meter.observed_s(now) >= meter.window_s:
-                host = self._host_of(key)
-                if host is not None:
-                    self.sys.nodes[host].sched.stage_measured(key, meter.fraction(now))
+    def _measured(self, key: str, host: str, now: float) -> None:
+        """`host` counts the stage's measured share once it has measured a window."""
+        meter = self.meters[key]
+        if meter.observed_s(now) >= meter.window_s:
+            self.sys.nodes[host].sched.stage_measured(key, meter.fraction(now))
 
     def _host_of(self, key: str) -> str | None:
         return next((r.node_id for lay in self.layouts.values() for r in lay.runs
