@@ -10,11 +10,11 @@ owner resizes). A receiver of the model's multicast asked to host a range for an
 receiver's instance (λScale Algorithm 2: the command carries that pipeline) serves it from its own
 copy, its arriving blocks once they cover the range (`PipelineStarts.host_from_own_copy`), and
 holds the range's K/V only while its own instance's bytes count the weights (when that instance
-goes first, the hold grows by the range's weights, which the stage's views keep alive). The hold also carries
-the stage's share of this node's compute: the planner's prediction (the command's `stage_load`)
-until the node has measured the stage for a window (its forwards' seconds, sampled every beat,
-`busy.BusyMeter` over the core's `busy_window_s`), the measured share then
-(`NodeScheduler.stage_measured`). The node's view reports it and its own admissions count it
+goes first, the hold grows by the range's weights, which the stage's views keep alive). The
+hold also carries the stage's share of this node's compute: the planner's prediction (the
+command's `stage_load`) until the node has measured the stage for a window (its forwards'
+seconds, sampled every beat, `busy.BusyMeter` over the core's `busy_window_s`), the measured
+share then (`NodeScheduler.stage_measured`). The node's view reports it and its own admissions count it
 until it is released. (Replicas come with no load: they yield to the node's own work, so they
 are neither predicted nor measured.)
 

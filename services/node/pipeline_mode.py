@@ -20,8 +20,8 @@ The instance's LOAD op (a worker thread) then:
    first its sub-group's order brings: with k >= 2 sources not always layer 0), the holder then
    hosting each run of layers this node lacks; for receivers, until this node and the receivers
    `mode.helpers` names cover every layer between them, asking those what they hold (their
-   endpoints' `holding`) as blocks arrive. The ranges are then cut from what each holds (`pipeline_stages`, this node the
-   head), not taken from the plan's `ranges`: the core plans over an idealised layout
+   endpoints' `holding`) as blocks arrive. The ranges are then cut from what each holds
+   (`pipeline_stages`, this node the head), not taken from the plan's `ranges`: the core plans over an idealised layout
    (`pipeline.model_layout`: equal layers, blocks cut evenly), while the checkpoint's blocks
    end where its tensors do, and one converted before the run order (`loader/convert.py`)
    holds its layers in name order (0, 1, 10, 11, 2, ...); the view then names the ranges and
