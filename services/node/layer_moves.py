@@ -14,9 +14,9 @@ goes first, the hold grows by the range's weights, which the stage's views keep 
 hold also carries the stage's share of this node's compute: the planner's prediction (the
 command's `stage_load`) until the node has measured the stage for a window (its forwards'
 seconds, sampled every beat, `busy.BusyMeter` over the core's `busy_window_s`), the measured
-share then (`NodeScheduler.stage_measured`). The node's view reports it and its own admissions count it
-until it is released. (Replicas come with no load: they yield to the node's own work, so they
-are neither predicted nor measured.)
+share then (`NodeScheduler.stage_measured`). The node's view reports it and its own
+admissions count it until it is released. (Replicas come with no load: they yield to the
+node's own work, so they are neither predicted nor measured.)
 
 A stage no instance's layout in the cluster view uses (its owner went away, dropped it, or never
 attached it) is released after a grace (`stage_host.ORPHAN_GRACE_S`).
