@@ -23,9 +23,9 @@ The instance's LOAD op (a worker thread) then:
    endpoints' `holding`) as blocks arrive. The ranges are then cut from what each holds
    (`pipeline_stages`, this node the head), not taken from the plan's `ranges`: the core
    plans over an idealised layout (`pipeline.model_layout`: equal layers, blocks cut evenly),
-   while the checkpoint's blocks end where its tensors do, and one converted before the run order (`loader/convert.py`)
-   holds its layers in name order (0, 1, 10, 11, 2, ...); the view then names the ranges and
-   hops really run;
+   while the checkpoint's blocks end where its tensors do, and one converted before the run
+   order (`loader/convert.py`) holds its layers in name order (0, 1, 10, 11, 2, ...); the view
+   then names the ranges and hops really run;
 2. asks each helper to host its range (HOST_LAYERS: the helper holds its bytes in its ledger and
    builds the stage, `services/node/stage_host.py`; a receiver first waits, bounded, for its own
    blocks of the range: `host_from_own_copy`);
