@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
@@ -192,9 +192,33 @@ async def request_profiles(js: JetStreamContext, redis: Redis, model: str,
     return status
 
 
-async def _publish_job(js: JetStreamContext, model: str, kind: str) -> None:
+async def _publish_job(js: JetStreamContext, model: str, kind: str,
+                       msg_id: str | None = None) -> None:
     await js.publish(job_subject(kind), wire.encode(ProfileJob(model, kind, time.time())),
-                     headers={"Nats-Msg-Id": f"profile:{model}:{kind}:{time.time_ns()}"})
+                     headers={"Nats-Msg-Id": msg_id or f"profile:{model}:{kind}:{time.time_ns()}"})
+
+
+async def queued_jobs(js: JetStreamContext, kind: str) -> set[str]:
+    """The models with a profiling job of `kind` in the queue, waiting or being worked on (a
+    work queue deletes a job only when it is acked)."""
+    models: set[str] = set()
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(JOB_STREAM, seq=seq, subject=job_subject(kind), next=True)
+        except NotFoundError:
+            return models
+        try:
+            models.add(wire.decode(ProfileJob, raw.data or b"").model)
+        except wire.WireError:
+            pass  # the profiler terminates it when delivered
+        seq = (raw.seq or seq) + 1
+
+
+async def requeue_job(js: JetStreamContext, model: str, kind: str, since: float) -> None:
+    """Queue `model`'s job of `kind` again. The message id names the lifecycle step it resumes
+    (`since`: that step's last update), so profilers starting together queue it once."""
+    await _publish_job(js, model, kind, msg_id=f"requeue:{model}:{kind}:{since!r}")
 
 
 JOINED_REASON = "queued: a {kind} node joined"

@@ -4,15 +4,23 @@ queue, converts the model's checkpoint to the loading-optimized format, measures
 a real engine, stores it in Redis (where placers and nodes read it) and reports each step and
 its progress in the model's state. One job at a time: a profile measured while another runs on
 the same machine would be wrong.
+
+A job survives the service: while it runs the service tells JetStream it is in progress, so a
+short ack wait redelivers the job soon after a profiler dies; a profiler that is stopped hands
+its job back at once (nak) and exits without waiting for the profile to end; and a profiler that
+starts re-queues every model of its kind left converting or profiling with no job in the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -24,13 +32,24 @@ from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared import wire
 from shared.cluster import save_profile
-from shared.model_state import ModelState, ProfileJob, ensure_job_stream, set_hardware_state
+from shared.model_state import (ModelState, ProfileJob, all_statuses, ensure_job_stream,
+                                queued_jobs, requeue_job, set_hardware_state)
 from shared.registry import ModelRegistry
 from shared.settings import env_int, env_str
-from shared.subjects import job_subject
+from shared.subjects import JOB_STREAM, job_subject
 
 log = logging.getLogger("slinfer.profiler")
-ACK_WAIT_S = 600.0  # a profile of a real model takes minutes; redelivered only after this
+T = TypeVar("T")
+
+
+class Cancelled(Exception):
+    """The service is stopping: the job goes back to the queue."""
+# A profile of a real model takes minutes; the service reports the job in progress every
+# HEARTBEAT_S, so ACK_WAIT_S only bounds how long a job waits after its profiler died.
+ACK_WAIT_S = 30.0
+HEARTBEAT_S = 10.0
+HAND_BACK_GRACE_S = 5.0  # a stopping service lets the job stop at its next measured point
+REQUEUED_REASON = "queued: its profiler stopped mid-job"
 PROGRESS_EVERY_S = 1.0  # state updates at most this often
 # `ready` is reported as soon as the profile is stored: nothing reads `ready` before the profile
 # is in Redis, a placer that sees `ready` without the profile re-reads the profiles
@@ -68,12 +87,34 @@ class ProfilerService:
         self.nc, self.js, self.redis = nc, nc.jetstream(), redis
         self.registry = ModelRegistry(redis)
         self.done = 0  # jobs finished (ready or failed), for tests and logs
+        self.handed_back = 0  # jobs given back to the queue because the service stopped
 
     async def start(self) -> None:
         await ensure_job_stream(self.js)
-        self.sub = await self.js.pull_subscribe(
-            job_subject(self.s.hardware), durable=f"profiler-{self.s.hardware}",
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S))
+        durable = f"profiler-{self.s.hardware}"
+        # Create or update: a durable consumer made by an older version keeps its ack wait.
+        await self.js.add_consumer(JOB_STREAM, ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
+            filter_subject=job_subject(self.s.hardware)))
+        self.sub = await self.js.pull_subscribe(job_subject(self.s.hardware), durable=durable)
+        requeued = await self.requeue_orphans()
+        if requeued:
+            log.info("re-queued %s: left mid-lifecycle with no job", ", ".join(requeued))
+
+    async def requeue_orphans(self) -> list[str]:
+        """Queue a job again for every model of this kind left converting or profiling with no
+        job in the queue (its job was lost with the stream, or never published)."""
+        kind = self.s.hardware
+        live = await queued_jobs(self.js, kind)
+        orphans = []
+        for model, status in (await all_statuses(self.redis)).items():
+            step = status.kind(kind)
+            if step is None or step.state not in (ModelState.CONVERTING, ModelState.PROFILING):
+                continue
+            if model not in live:
+                await requeue_job(self.js, model, kind, step.updated)
+                orphans.append(model)
+        return orphans
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -82,25 +123,57 @@ class ProfilerService:
             except (NatsTimeout, asyncio.TimeoutError):
                 continue
             for msg in msgs:
-                await self.handle(msg)
+                await self.handle(msg, stop)
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, stop: asyncio.Event | None = None) -> None:
         try:
             job = wire.decode(ProfileJob, msg.data)
         except wire.WireError as exc:
             log.warning("dropping undecodable profiling job: %s", exc)
             await msg.term()
             return
+        cancel = threading.Event()
+        work = asyncio.create_task(self._profile(job, cancel))
+        beat = asyncio.create_task(self._heartbeat(msg, job))
+        stopping = asyncio.create_task((stop or asyncio.Event()).wait())
         try:
-            await self._profile(job)
-        except Exception as exc:  # the model's state says why; the service goes on
-            log.exception("profiling %s on %s failed", job.model, job.hardware)
+            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            beat.cancel()
+            stopping.cancel()
+        if not work.done():
+            cancel.set()
+            await asyncio.wait({work}, timeout=HAND_BACK_GRACE_S)
+        if not work.done() or isinstance(work.exception(), Cancelled):
+            # The profile stops at its next measured point (or dies with the process).
+            work.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await self._hand_back(job, msg)
+            return
+        if (exc := work.exception()) is not None:  # the model's state says why; the service goes on
+            log.error("profiling %s on %s failed", job.model, job.hardware,
+                      exc_info=(type(exc), exc, exc.__traceback__))
             await set_hardware_state(self.redis, job.model, job.hardware, ModelState.FAILED,
                                      f"{type(exc).__name__}: {exc}")
         self.done += 1
         await msg.ack()
 
-    async def _profile(self, job: ProfileJob) -> None:
+    async def _heartbeat(self, msg: Msg, job: ProfileJob) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # NATS away: the job may be redelivered; profiling goes on
+                log.warning("in-progress for %s on %s not sent: %r", job.model, job.hardware, exc)
+
+    async def _hand_back(self, job: ProfileJob, msg: Msg) -> None:
+        """Stopping mid-job: the model waits in the queue again (state first, so a profiler that
+        takes the job at once is not overwritten), and the job is redelivered at once."""
+        await self._state(job, ModelState.CONVERTING, REQUEUED_REASON)
+        await msg.nak()
+        self.handed_back += 1
+        log.info("handed %s on %s back to the queue", job.model, job.hardware)
+
+    async def _profile(self, job: ProfileJob, cancel: threading.Event) -> None:
         record = await self.registry.get(job.model)
         if record is None:
             raise LookupError(f"model {job.model!r} is not registered (deleted meanwhile?)")
@@ -109,20 +182,26 @@ class ProfilerService:
         if record.engine == "torch":  # the torch engine loads the loading-optimized format
             from services.node.loader.convert import convert_checkpoint
 
-            await asyncio.to_thread(convert_checkpoint, path)
+            await _on_daemon_thread(convert_checkpoint, path)
+        if cancel.is_set():
+            raise Cancelled()
         await self._state(job, ModelState.PROFILING, f"profiling on {record.engine}")
         loop = asyncio.get_running_loop()
         last = [0.0]
 
         def progress(fraction: float) -> None:  # on the profiling thread
+            if cancel.is_set():
+                raise Cancelled()  # stops the measurement; the engine unloads on the way out
             if time.monotonic() - last[0] >= PROGRESS_EVERY_S:
                 last[0] = time.monotonic()
                 asyncio.run_coroutine_threadsafe(self._state(
                     job, ModelState.PROFILING, f"profiling on {record.engine}", fraction), loop)
 
         plan = ProfilePlan(max_len=min(self.s.max_len, record.max_context), max_batch=self.s.max_batch)
-        profile, _ = await asyncio.to_thread(profile_model, path, record.name, record.engine,
+        profile, _ = await _on_daemon_thread(profile_model, path, record.name, record.engine,
                                              self.s.device, plan, 0, False, progress)
+        if cancel.is_set():
+            raise Cancelled()
         await save_profile(self.redis, profile)  # first: `ready` promises the profile is there
         await self._state(job, ModelState.READY, "", 1.0)
         log.info("%s is ready on %s (load %.2f s, prefill(512) %.3f s)", record.name,
@@ -131,6 +210,35 @@ class ProfilerService:
     async def _state(self, job: ProfileJob, state: ModelState, reason: str,
                      progress: float = 0.0) -> None:
         await set_hardware_state(self.redis, job.model, job.hardware, state, reason, progress)
+
+
+async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a daemon thread. Unlike `asyncio.to_thread`, whose threads the interpreter
+    joins at exit, a stopping service does not wait minutes for a profile it handed back."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as err:  # handed to the awaiting task
+            result, exc = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop closed: the service stopped and nobody waits for this
+
+    threading.Thread(target=work, name=f"profiler-{getattr(fn, '__name__', 'job')}",
+                     daemon=True).start()
+    return await future
 
 
 async def serve(settings: ProfilerSettings, nc, redis, stop, telemetry) -> None:
