@@ -55,6 +55,13 @@ CALIBRATION_HASH = "slinfer:calibration"
 # without its append-only file), and a placer that remembers the registry and the profiles
 # writes them back (services/placer/keeper.py).
 STATE_EPOCH_KEY = "slinfer:epoch"
+# A placer's terminal answer to a request (dropped, failed), kept for a while beside the
+# core-NATS message that may be lost (a NATS restart): value = msgpack TokenMessage, with a TTL.
+OUTCOME_KEY_PREFIX = "slinfer:outcome"
+
+
+def outcome_key(request_id: str, attempt: int) -> str:
+    return f"{OUTCOME_KEY_PREFIX}:{request_id}:{attempt}"
 
 
 def node_key(node_id: str) -> str:

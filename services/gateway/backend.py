@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
+from shared.outcomes import read_outcome
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
                             NodeReply, RequestState, TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, node_command_subject, node_key,
@@ -120,6 +121,18 @@ class InferenceBackend:
         except Exception:  # Redis down too: nothing says the node is gone
             return Probe(None, None)
 
+    async def placer_answer(self, request_id: str, attempt: int) -> Probe | None:
+        """A placer's kept answer to this attempt (it ended the request while no node had it),
+        as a FINISHED probe; None when there is none or Redis cannot say."""
+        if self._redis is None:
+            return None
+        try:
+            final = await read_outcome(self._redis, request_id, attempt)
+        except Exception as exc:  # Redis down: the next check asks again
+            log.info("could not read the placer's answer about %s: %r", request_id, exc)
+            return None
+        return None if final is None else Probe(RequestState.FINISHED, final=final)
+
     def request_headers(self, request: InferenceRequest,
                         trace_headers: dict[str, str] | None = None) -> dict[str, str]:
         """NATS headers on the request stream: dedup by request id, and the trace context
@@ -204,14 +217,15 @@ class TokenStream:
         """The watchdog's due check: ask, judge, act (module docstring)."""
         watch = self.watch
         assert watch is not None and self._backend is not None and self._request is not None
-        probe = None
         if watch.needs_probe():
             probe = await self._backend.probe(watch.node_id, self.request_id, self.attempt)
+        else:
+            probe = await self._backend.placer_answer(self.request_id, self.attempt)
         verdict = watch.judge(time.monotonic(), probe)
         self.verdicts.append(verdict)
         if verdict is Verdict.FINISH and probe is not None and probe.final is not None:
-            log.info("request %s: its final message was lost; node %s had it", self.request_id,
-                     watch.node_id)
+            log.info("request %s: its final message was lost; %s had it", self.request_id,
+                     f"node {watch.node_id}" if watch.node_id else "the placer")
             return self._accept(replace(probe.final, attempt=self.attempt))
         if verdict is Verdict.RESUME:
             return await self._resume(watch.node_id)

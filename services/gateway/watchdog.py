@@ -9,7 +9,8 @@ Rules, checked when no token message of the current attempt arrived for `quiet_s
 
 - The node is not known (nothing announced it since the request was submitted or resumed, or its
   node said it handed the request back): the request is with the placers, in a durable stream
-  that a restarted placer replays. WAIT.
+  that a restarted placer replays. A placer that ended it (dropped, failed) kept its answer in
+  Redis (`shared.outcomes`), since its message may have been lost: FINISH with it. Else WAIT.
 - Ask the node (a STATUS request-reply on its command subject):
   - RUNNING: it has the request (waiting for an instance, or its messages were lost while NATS
     restarted: its final message carries the whole output). WAIT.
@@ -82,8 +83,11 @@ class Watch:
         return self.node_id is not None
 
     def judge(self, now: float, probe: Probe | None) -> Verdict:
-        """The verdict of a due check (`probe` None: there was no node to ask)."""
+        """The verdict of a due check (`probe` None: there was no node to ask and no placer's
+        answer; with no node, a probe is the placer's kept answer)."""
         self.last_heard = now
+        if probe is not None and probe.state is RequestState.FINISHED and probe.final is not None:
+            return Verdict.FINISH
         if probe is None or self.node_id is None:
             return Verdict.WAIT
         if probe.state is RequestState.RUNNING:

@@ -61,3 +61,12 @@ def test_resumes_are_bounded_then_it_fails():
         w.resumed(100.0 + 10 * k)
         w.heard(101.0 + 10 * k, f"node-{k + 1}")
     assert w.judge(200.0, Probe(None, in_view=False)) is Verdict.FAIL
+
+
+def test_no_node_known_but_the_placer_kept_its_answer_finishes_with_it():
+    """A placer dropped the request and its message was lost (NATS restarting): its answer,
+    kept in Redis, ends the stream instead of a wait until the deadline."""
+    w = _watch(node=None)
+    final = TokenMessage("r", 0, [], finished=True, error="no node can meet the TTFT")
+    assert w.judge(105.0, Probe(RequestState.FINISHED, final=final)) is Verdict.FINISH
+    assert w.judge(110.0, Probe(RequestState.FINISHED)) is Verdict.WAIT  # an answer carries the message
