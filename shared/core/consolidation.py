@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, with_request,
-                                  without_instances)
+from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import handover_ready_at
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
+from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.startup import StartupChoice, choose_startup, with_startup
 from shared.core.types import Hardware, ModelSpec, NodeView, RequestView
 

@@ -44,12 +44,12 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
-from shared.core.evaluate import load_seconds
 from shared.core.modules import share_spec
 from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
                                    multicast_seconds)
 from shared.core.perf_model import Profile
 from shared.core.pipeline import head_spans, model_layout, receiver_plan
+from shared.core.readiness import load_seconds
 from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
 
 
