@@ -12,6 +12,7 @@ import pytest
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate
+from shared.core.readiness import growth_ready_at, parks
 from shared.core.types import Hardware
 
 from tests.core.factories import GB, flat_profile, linear_profile, loaded, model, node, perf_for, request
@@ -78,3 +79,26 @@ def test_a_join_whose_growth_fits_pessimistic_memory_is_not_held_back():
     assert res.admission.ok
     assert [op.instance_id for op in res.start_ops] == [ia]  # the resize runs now
     assert g0.view().instance(ia).ready_at < 1.0
+
+
+def test_behind_a_running_unload_the_prediction_is_the_nodes_own_timeline():
+    """The shorter case: the bytes of an instance being unloaded stay held until its unload
+    completes, so a join's growth that needs them waits for it; the admission's ready time is
+    the one the node's timeline then shows."""
+    g0 = node("g0", Hardware.GPU, 80, _perf())
+    gone = loaded(g0, None, replace(request("s", "small", input_len=400, ttft=5, generated=10),
+                                    prefilled=False), SMALL)
+    loaded(g0, None, request("b1", "big", input_len=400, ttft=30), BIG)
+    ia = loaded(g0, None, request("r1", "a", input_len=600, ttft=20), JOINED)
+    _, ops = g0.preempt([gone], 0.0)
+    assert [op.instance_id for op in ops] == [gone]  # running: its 20 GB are held until it ends
+    view = g0.view()
+    assert view.memops_until == pytest.approx(0.05)
+    inst = view.instance(ia)
+    kv = evaluate(view, ia, _join(), JOINED, g0.perf, 0.0, CoreConfig()).kv_target_bytes
+    assert kv is not None and parks(view, kv - inst.kv_bytes)
+    predicted = growth_ready_at(view, inst, kv, g0.perf.get("a", Hardware.GPU), 0.0)
+    res = g0.admit(_join(), ia, JOINED, 0.0)
+    assert res.admission.ok and res.start_ops == ()  # parked behind the unload
+    assert g0.view().instance(ia).ready_at == pytest.approx(predicted)
+    assert predicted > view.memops_until
