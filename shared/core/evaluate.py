@@ -12,7 +12,8 @@ from shared.core.config import CoreConfig
 from shared.core.memory import kv_demand, watermark_target
 from shared.core.modules import instance_profile
 from shared.core.perf_model import PerfModel, Profile
-from shared.core.readiness import (  # noqa: F401  (also re-exported: callers still import them here)
+# Moved to readiness; also imported from here by older callers (noqa: re-exports).
+from shared.core.readiness import (  # noqa: F401
     NEW_INSTANCE_ID, blocked_while_growing, cold_start_ready_at, handover_ready_at, join_grace,
     load_seconds, new_instance_view)
 from shared.core.shadow import shadow_validate

@@ -71,6 +71,18 @@ class ModelSpec:
     token_bytes: int = 0
 
 
+def first_token_due(arrival: float, grace_s: float, ttft_s: float) -> float:
+    """Eq. 1's base, the deadline of the first token: ST + grace + TTFT_SLO."""
+    return arrival + grace_s + ttft_s
+
+
+def resume_grace(arrival: float, tpot_s: float, generated: int, now: float) -> float:
+    """The grace that makes the next token of a request that has produced `generated` tokens
+    due one TTFT_SLO after `now` (Eq. 1 solved for the grace): a request resumed after its node
+    was lost is judged like a new arrival for its next token."""
+    return now - arrival - tpot_s * generated
+
+
 def token_deadline(base: float, tpot_s: float, generated: int) -> float:
     """Eq. 1 (SLINFER §VI-A), the one definition every caller uses: the next token of a request
     that has produced `generated` tokens is due at ST + grace + TTFT_SLO + TPOT_SLO * O, where
@@ -99,7 +111,7 @@ class RequestView:
 
     def deadline_base(self) -> float:
         """The deadline of the first token: ST + grace + TTFT_SLO."""
-        return self.arrival + self.grace_s + self.slo.ttft_s
+        return first_token_due(self.arrival, self.grace_s, self.slo.ttft_s)
 
     def deadline(self) -> float:
         """When the next token is due (Eq. 1 without CT)."""

@@ -15,7 +15,7 @@ from shared.core.evaluate import evaluate
 from shared.core.readiness import growth_ready_at, parks
 from shared.core.types import Hardware
 
-from tests.core.factories import GB, flat_profile, linear_profile, loaded, model, node, perf_for, request
+from tests.core.factories import flat_profile, linear_profile, loaded, model, node, perf_for, request
 
 LIVE = CoreConfig(live_preemption=True)
 BIG = model("big", weight_gb=30, kv_per_token=10 * 1024**2, max_context=1024, avg_out=64)
@@ -40,8 +40,8 @@ def _handing_over(first_token_due: float = 2.0):
     victim = loaded(g0, None, replace(request("s", "small", input_len=400, ttft=5, generated=10),
                                       prefilled=False), SMALL)
     ia = loaded(g0, None, request("r1", "a", input_len=600, ttft=first_token_due), JOINED)
-    res = g0.preempt_and_admit([victim], request("c", "big", input_len=900, ttft=12, max_tokens=100),
-                               ib, BIG, 0.0, handover_s=HANDOVER_S)
+    newcomer = request("c", "big", input_len=900, ttft=12, max_tokens=100)
+    res = g0.preempt_and_admit([victim], newcomer, ib, BIG, 0.0, handover_s=HANDOVER_S)
     assert res.admission.ok
     return g0, ia
 
