@@ -1,5 +1,6 @@
 """Plain data the policy core reasons about. Also the cluster view's wire format: node workers
-publish `NodeView` snapshots to Redis and the placer rebuilds them with `shared.wire.decode`."""
+publish `NodeView` snapshots to Redis (and in command replies) with their times relative to the
+snapshot, and every reader rebases them onto its own clock (`shared.core.snapshot`)."""
 
 from __future__ import annotations
 
@@ -308,7 +309,7 @@ class NodeView:
     storage: StorageView | None = None  # None: cold starts take the profile's measured load_s
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
-    heartbeat: float = 0.0  # node-local clock time of the snapshot
+    heartbeat: float = 0.0  # when the snapshot was taken (a rebased view: on the reader's clock)
     draining: bool = False  # an operator drains it: placers send it no new work
     # The share of its compute that decoder layers it hosts for other nodes' instances take
     # (CoCoServe): each stage's measured busy fraction once measured for a window, the planner's
