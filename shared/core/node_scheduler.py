@@ -37,7 +37,8 @@ from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_dem
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
 from shared.core.perf_model import PerfModel
-from shared.core.readiness import handover_ready_at, load_seconds, memop_timeline, new_instance_view
+from shared.core.readiness import (handover_ready_at, load_seconds, memop_timeline,
+                                   new_instance_view)
 from shared.core.readiness import op_owner as _owner_id
 from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)

@@ -6,7 +6,9 @@ it is answered here:
 - a cold start: the loads queued on the node's I/O, a wait for memory when the reservation
   station would park the load, then the load itself, from the fastest tier holding the model or
   from a multicast on its way, or until an execution pipeline serves (`load_seconds`,
-  `cold_start_ready_at`, `new_instance_view`);
+  `arrived_load_s`, `cold_start_ready_at`, `new_instance_view`);
+- a live migration's destination: after the iteration in flight and its own wait
+  (`first_run_at`);
 - a KV resize a join needs: after what the instance already waits for, and after the memory ops
   under way when pessimistic tracking would park it (a live preemption's victims still held, a
   running unload or scale-down) (`growth_ready_at`, `blocked_while_growing`);
@@ -45,9 +47,15 @@ def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
     if model.name in storage.pipelines:  # it serves through a pipeline before it is whole
         own = min(own, storage.pipelines[model.name].until)
     if model.name in storage.arriving and dram > 0:  # a multicast brings it to the DRAM tier
-        return min(own, storage.arriving[model.name] + model.weight_bytes / dram
-                   + profile.engine_init_s)
+        return min(own, arrived_load_s(model, storage.arriving[model.name], dram, profile))
     return own
+
+
+def arrived_load_s(model: ModelSpec, arrive_s: float, dram_bytes_per_s: float,
+                   profile: Profile) -> float:
+    """A load of `model` from the DRAM tier once a multicast lands it there in `arrive_s`
+    (λScale): the arrival, the read from DRAM, the engine's start-up."""
+    return arrive_s + model.weight_bytes / dram_bytes_per_s + profile.engine_init_s
 
 
 def new_instance_view(node: NodeView, model: ModelSpec, now: float) -> InstanceView:
@@ -88,6 +96,13 @@ def growth_ready_at(node: NodeView, inst: InstanceView, kv_bytes: int, profile: 
     if parks(node, kv_bytes - inst.kv_bytes):
         start = max(start, node.memops_until)
     return start + profile.kv_scale_s(inst.kv_bytes, kv_bytes)
+
+
+def first_run_at(node: NodeView, inst: InstanceView | None, now: float) -> float:
+    """The earliest a node can run an iteration of `inst` (None: an instance not there yet):
+    after the iteration in flight and after what holds the instance (the rest of a load, a
+    resize, a handover)."""
+    return max(now, node.busy_until, inst.ready_at if inst is not None else now)
 
 
 def join_grace(request: RequestView, target: InstanceView, now: float) -> float:
