@@ -664,6 +664,7 @@ class NodeScheduler:
             if inst is not None:
                 inst.ready_at = timeline.handover_ready_at(inst.ready_at, victims, now)
         self.node.memops_until = timeline.until
+        self.node.parked_start = timeline.gate
 
     def _op_s(self, op: MemOp) -> float:
         """The op's duration, estimated once when first seen: for a load, its n/b plus the

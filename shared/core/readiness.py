@@ -94,7 +94,7 @@ def growth_ready_at(node: NodeView, inst: InstanceView, kv_bytes: int, profile: 
     under way have ended, as the node's reservation station will run it."""
     start = max(inst.ready_at, now)
     if parks(node, kv_bytes - inst.kv_bytes):
-        start = max(start, node.memops_until)
+        start = max(start, node.parked_start)
     return start + profile.kv_scale_s(inst.kv_bytes, kv_bytes)
 
 
@@ -143,6 +143,7 @@ class MemopTimeline:
     ends: dict[str, float]  # instance -> end of its running or parked ops (its adapters' too)
     held: dict[str, float]  # a held unload's instance (a live victim) -> when it should end
     until: float  # when every op running, parked or held should have ended (`memops_until`)
+    gate: float  # when an op parked now could start (`NodeView.parked_start`)
 
     def handover_ready_at(self, ready_at: float, victims: set[str], now: float) -> float:
         """A live preemptor's instance runs nothing before its victims are gone."""
@@ -174,4 +175,4 @@ def memop_timeline(running: list[MemOp], parked: list[MemOp], op_s: Callable[[Me
         if not op.held:
             key = op_owner(op.instance_id)
             ends[key] = max(ends.get(key, now), gate) + op_s(op)
-    return MemopTimeline(ends, held, max([now, *ends.values(), *held.values()]))
+    return MemopTimeline(ends, held, max([now, *ends.values(), *held.values()]), gate)

@@ -47,7 +47,8 @@ def rebase(snapshot: NodeView, now: float, max_age_s: float) -> NodeView:
 
 def _shifted(view: NodeView, delta: float, heartbeat: float) -> NodeView:
     return replace(view, busy_until=view.busy_until + delta,
-                   memops_until=view.memops_until + delta, heartbeat=heartbeat,
+                   memops_until=view.memops_until + delta,
+                   parked_start=view.parked_start + delta, heartbeat=heartbeat,
                    instances=[_shifted_instance(i, delta) for i in view.instances])
 
 

@@ -306,6 +306,9 @@ class NodeView:
     # When every memory op running or parked now should have ended (estimated): a load that the
     # reservation station would park cannot start before this.
     memops_until: float = 0.0
+    # When an op the reservation station parked now could start: the running ops and held
+    # unloads have ended (ops of different instances then run side by side).
+    parked_start: float = 0.0
     storage: StorageView | None = None  # None: cold starts take the profile's measured load_s
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)

@@ -12,6 +12,7 @@ import pytest
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate
+from shared.core.memory import UNLOAD_S
 from shared.core.readiness import growth_ready_at, parks
 from shared.core.types import Hardware
 
@@ -55,7 +56,8 @@ def _join(ttft: float = 12.0):
 def test_a_join_parked_behind_a_handover_is_refused_when_it_makes_a_first_token_late():
     g0, ia = _handing_over(first_token_due=2.0)
     view = g0.view()
-    assert view.memops_until > HANDOVER_S  # the held unload ends after the handover
+    # A parked op starts once the held unload ends, after the handover.
+    assert view.parked_start == pytest.approx(HANDOVER_S + UNLOAD_S)
     # The placer's check on the view and the node's own re-check agree: r1's first token (due
     # at 2.0 s) would wait for a resize that cannot start before ~8.05 s.
     assert evaluate(view, ia, _join(), JOINED, g0.perf, 0.0, LIVE).reason is AdmitReason.HEADROOM
@@ -93,7 +95,7 @@ def test_behind_a_running_unload_the_prediction_is_the_nodes_own_timeline():
     _, ops = g0.preempt([gone], 0.0)
     assert [op.instance_id for op in ops] == [gone]  # running: its 20 GB are held until it ends
     view = g0.view()
-    assert view.memops_until == pytest.approx(0.05)
+    assert view.parked_start == view.memops_until == pytest.approx(0.05)
     inst = view.instance(ia)
     kv = evaluate(view, ia, _join(), JOINED, g0.perf, 0.0, CoreConfig()).kv_target_bytes
     assert kv is not None and parks(view, kv - inst.kv_bytes)
@@ -101,4 +103,29 @@ def test_behind_a_running_unload_the_prediction_is_the_nodes_own_timeline():
     res = g0.admit(_join(), ia, JOINED, 0.0)
     assert res.admission.ok and res.start_ops == ()  # parked behind the unload
     assert g0.view().instance(ia).ready_at == pytest.approx(predicted)
-    assert predicted > view.memops_until
+    assert predicted > view.parked_start
+
+
+def test_behind_a_running_scale_down_the_prediction_is_the_nodes_own_timeline():
+    """A lazy scale-down holds its larger size until it completes: a join's growth that needs
+    those bytes waits for it, and the admission says so."""
+    shrinking = model("x", weight_gb=16, kv_per_token=10 * 1024**2, max_context=1024, avg_out=64)
+    perf = perf_for(flat_profile("x", Hardware.GPU), flat_profile("a", Hardware.GPU))
+    g0 = node("g0", Hardware.GPU, 80, perf)
+    ix = loaded(g0, None, request("x0", "x", input_len=900, ttft=30, max_tokens=100), shrinking)
+    for k in range(1, 5):
+        loaded(g0, ix, request(f"x{k}", "x", input_len=900, ttft=30, max_tokens=100), shrinking)
+    ia = loaded(g0, None, request("r1", "a", input_len=600, ttft=20), JOINED)
+    ops = []
+    for k in range(1, 5):
+        ops.extend(g0.cancel(f"x{k}", 0.0))
+    assert [op.kind.value for op in ops] == ["scale"] and not ops[0].grows  # running
+    view = g0.view()
+    inst = view.instance(ia)
+    kv = evaluate(view, ia, _join(), JOINED, perf, 0.0, CoreConfig()).kv_target_bytes
+    assert kv is not None and parks(view, kv - inst.kv_bytes)
+    predicted = growth_ready_at(view, inst, kv, perf.get("a", Hardware.GPU), 0.0)
+    res = g0.admit(_join(), ia, JOINED, 0.0)
+    assert res.admission.ok and res.start_ops == ()  # parked behind the scale-down
+    assert g0.view().instance(ia).ready_at == pytest.approx(predicted)
+    assert predicted > view.parked_start > 0.0
