@@ -53,12 +53,12 @@ def _shifted(view: NodeView, delta: float, heartbeat: float) -> NodeView:
 
 
 def _shifted_instance(inst: InstanceView, delta: float) -> InstanceView:
-    pipeline = inst.pipeline
-    busy = inst.busy
-    return replace(
-        inst, ready_at=inst.ready_at + delta, last_active=inst.last_active + delta,
-        leaves_at=inst.leaves_at + delta,
-        requests=[replace(r, arrival=r.arrival + delta) for r in inst.requests],
-        adapters=dict(inst.adapters),
-        pipeline=replace(pipeline, until=pipeline.until + delta) if pipeline is not None else None,
-        busy=replace(busy, since=busy.since + delta, at=busy.at + delta) if busy is not None else None)
+    pipeline, busy = inst.pipeline, inst.busy
+    if pipeline is not None:
+        pipeline = replace(pipeline, until=pipeline.until + delta)
+    if busy is not None:
+        busy = replace(busy, since=busy.since + delta, at=busy.at + delta)
+    return replace(inst, ready_at=inst.ready_at + delta, last_active=inst.last_active + delta,
+                   leaves_at=inst.leaves_at + delta,
+                   requests=[replace(r, arrival=r.arrival + delta) for r in inst.requests],
+                   adapters=dict(inst.adapters), pipeline=pipeline, busy=busy)

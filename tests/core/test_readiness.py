@@ -16,7 +16,8 @@ from shared.core.memory import UNLOAD_S
 from shared.core.readiness import growth_ready_at, parks
 from shared.core.types import Hardware
 
-from tests.core.factories import flat_profile, linear_profile, loaded, model, node, perf_for, request
+from tests.core.factories import (flat_profile, linear_profile, loaded, model, node, perf_for,
+                                  request)
 
 LIVE = CoreConfig(live_preemption=True)
 BIG = model("big", weight_gb=30, kv_per_token=10 * 1024**2, max_context=1024, avg_out=64)

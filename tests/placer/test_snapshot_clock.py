@@ -33,7 +33,8 @@ def _node_view(offset: float) -> NodeView:
     for op in res.start_ops:
         sched.memop_done(op, t - 0.05)
     assert sched.step(t - 0.05).iteration is not None  # r1's prefill, until t + 0.25
-    assert sched.admit(request("r2", "o", arrival=t - 0.02, ttft=3.0), None, OTHER, t - 0.02).admission.ok
+    loading = sched.admit(request("r2", "o", arrival=t - 0.02, ttft=3.0), None, OTHER, t - 0.02)
+    assert loading.admission.ok
     view = sched.view()
     view.heartbeat = t
     return view
@@ -68,5 +69,6 @@ def test_a_command_replys_view_follows_the_same_convention():
     reply = NodeReply(True, "admitted", "i", node=_node_view(1000.0))
     back = decode_reply(encode_reply(reply), T)
     assert back.node is not None
-    assert back.node.busy_until == pytest.approx(decode_node(encode_node(_node_view(0.0)), T).busy_until)
+    same = decode_node(encode_node(_node_view(0.0)), T)
+    assert back.node.busy_until == pytest.approx(same.busy_until)
     assert decode_reply(encode_reply(replace(reply, node=None)), T).node is None
