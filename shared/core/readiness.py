@@ -81,8 +81,8 @@ def cold_start_ready_at(node: NodeView, load_bytes: int, load_s: float, now: flo
     of it on the node's I/O (q), and, if pessimistic tracking would park it in the reservation
     station, not before the memory ops under way have ended; then it takes `load_s`."""
     start = now + (node.storage.pending_s if node.storage is not None else 0.0)
-    if parks(node, load_bytes):
-        start = max(start, node.memops_until)
+    if parks(node, load_bytes):  # conservatively after every op, parked ones too (as before;
+        start = max(start, node.memops_until)  # a join's growth waits for `parked_start` only)
     return start + load_s
 
 
