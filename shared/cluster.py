@@ -7,14 +7,16 @@ import json
 import logging
 import statistics
 import time
+from dataclasses import replace
 
 from redis.asyncio import Redis
 
 from shared import wire
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, calibrated
 from shared.core.perf_model import PerfModel, Profile
+from shared.core.snapshot import rebase, to_snapshot
 from shared.core.types import SLO, ModelSpec, NodeView, RequestView
-from shared.schemas import InferenceRequest, ModelRecord
+from shared.schemas import InferenceRequest, ModelRecord, NodeReply
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
                              node_key, profile_field)
 
@@ -47,9 +49,40 @@ def request_view(req: InferenceRequest) -> RequestView:
                        lora_rank=req.adapter_rank if req.adapter is not None else 0)
 
 
+# A node view read within this long of its heartbeat (on the reader's clock) is taken to come
+# from the same clock, so that old (`shared.core.snapshot`). Above the snapshot's TTL (a dozen
+# heartbeats, 3 s by default), far below any real clock offset that matters.
+SNAPSHOT_MAX_AGE_S = 10.0
+
+
+def encode_node(view: NodeView) -> bytes:
+    """A node's view on the wire: a snapshot, its times relative to its heartbeat."""
+    return wire.encode(to_snapshot(view))
+
+
+def decode_node(blob: bytes, now: float) -> NodeView:
+    """A node's view off the wire, rebased onto the reader's clock (`now`)."""
+    return rebase(wire.decode(NodeView, blob), now, SNAPSHOT_MAX_AGE_S)
+
+
+def encode_reply(reply: NodeReply) -> bytes:
+    """A node's answer to a command; the view it carries is a snapshot (`encode_node`)."""
+    if reply.node is not None:
+        reply = replace(reply, node=to_snapshot(reply.node))
+    return wire.encode(reply)
+
+
+def decode_reply(data: bytes, now: float) -> NodeReply:
+    """A node's answer, its view rebased onto the reader's clock (`decode_node`)."""
+    reply = wire.decode(NodeReply, data)
+    if reply.node is not None:
+        reply = replace(reply, node=rebase(reply.node, now, SNAPSHOT_MAX_AGE_S))
+    return reply
+
+
 async def publish_node(redis: Redis, view: NodeView, ttl_s: float) -> None:
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.set(node_key(view.node_id), wire.encode(view), px=int(ttl_s * 1000))
+        pipe.set(node_key(view.node_id), encode_node(view), px=int(ttl_s * 1000))
         pipe.sadd(NODES_SET, view.node_id)
         await pipe.execute()
 
@@ -59,8 +92,10 @@ async def remove_node(redis: Redis, node_id: str) -> None:
     await redis.srem(NODES_SET, node_id)
 
 
-async def read_nodes(redis: Redis) -> list[NodeView]:
-    """Live nodes; a member whose snapshot expired (missed heartbeats) is dropped from the set."""
+async def read_nodes(redis: Redis, now: float | None = None) -> list[NodeView]:
+    """Live nodes, their times on this process's clock (`now`: time.time()); a member whose
+    snapshot expired (missed heartbeats) is dropped from the set."""
+    now = time.time() if now is None else now
     ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(NODES_SET))
     if not ids:
         return []
@@ -71,7 +106,7 @@ async def read_nodes(redis: Redis) -> list[NodeView]:
             await redis.srem(NODES_SET, node_id)
             continue
         try:
-            nodes.append(wire.decode(NodeView, blob))
+            nodes.append(decode_node(blob, now))
         except wire.WireError as exc:
             log.warning("skipping undecodable snapshot of node %s: %s", node_id, exc)
     return nodes

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.core.perf_model import Profile
-from shared.core.types import Hardware
+from shared.core.types import Hardware, first_token_due
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 from sim.scaleout import Multicaster, start_load
 from sim.storage import NodeStorage
@@ -147,7 +147,8 @@ class BaselineSystem:
     def on_arrival(self, req: SimRequest) -> None:
         if not self._route(req):
             self.queue.append(req)
-            self.loop.schedule(req.arrival + req.slo.ttft_s, "deadline", req)
+            due = first_token_due(req.arrival, req.grace_s, req.slo.ttft_s)
+            self.loop.schedule(due, "deadline", req)
 
     def handle(self, ev: Event) -> None:
         getattr(self, f"_on_{ev.kind}")(ev.data)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.core.types import SLO, Hardware, token_deadline
+from shared.core.types import SLO, Hardware, first_token_due, token_deadline
 
 
 # Usage (nodes used, KV bytes) is sampled just before handling the first event at least this
@@ -105,7 +105,7 @@ class SimRequest:
     def token(self, now: float) -> None:
         """One more output token, produced at `now`: token k is due at ST + grace + TTFT_SLO +
         TPOT_SLO * k (Eq. 1; SLINFER §VI-B: a negative headroom is an SLO violation)."""
-        base = self.arrival + self.grace_s + self.slo.ttft_s
+        base = first_token_due(self.arrival, self.grace_s, self.slo.ttft_s)
         if now > token_deadline(base, self.slo.tpot_s, self.generated) + 1e-9:
             self.late_tokens += 1
         self.generated += 1

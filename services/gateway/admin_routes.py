@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+import time
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -34,6 +35,7 @@ from services.gateway.openapi_docs import (ADMIN_ERRORS, DELETED, INSTANCE_LIST,
 from services.gateway.paths import confined_model_dir
 from services.gateway.validation import _Strict, parse_body
 from shared import wire
+from shared.cluster import decode_node
 from shared.core.types import SLO_CLASSES, NodeView
 from shared.model_state import forget as forget_state
 from shared.registry import (ModelDirError, ModelExistsError, display_name, model_id,
@@ -221,7 +223,7 @@ async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:
         if data is None:
             continue
         try:
-            node = wire.decode(NodeView, data)
+            node = decode_node(data, time.time())  # on the gateway's clock
         except wire.WireError:
             log.warning("undecodable view of node %s skipped", node_id)
             continue

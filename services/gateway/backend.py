@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
+from shared.core.types import resume_grace
 from shared.outcomes import read_outcome
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
                             NodeReply, RequestState, TokenMessage)
@@ -152,6 +153,16 @@ class InferenceBackend:
             log.warning("could not publish cancel for %s", request_id, exc_info=True)
 
 
+def resumed_request(req: InferenceRequest, output: list[int], attempt: int,
+                    now: float) -> InferenceRequest:
+    """`req` put back as `attempt`, from the tokens the client has (`output`). The request lost
+    the time since its node died: it is judged like a new arrival for its next token (the core's
+    `resume_grace` moves its deadline by that time), or every placer would drop it as late."""
+    grace = max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, len(output), now))
+    return replace(req, attempt=attempt, resumed_token_ids=list(output), grace_s=grace,
+                   target_node=None, target_instance=None)
+
+
 class TokenStream:
     """The token messages of one request, reordered: yields `Tokens` in output order, then one
     `Finished`. Raises `StreamTimeout` at the deadline. Always `close()` it.
@@ -244,12 +255,7 @@ class TokenStream:
         done = self._nothing_left(req)
         if done is not None:
             return self._end(done)
-        now = time.time()
-        # The request lost the time since the node died: it is judged like a new arrival for its
-        # next token (its deadline moves by that time), or every placer would drop it as late.
-        grace = max(req.grace_s, now - req.arrival - req.tpot_slo_s * len(self.output))
-        resumed = replace(req, attempt=self.attempt + 1, resumed_token_ids=list(self.output),
-                          grace_s=grace, target_node=None, target_instance=None)
+        resumed = resumed_request(req, self.output, self.attempt + 1, time.time())
         try:
             await self._backend.resubmit(resumed, self._trace_headers)
         except Exception as exc:  # NATS down: the next check tries again

@@ -41,8 +41,8 @@ from shared import wire
 from shared.bus import ensure_streams
 from services.node.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
                                      engine_refusal, next_step)
-from shared.cluster import (load_perf, model_spec, publish_node, read_nodes, remove_calibration,
-                            remove_node, request_view, save_calibration)
+from shared.cluster import (encode_reply, load_perf, model_spec, publish_node, read_nodes,
+                            remove_calibration, remove_node, request_view, save_calibration)
 from shared.core.calibration import DECODE, PREFILL, Calibrator
 from shared.core.evaluate import load_seconds
 from shared.core.iteration import IterationKind, predict_seconds
@@ -479,7 +479,7 @@ class NodeWorker:
 
     async def _respond(self, msg: Msg, reply: NodeReply) -> None:
         try:
-            await msg.respond(wire.encode(reply))
+            await msg.respond(encode_reply(reply))  # its view as a snapshot
         except Exception as exc:  # NATS gone: the asker times out and asks again
             log.warning("could not answer a command: %r", exc)
 

@@ -54,7 +54,7 @@ from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import STREAM_MAX_AGE_S, ensure_streams
-from shared.cluster import load_perf, model_spec, read_nodes, request_view
+from shared.cluster import decode_reply, load_perf, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupChoice, StartupMethod, helper_bytes
@@ -490,7 +490,7 @@ class Placer:
             msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd),
                                         timeout=timeout_s or self.s.admit_timeout_s,
                                         headers=tm.inject_headers())
-            return wire.decode(NodeReply, msg.data)
+            return decode_reply(msg.data, time.time())  # its view on our clock
         except (NatsTimeout, asyncio.TimeoutError, wire.WireError) as exc:
             log.warning("node %s did not answer: %s", node_id, exc)
             return None

@@ -25,6 +25,7 @@ class AdmitReason(str, enum.Enum):
     # Preempt-and-admit: a victim is gone or no longer strictly smaller than the preemptor.
     VICTIMS_CHANGED = "victims_changed"
     CONTEXT_TOO_LONG = "context_too_long"  # input + max_tokens exceeds the model's context
+    NEVER_READY = "never_ready"  # the target instance can never run (its ready_at is infinite)
 
 
 @dataclass(frozen=True)

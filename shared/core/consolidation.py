@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, with_request,
-                                  without_instances)
+from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import first_run_at, handover_ready_at
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
 
@@ -149,7 +149,7 @@ def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migra
         profile = perf.get(req.model, node.hardware)
         inst = node.instance(move.to_instance)
         if node.node_id not in per_node:
-            start = max(now, node.busy_until, inst.ready_at if inst is not None else now)
+            start = first_run_at(node, inst, now)
             per_node[node.node_id] = start - now
         per_node[node.node_id] += profile.migration_s(req.context_len()) if profile else 0.0
     return max(per_node.values(), default=0.0)

@@ -9,13 +9,15 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.memory import UNLOAD_S, kv_demand, watermark_target
+from shared.core.memory import kv_demand, watermark_target
 from shared.core.modules import instance_profile
 from shared.core.perf_model import PerfModel, Profile
+# Moved to readiness; also imported from here by older callers (noqa: re-exports).
+from shared.core.readiness import (  # noqa: F401
+    NEW_INSTANCE_ID, blocked_while_growing, cold_start_ready_at, handover_ready_at, join_grace,
+    load_seconds, new_instance_view)
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
-
-NEW_INSTANCE_ID = "<new>"
 
 
 def contended(config: CoreConfig, stage_load: float) -> CoreConfig:
@@ -87,69 +89,6 @@ def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = 
     return profiles
 
 
-def new_instance_view(node: NodeView, model: ModelSpec, now: float) -> InstanceView:
-    """A not-yet-loaded instance, for validation only (its `ready_at` is set once its KV size,
-    and so its load, is known: see `cold_start_ready_at`). One that will serve through a
-    pipeline (`StorageView.pipelines`) is validated with the pipeline's cost until its switch."""
-    storage = node.storage
-    mode = storage.pipelines.get(model.name) if storage is not None else None
-    if mode is not None:
-        mode = replace(mode, until=now + storage.arriving.get(model.name, mode.until))
-    return InstanceView(NEW_INSTANCE_ID, model, node.node_id, InstanceStatus.LOADING,
-                        kv_bytes=0, ready_at=now, last_active=now, pipeline=mode)
-
-
-def load_seconds(node: NodeView, model: ModelSpec, profile: Profile) -> float:
-    """How long the load of `model` itself takes on `node` (the n/b of ServerlessLLM's startup
-    time q + n/b, §6): its weights over the bandwidth of the fastest tier holding its checkpoint
-    there (the registry if none does), plus the engine's own start-up. A node that reports no
-    tiers, or a model its engine loads by itself (`ModelSpec.tiered`): the load time its profile
-    measured. A model on its way to the node's DRAM tier by multicast (`StorageView.arriving`)
-    counts as there once it arrives. This is a cold start's TTFT grace (§IX-A)."""
-    storage = node.storage
-    if storage is None or not model.tiered:
-        return profile.load_s
-    bandwidth = storage.bytes_per_s.get(storage.holds.get(model.name, "registry"), 0.0)
-    own = model.weight_bytes / bandwidth + profile.engine_init_s if bandwidth > 0 else profile.load_s
-    dram = storage.bytes_per_s.get("dram", 0.0)
-    if model.name in storage.pipelines:  # it serves through a pipeline before it is whole
-        own = min(own, storage.pipelines[model.name].until)
-    if model.name in storage.arriving and dram > 0:  # a multicast brings it to the DRAM tier
-        return min(own, storage.arriving[model.name] + model.weight_bytes / dram
-                   + profile.engine_init_s)
-    return own
-
-
-def cold_start_ready_at(node: NodeView, load_bytes: int, load_s: float, now: float) -> float:
-    """When a new instance could run its first iteration: its load starts after the loads ahead
-    of it on the node's I/O (q), and, if pessimistic tracking would park it in the reservation
-    station, not before the memory ops under way have ended; then it takes `load_s`."""
-    start = now + (node.storage.pending_s if node.storage is not None else 0.0)
-    if node.pessimistic_bytes + load_bytes > node.memory_bytes:
-        start = max(start, node.memops_until)
-    return start + load_s
-
-
-def join_grace(request: RequestView, target: InstanceView, now: float) -> float:
-    """§IX-A: a request that waits for a cold start has the wait as TTFT grace, also when it
-    joins an instance that is still loading (what is left of the load)."""
-    if target.status is InstanceStatus.LOADING and target.ready_at > now:
-        return max(request.grace_s, target.ready_at - now)
-    return request.grace_s
-
-
-def blocked_while_growing(instances: list[InstanceView], target: InstanceView, memory: Admission,
-                          profile: Profile, now: float) -> list[InstanceView]:
-    """A join that grows the instance's KV pool blocks it until the resize is done (after
-    anything it is already waiting for), as the node's timeline will; meanwhile the node runs
-    its other instances, whose long prefills the newcomer's first token then waits behind."""
-    kv = memory.kv_target_bytes
-    if kv is None or kv <= target.kv_bytes:
-        return instances
-    ready = max(target.ready_at, now) + profile.kv_scale_s(target.kv_bytes, kv)
-    return [replace(inst, ready_at=ready) if inst is target else inst for inst in instances]
-
-
 def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,
              perf: PerfModel, now: float, config: CoreConfig,
              not_before: float | None = None) -> Admission:
@@ -201,7 +140,8 @@ def evaluate(node: NodeView, instance_id: str | None, request: RequestView, mode
         target = replace(target, ready_at=not_before)
         instances = [target if i.instance_id == target.instance_id else i for i in instances]
     if instance_id is not None:  # then its KV growth, if any
-        instances = blocked_while_growing(instances, target, memory, profiles[target.instance_id], now)
+        instances = blocked_while_growing(node, instances, target, memory,
+                                          profiles[target.instance_id], now)
     verdict = shadow_validate(instances, profiles, target.instance_id, request, now,
                               node.busy_until, config, node.running)
     if verdict is not AdmitReason.ADMITTED:
@@ -242,8 +182,3 @@ def handing_over(node: NodeView, instance_ids: set[str], leaves_at: float) -> No
     instances = [replace(i, status=InstanceStatus.HANDOVER, leaves_at=leaves_at)
                  if i.instance_id in instance_ids else i for i in node.instances]
     return replace(node, instances=instances, budget_bytes=node.budget_bytes - freed)
-
-
-def handover_ready_at(leaves_at: float) -> float:
-    """When a live preemption's newcomer can run: the victims have moved and been unloaded."""
-    return leaves_at + UNLOAD_S

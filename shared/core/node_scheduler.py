@@ -28,8 +28,7 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
-from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
-                                  new_instance_view, without_instances)
+from shared.core.evaluate import evaluate, handing_over, without_instances
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
@@ -38,6 +37,9 @@ from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_dem
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import (handover_ready_at, load_seconds, memop_timeline,
+                                   new_instance_view)
+from shared.core.readiness import op_owner as _owner_id
 from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
@@ -645,38 +647,24 @@ class NodeScheduler:
         self._refresh_timeline(now)
 
     def _refresh_timeline(self, now: float) -> None:
-        """Put the memory ops into the timeline the shadow validation simulates: an instance with
-        a load or resize running, or parked in the reservation station, runs nothing until that
-        op ends. A parked op starts once the ops under way have ended (conservatively all of
-        them: pessimistic tracking releases it on some completion)."""
-        running = self.ledger.running()
-        running_end = max((op.started_at + self._op_s(op) for op in running if op.started_at is not None),
-                          default=now)
-        ends: dict[str, float] = {}
-        for op in running:
-            if op.started_at is not None:  # an adapter's op holds up its instance
-                key = _owner_id(op.instance_id)
-                ends[key] = max(ends.get(key, now), op.started_at + self._op_s(op))
-        # A held unload (a live preemption's victim) ends once its requests have moved, about
-        # at its `leaves_at`; every parked op waits for it too (its memory is counted until then).
-        held: dict[str, float] = {}
-        for op in self.ledger.parked():
-            if op.held:
-                inst = self._find(op.instance_id)
-                held[op.instance_id] = max(inst.leaves_at if inst else now, now) + UNLOAD_S
-        gate = max([running_end, *held.values()])
-        for op in self.ledger.parked():
-            if not op.held:
-                key = _owner_id(op.instance_id)
-                ends[key] = max(ends.get(key, now), gate) + self._op_s(op)
+        """Put the memory ops into the timeline the shadow validation simulates
+        (`readiness.memop_timeline`): an instance with an op running, parked or held behind, runs
+        nothing until it ends; a live preemptor, nothing until its victims are gone."""
+        def leaves_at(iid: str) -> float | None:
+            inst = self._find(iid)
+            return inst.leaves_at if inst is not None else None
+
+        timeline = memop_timeline(self.ledger.running(), self.ledger.parked(), self._op_s,
+                                  leaves_at, now)
         for inst in self.node.instances:
-            if inst.instance_id in ends:
-                inst.ready_at = max(ends[inst.instance_id], now)
+            if inst.instance_id in timeline.ends:
+                inst.ready_at = max(timeline.ends[inst.instance_id], now)
         for iid, victims in self._waits_for.items():  # a preemptor waits for its handover
             inst = self._find(iid)
             if inst is not None:
-                inst.ready_at = max([inst.ready_at, now, *(ends.get(v, held.get(v, now)) for v in victims)])
-        self.node.memops_until = max([now, *ends.values(), *held.values()])
+                inst.ready_at = timeline.handover_ready_at(inst.ready_at, victims, now)
+        self.node.memops_until = timeline.until
+        self.node.parked_start = timeline.gate
 
     def _op_s(self, op: MemOp) -> float:
         """The op's duration, estimated once when first seen: for a load, its n/b plus the
@@ -697,12 +685,6 @@ def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:
     """Copies deep enough that changing requests on them leaves the originals untouched."""
     return [replace(i, requests=[replace(r) for r in i.requests], adapters=dict(i.adapters))
             for i in instances]
-
-
-def _owner_id(key: str) -> str:
-    """The instance a memory op's key belongs to (its own, or the one its adapter is on)."""
-    owner = adapter_owner(key)
-    return key if owner is None else owner[0]
 
 
 def new_node(node_id: str, hardware: Hardware, memory_bytes: int, perf: PerfModel,

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
+from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.startup import StartupChoice, choose_startup, with_startup
-from shared.core.types import Hardware, ModelSpec, NodeView, RequestView
+from shared.core.types import (Hardware, ModelSpec, NodeView, RequestView, first_token_due,
+                               token_deadline)
 
 
 class PlaceAction(str, enum.Enum):
@@ -92,7 +94,9 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
         first_token = now + startup + profile.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)
-        deadline = request.deadline() - request.grace_s + max(request.grace_s, load)
+        grace = max(request.grace_s, load)
+        deadline = token_deadline(first_token_due(request.arrival, grace, request.slo.ttft_s),
+                                  request.slo.tpot_s, request.generated)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
                                      node.memory_bytes - node.budget_bytes, choice))
     if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)

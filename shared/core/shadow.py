@@ -15,6 +15,8 @@ The simulation starts from the node as it really is:
   running or parked in the reservation station;
 - an instance handing its requests over by live migration (a preemption's victim) runs them
   until its `leaves_at` and then is gone; it is not part of the steady state case 3 checks.
+A target that can never run (`ready_at` infinite) is refused with NEVER_READY: its simulation
+would find nothing left to run and say yes.
 A request is not counted against the newcomer when it is lost either way: already late at the
 start, or late in an iteration that starts before the newcomer's instance can first run (until
 then the newcomer changes nothing on the node).
@@ -312,6 +314,8 @@ def shadow_validate(instances: list[InstanceView], profiles: dict[str, Profile],
     over, round_s = _round_over_budget(instances, profiles, target_id, request, config.overestimate)
     if over:
         return AdmitReason.TPOT_BUDGET
+    if not next(i for i in instances if i.instance_id == target_id).ready_at < INF:
+        return AdmitReason.NEVER_READY  # what it waits for never ends: it would never run
     start = max(now, busy_until)
     sim = _build(instances, profiles, target_id, request)
     _start_state(sim, running, busy_until, start, request.request_id)

@@ -44,12 +44,12 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
-from shared.core.evaluate import load_seconds
 from shared.core.modules import share_spec
 from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
                                    multicast_seconds)
 from shared.core.perf_model import Profile
 from shared.core.pipeline import head_spans, model_layout, receiver_plan
+from shared.core.readiness import arrived_load_s, load_seconds
 from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
 
 
@@ -232,7 +232,7 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     on_way = receivers_in_order(model, nodes, exclude=node.node_id)  # the group it joins
     receivers = 1 + len(on_way)
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
-    via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
+    via = arrived_load_s(model, arrive, storage.bytes_per_s["dram"], profile)
     names = tuple(sorted(n.node_id for n in sources))
     modes = [plan_pipeline(node, model, profile, sources, receivers, config),
              plan_receiver_pipeline(node, model, profile, sources, on_way, config)]

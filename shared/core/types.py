@@ -1,5 +1,6 @@
 """Plain data the policy core reasons about. Also the cluster view's wire format: node workers
-publish `NodeView` snapshots to Redis and the placer rebuilds them with `shared.wire.decode`."""
+publish `NodeView` snapshots to Redis (and in command replies) with their times relative to the
+snapshot, and every reader rebases them onto its own clock (`shared.core.snapshot`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ class ModelSpec:
     token_bytes: int = 0
 
 
+def first_token_due(arrival: float, grace_s: float, ttft_s: float) -> float:
+    """Eq. 1's base, the deadline of the first token: ST + grace + TTFT_SLO."""
+    return arrival + grace_s + ttft_s
+
+
+def resume_grace(arrival: float, tpot_s: float, generated: int, now: float) -> float:
+    """The grace that makes the next token of a request that has produced `generated` tokens
+    due one TTFT_SLO after `now` (Eq. 1 solved for the grace): a request resumed after its node
+    was lost is judged like a new arrival for its next token."""
+    return now - arrival - tpot_s * generated
+
+
 def token_deadline(base: float, tpot_s: float, generated: int) -> float:
     """Eq. 1 (SLINFER §VI-A), the one definition every caller uses: the next token of a request
     that has produced `generated` tokens is due at ST + grace + TTFT_SLO + TPOT_SLO * O, where
@@ -99,7 +112,7 @@ class RequestView:
 
     def deadline_base(self) -> float:
         """The deadline of the first token: ST + grace + TTFT_SLO."""
-        return self.arrival + self.grace_s + self.slo.ttft_s
+        return first_token_due(self.arrival, self.grace_s, self.slo.ttft_s)
 
     def deadline(self) -> float:
         """When the next token is due (Eq. 1 without CT)."""
@@ -293,10 +306,13 @@ class NodeView:
     # When every memory op running or parked now should have ended (estimated): a load that the
     # reservation station would park cannot start before this.
     memops_until: float = 0.0
+    # When an op the reservation station parked now could start: the running ops and held
+    # unloads have ended (ops of different instances then run side by side).
+    parked_start: float = 0.0
     storage: StorageView | None = None  # None: cold starts take the profile's measured load_s
     budget_bytes: int = 0  # optimistic budget in use (§VII-C)
     pessimistic_bytes: int = 0  # pessimistic usage (§VII-C)
-    heartbeat: float = 0.0  # node-local clock time of the snapshot
+    heartbeat: float = 0.0  # when the snapshot was taken (a rebased view: on the reader's clock)
     draining: bool = False  # an operator drains it: placers send it no new work
     # The share of its compute that decoder layers it hosts for other nodes' instances take
     # (CoCoServe): each stage's measured busy fraction once measured for a window, the planner's

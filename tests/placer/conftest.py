@@ -22,7 +22,7 @@ from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
 from shared import wire
 from shared.bus import ensure_streams
-from shared.cluster import publish_node, save_profile
+from shared.cluster import encode_reply, publish_node, save_profile
 from shared.core.config import CoreConfig
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
@@ -125,7 +125,7 @@ class FakeNode:
         self.commands.append((time.monotonic(), cmd))
         reply = self.answer(cmd)
         if reply is not None:
-            await msg.respond(wire.encode(reply))
+            await msg.respond(encode_reply(reply))  # as a node does: its view a snapshot
 
     def commanded(self, request_id: str) -> list[NodeCommand]:
         return [c for _, c in self.commands if c.request and c.request.request_id == request_id]

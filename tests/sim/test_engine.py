@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from shared.core.types import SLO
+from shared.core.types import SLO, RequestView
 from sim.engine import EventLoop, SimRequest, Usage, run
 from sim.metrics import Metrics
 
@@ -104,3 +106,18 @@ def test_slo_is_every_token_by_its_eq1_deadline():
         late.token(t)
     late.first_token_at, late.finished_at = 0.9, 1.45
     assert late.late_tokens == 1 and not late.slo_met
+
+
+@given(arrival=st.floats(0, 1e5), grace=st.floats(0, 50), ttft=st.floats(0.1, 10),
+       tpot=st.floats(0.01, 1), tokens=st.lists(st.floats(0, 200), min_size=1, max_size=30))
+def test_a_simulated_token_is_late_exactly_when_the_cores_deadline_says(arrival, grace, ttft, tpot,
+                                                                       tokens):
+    """The simulator's lateness count and the core's Eq. 1 (`RequestView.deadline`) agree."""
+    sim = SimRequest("r", "m", 10, len(tokens), arrival, SLO(ttft, tpot), grace_s=grace)
+    late = 0
+    for k, offset in enumerate(sorted(tokens)):
+        core = RequestView("r", "m", 10, arrival, SLO(ttft, tpot), generated=k, grace_s=grace)
+        now = arrival + offset
+        late += now > core.deadline() + 1e-9
+        sim.token(now)
+    assert sim.late_tokens == late
