@@ -48,6 +48,18 @@ class Artifact:
         return self.value / max(1, self.bytes)
 
 
+# What an adapter's load reads per second (ASSUMPTION: about what the torch engine measured
+# reading one from the page cache). The one rate the core prices an adapter's load at: its op in
+# the node's timeline, the admission that waits for it, and its value when offloading weighs it.
+ADAPTER_LOAD_BYTES_PER_S = 0.5e9
+
+
+def adapter_load_s(nbytes: int) -> float:
+    """How long loading `nbytes` of adapter weights onto a running backbone instance takes (no
+    engine start-up: the backbone's engine runs already)."""
+    return max(0, nbytes) / ADAPTER_LOAD_BYTES_PER_S
+
+
 RATE_USES = 32  # calls a model's or an adapter's invocation rate is taken over
 RATE_MIN_SPAN_S = 1.0  # a rate is never taken over less than this (one burst)
 

@@ -33,7 +33,8 @@ from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, loa
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
-from shared.core.lora import Artifact, CallRates, offload_order
+# ADAPTER_LOAD_BYTES_PER_S: re-exported for the node's and placer's pre-loaders (its home is lora)
+from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S, Artifact, CallRates, offload_order
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
@@ -43,10 +44,6 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceSt
 
 
 _RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
-# An adapter's reload time for the offloading order's value (load time x rate, per byte): its
-# bytes at this rate (ASSUMPTION: about what the torch engine measured reading one from the
-# page cache; only the ratio between adapters matters, so a constant is enough).
-ADAPTER_LOAD_BYTES_PER_S = 0.5e9
 
 
 @dataclass(frozen=True)
