@@ -44,7 +44,8 @@ def request_view(req: InferenceRequest) -> RequestView:
     return RequestView(req.request_id, req.model, len(req.prompt_token_ids), req.arrival,
                        SLO(req.ttft_slo_s, req.tpot_slo_s), generated=len(req.resumed_token_ids),
                        max_tokens=req.max_tokens, grace_s=req.grace_s, prefilled=False,
-                       lora_rank=req.adapter_rank if req.adapter is not None else 0)
+                       lora_rank=req.adapter_rank if req.adapter is not None else 0,
+                       adapter=req.adapter)
 
 
 async def publish_node(redis: Redis, view: NodeView, ttl_s: float) -> None:

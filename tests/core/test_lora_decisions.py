@@ -1,0 +1,158 @@
+"""Issue 22's LoRA wrong decisions (#4, #5, #9), each pinned by a test that failed before its fix.
+
+#4: an adapter's load blocks its backbone instance; it is priced by its size at the core's
+    adapter load rate, the admission's shadow validation sees the block, and pre-loading onto a
+    serving instance happens only where the requests running there can wait for it.
+#5: stop-and-resume preempt-and-admit checks what the admission then checks (the adapter's
+    bytes), so it never unloads the victims and then refuses the newcomer.
+#9: a batch's LoRA cost grows with the distinct adapters it holds, and the placer accounts for
+    the adapter's bytes (and which instances hold it) when it picks a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shared.core.admission import AdmitReason
+from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S, adapter_load_s
+from shared.core.memory import MemOpKind
+from shared.core.types import AdapterSpec, Hardware, InstanceStatus, adapter_key
+
+from tests.core.factories import flat_profile, loaded, model, node, perf_for, request
+
+GB = 10**9
+
+
+def done(sched, ops, now=0.0):
+    pending = list(ops)
+    while pending:
+        pending.extend(sched.memop_done(pending.pop(0), now))
+
+
+def serving(memory_gb=10.0, weight_gb=1.0, ttft=1.0, tpot=0.25):
+    """A node with one ready backbone instance running one decoding request ("base": prefilled,
+    its next token is due at its 1 s cold-start grace + ttft + tpot: 2.25 s by default)."""
+    spec = model("m", weight_gb=weight_gb)
+    sched = node(memory_gb=memory_gb, perf=perf_for(flat_profile("m", Hardware.GPU)))
+    iid = loaded(sched, None, request("base", ttft=ttft, tpot=tpot), spec)
+    prefill(sched)
+    return sched, spec, iid
+
+
+def prefill(sched, now=0.0):
+    """Run the node's next iteration (a prefill) at once: time is passed in, so it takes none."""
+    plan = sched.step(now)
+    assert plan.iteration is not None
+    sched.finish_iteration(plan.iteration, now)
+
+
+# --- #4: the adapter's load, priced and validated --------------------------------------------
+def test_an_adapter_load_is_priced_by_its_bytes_at_the_core_rate():
+    """2 GB at the core's adapter rate is 4 s, not a flat 0.05 s: the instance (which runs
+    nothing while its adapter loads) is ready then in the node's timeline."""
+    sched, spec, iid = serving(ttft=60.0, tpot=30.0)
+    assert adapter_load_s(2 * GB) == pytest.approx(2 * GB / ADAPTER_LOAD_BYTES_PER_S) == 4.0
+    res = sched.admit(request("r", ttft=60.0, tpot=30.0), iid, spec, 0.0, AdapterSpec("a", 2 * GB))
+    assert res.admission.ok
+    assert sched.node.instance(iid).ready_at == pytest.approx(4.0)
+    assert sched.node.memops_until == pytest.approx(4.0)
+    # Done early (the real read was quicker): free to run at once, as for any memory op.
+    done(sched, [op for op in res.start_ops if op.instance_id == adapter_key(iid, "a")], 1.0)
+    assert sched.node.instance(iid).ready_at == pytest.approx(1.0)
+
+
+def test_an_adapter_load_that_would_make_a_running_request_late_is_refused():
+    """The existing request's next token is due at 2.25 s; a 1.25 GB adapter holds its
+    instance up for 2.5 s. Before the fix the admission validated the instance as free at once
+    (and the node then ran the load anyway): admitted, and the token came at 2.52 s."""
+    sched, spec, iid = serving()
+    assert sched.node.instance(iid).requests[0].deadline() == pytest.approx(2.25)
+    res = sched.admit(request("r", ttft=5.0), iid, spec, 0.0, AdapterSpec("a", 5 * GB // 4))
+    assert res.admission.reason is AdmitReason.HEADROOM
+    assert sched.node.instance(iid).adapters == {} and res.start_ops == ()
+    # A small adapter (20 ms) leaves the running request on time: admitted.
+    small = sched.admit(request("s", ttft=5.0), iid, spec, 0.0, AdapterSpec("b", 10**7))
+    assert small.admission.ok
+
+
+def test_the_newcomers_first_token_waits_for_its_adapter():
+    """A ready instance gives no cold-start grace: a 1 GB adapter (2 s) breaks a 1 s TTFT."""
+    sched, spec, iid = serving(ttft=60.0, tpot=30.0)
+    res = sched.admit(request("r", ttft=1.0), iid, spec, 0.0, AdapterSpec("a", 1 * GB))
+    assert res.admission.reason is AdmitReason.TTFT_MISS
+    assert sched.admit(request("r2", ttft=3.0), iid, spec, 0.0,
+                       AdapterSpec("a", 1 * GB)).admission.ok
+
+
+def test_preloading_onto_a_serving_instance_respects_the_running_requests_headroom():
+    sched, spec, iid = serving()  # "base" is due at 2.25 s
+    assert sched.preload_adapter(iid, AdapterSpec("big", 5 * GB // 4), 0.0) == []  # 2.5 s: late
+    assert sched.node.instance(iid).adapters == {}
+    ops = sched.preload_adapter(iid, AdapterSpec("small", 10**7), 0.0)  # 20 ms: fits
+    assert [op.instance_id for op in ops] == [adapter_key(iid, "small")]
+    # An idle instance has nobody to make late: the long load goes ahead.
+    sched2, _, iid2 = serving()
+    sched2.cancel("base", 0.0)
+    assert [op.kind for op in sched2.preload_adapter(iid2, AdapterSpec("big", 5 * GB // 4), 0.0)] \
+        == [MemOpKind.LOAD]
+
+
+# --- #5: the stop-and-resume trial checks the adapter's bytes ---------------------------------
+def test_stop_and_resume_preemption_never_unloads_the_victims_then_refuses():
+    """The preemptor's KV pool is big enough already, so evaluate() checks no memory; the
+    adapter does not fit even without the victim. Before the fix the trial passed, the victim
+    was unloaded and its requests evicted, and then the admission refused for memory."""
+    spec = model("m", weight_gb=4)
+    small = model("v", weight_gb=1)
+    perf = perf_for(flat_profile("m", Hardware.GPU), flat_profile("v", Hardware.GPU))
+    sched = node(memory_gb=6.5, perf=perf)
+    iid = loaded(sched, None, request("p0", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    loaded(sched, iid, request("p1", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    victim = loaded(sched, None, request("v0", model_name="v", ttft=60.0, tpot=30.0), small)
+    prefill(sched)
+    sched.cancel("v0", 0.0)  # an idle neighbour: its batch (0) is smaller than the preemptor's
+    free_after = sched.ledger.capacity - sched.ledger.budget + sched.ledger.target(victim)
+    too_big = AdapterSpec("a", free_after + 1)
+    res = sched.preempt_and_admit([victim], request("r", ttft=60.0, tpot=30.0), iid, spec, 0.0,
+                                  too_big)
+    assert res.admission.reason is AdmitReason.MEMORY
+    assert res.evicted == () and res.start_ops == ()
+    assert sched.node.instance(victim).status is InstanceStatus.READY
+    # One that fits once the victim is gone: the victim goes, the request is admitted.
+    fits = AdapterSpec("b", free_after - 10**6)
+    res = sched.preempt_and_admit([victim], request("r", ttft=60.0, tpot=30.0), iid, spec, 0.0,
+                                  fits)
+    assert res.admission.ok and sched.node.instance(victim).status is InstanceStatus.UNLOADING
+    assert "b" in sched.node.instance(iid).adapters
+
+
+def test_stop_and_resume_trial_counts_the_victims_adapters_and_idle_ones_it_may_offload():
+    """What the admission may free is what the trial may count: a victim's adapters go with it,
+    and idle adapters elsewhere are offloaded first (§4.3)."""
+    spec = model("m", weight_gb=4)
+    small = model("v", weight_gb=1)
+    perf = perf_for(flat_profile("m", Hardware.GPU), flat_profile("v", Hardware.GPU))
+    sched = node(memory_gb=7.0, perf=perf)
+    iid = loaded(sched, None, request("p0", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    loaded(sched, iid, request("p1", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    victim = loaded(sched, None, request("v0", model_name="v", ttft=60.0, tpot=30.0), small)
+    prefill(sched)
+    done(sched, sched.admit(request("va", model_name="v", ttft=60.0, tpot=30.0), victim, small, 0.0,
+                            AdapterSpec("on-victim", GB // 2)).start_ops)
+    done(sched, sched.admit(request("pa", ttft=60.0, tpot=30.0), iid, spec, 0.0,
+                            AdapterSpec("idle", GB // 4)).start_ops)
+    sched.cancel("pa", 0.0)
+    sched.cancel("v0", 0.0)
+    sched.cancel("va", 0.0)
+    free_after = sched.ledger.capacity - sched.ledger.budget + sched.ledger.target(victim)
+    need = free_after + GB // 2 + GB // 8  # the victim's adapter and half the idle one
+    res = sched.preempt_and_admit([victim], request("r", ttft=60.0, tpot=30.0), iid, spec, 0.0,
+                                  AdapterSpec("new", need))
+    assert res.admission.ok
+    assert set(sched.node.instance(iid).adapters) == {"new"}
