@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.iteration import distinct_adapters
 from shared.core.perf_model import Profile
 from shared.core.types import (InstanceStatus, InstanceView, RequestView, RunningIteration,
                                token_deadline)
@@ -47,7 +48,7 @@ INF = float("inf")
 
 class _SimRequest:
     __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late",
-                 "deadline", "lora_rank")
+                 "deadline", "lora_rank", "adapter")
 
     def __init__(self, r: RequestView) -> None:
         self.request_id = r.request_id
@@ -59,6 +60,7 @@ class _SimRequest:
         self.late = False  # lost with or without the newcomer: never counted against it
         self.deadline = r.deadline()  # kept current by `credit` (read on every step)
         self.lora_rank = r.lora_rank
+        self.adapter = r.adapter
 
     def prefill_s(self, profile: Profile) -> float:
         """Its prefill (of everything so far), through its adapter if it has one."""
@@ -153,7 +155,7 @@ def _decode_at(profile: Profile, requests: list[_SimRequest]):
     rank = max((r.lora_rank for r in requests), default=0)
     if not rank:
         return plain
-    factor = profile.lora_decode_factor(rank, n)
+    factor = profile.lora_decode_factor(rank, n, distinct_adapters(requests))
     return lambda avg_len: plain(avg_len) * factor
 
 
@@ -175,17 +177,18 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
         reqs = inst.requests
         n = len(reqs)
         context = sum(r.input_len + r.generated for r in reqs)
-        rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             tpot = min(tpot, min(r.slo.tpot_s for r in reqs))
         if request is not None and inst.instance_id == target_id:
             n += 1
             context += request.input_len + request.generated
-            rank = max(rank, request.lora_rank)
+            reqs = [*reqs, request]
+        rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             profile = profiles[inst.instance_id]
             step = profile.decode_s(n, context / n)
-            total += step * profile.lora_decode_factor(rank, n) if rank else step
+            total += step * profile.lora_decode_factor(rank, n, distinct_adapters(reqs)) \
+                if rank else step
             if total * scale > tpot:
                 return True, total * scale
     return False, total * scale

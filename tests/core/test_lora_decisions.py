@@ -16,9 +16,12 @@ from dataclasses import replace
 import pytest
 
 from shared.core.admission import AdmitReason
+from shared.core.evaluate import evaluate
+from shared.core.iteration import IterationChoice, IterationKind, predict_seconds
 from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S, adapter_load_s
 from shared.core.memory import MemOpKind
-from shared.core.types import AdapterSpec, Hardware, InstanceStatus, adapter_key
+from shared.core.perf_model import LoraCost
+from shared.core.types import AdapterSpec, Hardware, InstanceStatus, InstanceView, adapter_key
 
 from tests.core.factories import flat_profile, loaded, model, node, perf_for, request
 
@@ -156,3 +159,59 @@ def test_stop_and_resume_trial_counts_the_victims_adapters_and_idle_ones_it_may_
                                   AdapterSpec("new", need))
     assert res.admission.ok
     assert set(sched.node.instance(iid).adapters) == {"new"}
+
+
+# --- #9: distinct adapters in a batch ---------------------------------------------------------
+COST = LoraCost(ranks=[8], batch_sizes=[1, 8], decode=[[0.2, 0.1]], prefill=[0.05], adapters=4)
+
+
+def through(rid, adapter, rank=8, **kw):
+    return replace(request(rid, **kw), lora_rank=rank, adapter=adapter, prefilled=True,
+                   generated=1)
+
+
+def test_the_lora_cost_grows_past_the_measured_adapters_and_never_falls_below_them():
+    assert COST.decode_factor(8, 8, adapters=4) == pytest.approx(1.1)
+    assert COST.decode_factor(8, 8, adapters=8) == pytest.approx(1.2)  # twice the segments
+    assert COST.decode_factor(8, 8, adapters=1) == pytest.approx(1.1)  # the measured figure
+    assert COST.decode_factor(8, 8) == pytest.approx(1.1)
+
+
+def test_a_batch_over_more_adapters_is_predicted_slower():
+    """Eight requests through eight adapters run eight segments per projection; before the fix
+    they were predicted as fast as eight through one adapter."""
+    profile = replace(flat_profile("m", Hardware.GPU), lora=COST)
+    spec = model("m")
+
+    def step_s(names):
+        inst = InstanceView("i", spec, "n0",
+                            requests=[through(f"r{k}", a) for k, a in enumerate(names)])
+        choice = IterationChoice("i", IterationKind.DECODE, tuple(r.request_id for r in inst.requests),
+                                 0.0)
+        return predict_seconds(choice, inst, profile)
+
+    one, eight = step_s(["a"] * 8), step_s([f"a{k}" for k in range(8)])
+    assert one == pytest.approx(0.02 * 1.1)
+    assert eight == pytest.approx(0.02 * 1.2)
+
+
+def test_the_shadow_round_counts_the_newcomers_adapter_among_the_batchs():
+    """Case 3 with a 26 ms TPOT, a flat +10% measured over four adapters: seven requests
+    through seven adapters and a newcomer through one of them make a 0.02 x 1.175 x 1.1 =
+    25.85 ms round (admitted); a newcomer through an eighth, 0.02 x 1.2 x 1.1 = 26.4 ms
+    (refused). Before the fix both rounds were priced 0.02 x 1.1 x 1.1 = 24.2 ms."""
+    flat = LoraCost([8], [1], [[0.1]], [0.05], adapters=4)
+    profile = replace(flat_profile("m", Hardware.GPU), lora=flat)
+    spec = model("m")
+    sched = node(perf=perf_for(profile))
+
+    def req(rid, adapter):
+        return replace(request(rid, ttft=60.0, tpot=0.026), lora_rank=8, adapter=adapter)
+
+    iid = loaded(sched, None, req("r0", "a0"), spec)
+    for k in range(1, 7):
+        assert sched.admit(req(f"r{k}", f"a{k}"), iid, spec, 0.0).admission.ok
+    view = sched.view()
+    assert evaluate(view, iid, req("new", "a0"), spec, sched.perf, 0.0, sched.config).ok
+    assert evaluate(view, iid, req("new", "a7"), spec, sched.perf, 0.0, sched.config).reason \
+        is AdmitReason.TPOT_BUDGET
