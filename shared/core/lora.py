@@ -115,6 +115,25 @@ def evaluate_through(node: NodeView, instance_id: str | None, request: RequestVi
     return admission
 
 
+def admission_through(node: NodeView, instance_id: str | None, request: RequestView,
+                      model: ModelSpec, adapter: AdapterSpec | None, perf: PerfModel,
+                      now: float, config: CoreConfig,
+                      not_before: float | None = None) -> Admission:
+    """The answer the node's admission gives (`NodeScheduler.admit`), on any view of the node:
+    `evaluate_through`, and on a memory refusal, again with the idle adapters offloaded first
+    (§4.3: the node offloads them before it refuses). The placer plans with it, and the node's
+    preemption trial."""
+    admission = evaluate_through(node, instance_id, request, model, adapter, perf, now, config,
+                                 not_before)
+    if admission.reason is not AdmitReason.MEMORY:
+        return admission
+    spare = idle_adapter_bytes(node, keep=adapter.name if adapter is not None else None)
+    if not spare:
+        return admission
+    return evaluate_through(node, instance_id, request, model, adapter, perf, now, config,
+                            not_before, spare)
+
+
 def _adapter_fits(node: NodeView, instance_id: str | None, model: ModelSpec,
                   admission: Admission, need: int) -> bool:
     """The budget after the admission's KV change still has room for the adapter (evaluate does

@@ -35,7 +35,7 @@ from shared.core.iteration import (IterationChoice, IterationKind, apply_iterati
                                    predict_seconds, runnable)
 from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S  # noqa: F401 (the pre-loaders' import)
 from shared.core.lora import (Artifact, CallRates, adapter_load_s, adapter_ready_at,
-                              evaluate_through, may_hold, offload_order)
+                              admission_through, evaluate_through, may_hold, offload_order)
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
@@ -288,19 +288,10 @@ class NodeScheduler:
                model: ModelSpec, adapter: AdapterSpec | None, now: float,
                not_before: float | None = None) -> Admission:
         """What `admit` would answer on `view` (the node once the victims are gone), committing
-        nothing: the same check, and, on a memory refusal, the same offloading of the idle
-        adapters still on the view (a victim's go with it, so they are not counted twice)."""
-        def check(freed: int = 0) -> Admission:
-            return evaluate_through(view, instance_id, request, model, adapter, self.perf, now,
-                                    self.config, not_before, freed)
-
-        admission = check()
-        if admission.reason is not AdmitReason.MEMORY:
-            return admission
-        kept = {i.instance_id for i in view.instances}
-        spare = sum(n for iid, _, n in self.offloadable(now, keep=adapter.name if adapter else None)
-                    if iid in kept)
-        return check(spare) if spare else admission
+        nothing: the same check, the same offloading of idle adapters on a memory refusal (the
+        victims' are not on the view: they go with them)."""
+        return admission_through(view, instance_id, request, model, adapter, self.perf, now,
+                                 self.config, not_before)
 
     def _preempt_live(self, victims: list[str], request: RequestView, instance_id: str | None,
                       model: ModelSpec, now: float, adapter: AdapterSpec | None,

@@ -21,6 +21,7 @@ from shared.core.iteration import IterationChoice, IterationKind, predict_second
 from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S, adapter_load_s
 from shared.core.memory import MemOpKind
 from shared.core.perf_model import LoraCost
+from shared.core.placement import PlaceAction, place
 from shared.core.types import AdapterSpec, Hardware, InstanceStatus, InstanceView, adapter_key
 
 from tests.core.factories import flat_profile, loaded, model, node, perf_for, request
@@ -215,3 +216,66 @@ def test_the_shadow_round_counts_the_newcomers_adapter_among_the_batchs():
     assert evaluate(view, iid, req("new", "a0"), spec, sched.perf, 0.0, sched.config).ok
     assert evaluate(view, iid, req("new", "a7"), spec, sched.perf, 0.0, sched.config).reason \
         is AdmitReason.TPOT_BUDGET
+
+
+# --- #9: the placer sees adapters ---------------------------------------------------------------
+def _two_nodes(n0_gb: float):
+    """n0 (`n0_gb`) runs a backbone instance with two requests, n1 (10 GB) one with one:
+    bin-packing tries n0's first."""
+    spec = model("m", weight_gb=4)
+    perf = perf_for(flat_profile("m", Hardware.GPU))
+    n0, n1 = node("n0", memory_gb=n0_gb, perf=perf), node("n1", memory_gb=10, perf=perf)
+    i0 = loaded(n0, None, request("a", ttft=60.0, tpot=30.0), spec)
+    loaded(n0, i0, request("b", ttft=60.0, tpot=30.0), spec)
+    i1 = loaded(n1, None, request("c", ttft=60.0, tpot=30.0), spec)
+    return spec, perf, n0, n1, i0, i1
+
+
+def test_the_placer_routes_an_adapter_request_to_a_node_with_room_for_the_adapter():
+    """n0 has no room for the adapter; before the fix the plan named n0's instance anyway (the
+    placer never saw the adapter), n0 refused for memory, and the same plan came back."""
+    spec, perf, n0, n1, i0, i1 = _two_nodes(4.3)
+    adapter = AdapterSpec("ad", n0.ledger.capacity - n0.ledger.budget + 1)
+    req = replace(request("r", ttft=60.0, tpot=30.0), lora_rank=8, adapter="ad")
+    assert n0.admit(req, i0, spec, 0.0, adapter).admission.reason is AdmitReason.MEMORY
+    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=adapter)
+    assert (plan.action, plan.node_id, plan.instance_id) == (PlaceAction.ROUTE, "n1", i1)
+    assert [(a.node_id, a.reason) for a in plan.attempts][:1] == [("n0", AdmitReason.MEMORY)]
+    assert n1.admit(req, i1, spec, 0.0, adapter).admission.ok  # the node confirms it
+
+
+def test_the_placer_counts_no_bytes_where_the_instance_holds_the_adapter_or_may_offload():
+    spec, perf, n0, n1, i0, _ = _two_nodes(4.3)
+    free = n0.ledger.capacity - n0.ledger.budget
+    held = AdapterSpec("held", free // 2)
+    done(n0, n0.admit(replace(request("h", ttft=60.0, tpot=30.0), lora_rank=8), i0, spec, 0.0,
+                      held).start_ops)
+    # n0 holds "held": a request through it needs no adapter bytes there.
+    req = replace(request("r", ttft=60.0, tpot=30.0), lora_rank=8, adapter="held")
+    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=held)
+    assert (plan.node_id, plan.instance_id) == ("n0", i0)
+    # Once idle, "held" is what n0 offloads for another adapter that only fits without it.
+    n0.cancel("h", 0.0)
+    other = AdapterSpec("other", free - free // 4)
+    req = replace(request("o", ttft=60.0, tpot=30.0), lora_rank=8, adapter="other")
+    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=other)
+    assert (plan.node_id, plan.instance_id) == ("n0", i0)
+    assert n0.admit(req, i0, spec, 0.0, other).admission.ok
+    assert set(n0.node.instance(i0).adapters) == {"other"}
+
+
+def test_the_placer_reads_the_adapter_from_the_wire_request_and_the_registry():
+    """The placer's request-to-view path: the request's adapter by name (its batch's cost),
+    and its bytes from the adapter's registry record (what the node's admission uses)."""
+    from shared.cluster import adapter_spec, request_view
+    from shared.schemas import InferenceRequest, ModelRecord
+
+    records = {"base": ModelRecord("base", "/m", weight_bytes=4 * GB),
+               "t~a": ModelRecord("t~a", "/a", base_model="base", weight_bytes=3 * 10**7)}
+    req = InferenceRequest("r", "t", "base", [1, 2, 3], 8, 0.0, 1.0, 0.25, adapter="t~a",
+                           adapter_rank=8)
+    assert request_view(req).adapter == "t~a"
+    assert adapter_spec(req, records) == AdapterSpec("t~a", 3 * 10**7)
+    plain = InferenceRequest("r", "t", "base", [1, 2, 3], 8, 0.0, 1.0, 0.25)
+    assert adapter_spec(plain, records) is None and request_view(plain).adapter is None
+    assert adapter_spec(replace(req, adapter="t~gone"), records) is None
