@@ -276,8 +276,12 @@ class NodeScheduler:
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         if handover_s is not None:
             return self._preempt_live(victims, request, instance_id, model, now, adapter, handover_s)
-        admission = self._trial(without_instances(self.view(), set(victims)), instance_id,
-                                request, model, adapter, now)
+        gone = without_instances(self.view(), set(victims))
+        # Their unloads run first: an op that needs their memory (the newcomer's adapter) starts
+        # after them, as the admission that follows the unloads sees it in the timeline.
+        if victims:
+            gone = replace(gone, memops_until=max(gone.memops_until, now + UNLOAD_S))
+        admission = self._trial(gone, instance_id, request, model, adapter, now)
         if not admission.ok:
             return AdmitResult(admission)
         evicted, unload_ops = self.preempt(victims, now)

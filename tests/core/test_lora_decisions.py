@@ -279,3 +279,34 @@ def test_the_placer_reads_the_adapter_from_the_wire_request_and_the_registry():
     plain = InferenceRequest("r", "t", "base", [1, 2, 3], 8, 0.0, 1.0, 0.25)
     assert adapter_spec(plain, records) is None and request_view(plain).adapter is None
     assert adapter_spec(replace(req, adapter="t~gone"), records) is None
+
+
+def test_stop_and_resume_trial_waits_for_the_victims_unload_before_the_adapter_load():
+    """An adapter that fits only in the victim's memory cannot start loading before the
+    victim's unload has run (pessimistic tracking parks it): the admission after the unload
+    sees its first token 50 ms later than a trial on the node as it was. Before the fix the
+    trial passed, the victim was unloaded, and the admission then refused (TTFT_MISS)."""
+    from shared.core.memory import UNLOAD_S
+
+    spec = model("m", weight_gb=4)
+    small = model("v", weight_gb=1)
+    perf = perf_for(flat_profile("m", Hardware.GPU), flat_profile("v", Hardware.GPU))
+    sched = node(memory_gb=6.5, perf=perf)
+    iid = loaded(sched, None, request("p0", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    loaded(sched, iid, request("p1", ttft=60.0, tpot=30.0), spec)
+    prefill(sched)
+    victim = loaded(sched, None, request("v0", model_name="v", ttft=60.0, tpot=30.0), small)
+    prefill(sched)
+    sched.cancel("v0", 0.0)
+    free_now = sched.ledger.capacity - sched.ledger.pessimistic
+    need = free_now + sched.ledger.target(victim) // 2  # starts once the victim has gone
+    first_token = adapter_load_s(need) + 0.1 * 1.1  # its load, then its prefill
+    ttft = first_token + UNLOAD_S / 2  # on time if the load started now; late after the unload
+    res = sched.preempt_and_admit([victim], request("r", ttft=ttft, tpot=30.0), iid, spec, 0.0,
+                                  AdapterSpec("a", need))
+    assert res.admission.reason is AdmitReason.TTFT_MISS
+    assert res.evicted == () and sched.node.instance(victim).status is InstanceStatus.READY
+    relaxed = request("r", ttft=first_token + 2 * UNLOAD_S, tpot=30.0)
+    assert sched.preempt_and_admit([victim], relaxed, iid, spec, 0.0,
+                                   AdapterSpec("a", need)).admission.ok
