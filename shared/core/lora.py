@@ -15,6 +15,11 @@
   The placer sees every request, so it plans from cluster-wide rates which node's DRAM tier keeps
   each backbone's checkpoint and which node attaches each adapter; a node carries out the plan it
   was sent while it is fresh, and plans from its own rates when none is (services/node/preload.py).
+- Admission through an adapter (§4.4), the one answer the node's admission, its preemption
+  trials and the placer all use (`admission_through`): the adapter's bytes where the instance
+  lacks it, its load (`adapter_load_s`, at the core's one adapter rate) holding the instance
+  up in the shadow validation, and the idle adapters offloading would free. Pre-loading onto a
+  serving instance only where its requests can wait for the load (`may_hold`).
 - Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
   first, never an adapter with requests in flight nor a backbone an active adapter uses
   (`offload_order`).
@@ -32,7 +37,7 @@ from shared.core.config import CoreConfig
 from shared.core.evaluate import cold_start_ready_at, contended, evaluate, node_profiles
 from shared.core.perf_model import PerfModel
 from shared.core.shadow import shadow_hold
-from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView)
+from shared.core.types import AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ through an adapter is admitted to a backbone instance with `adapter=AdapterSpec(
 instance does not hold the adapter yet, its memory demand is the adapter's bytes plus its KV (the
 backbone's weights are there already), and the adapter gets its own entry in the memory ledger
 (`adapter_key`) and its own LOAD op, which the node executes like any other memory op. The
-instance runs nothing while one of its adapters loads; unloading the instance detaches them.
+instance runs nothing while one of its adapters loads (the op is priced by its bytes, and the
+admission is validated with that wait: `shared.core.lora.evaluate_through`); unloading the
+instance detaches them.
 """
 
 from __future__ import annotations
