@@ -15,7 +15,7 @@ from shared import wire
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, calibrated
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.snapshot import rebase, to_snapshot
-from shared.core.types import SLO, ModelSpec, NodeView, RequestView
+from shared.core.types import SLO, AdapterSpec, ModelSpec, NodeView, RequestView
 from shared.schemas import InferenceRequest, ModelRecord, NodeReply
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
                              node_key, profile_field)
@@ -46,7 +46,16 @@ def request_view(req: InferenceRequest) -> RequestView:
     return RequestView(req.request_id, req.model, len(req.prompt_token_ids), req.arrival,
                        SLO(req.ttft_slo_s, req.tpot_slo_s), generated=len(req.resumed_token_ids),
                        max_tokens=req.max_tokens, grace_s=req.grace_s, prefilled=False,
-                       lora_rank=req.adapter_rank if req.adapter is not None else 0)
+                       lora_rank=req.adapter_rank if req.adapter is not None else 0,
+                       adapter=req.adapter)
+
+
+def adapter_spec(req: InferenceRequest, records: dict[str, ModelRecord]) -> AdapterSpec | None:
+    """The core's view of the LoRA adapter a wire request runs through, from the registry's
+    records (what the node's admission uses: its bytes); None for a plain request, or one whose
+    adapter is not registered (the node refuses that one itself)."""
+    record = records.get(req.adapter) if req.adapter is not None else None
+    return AdapterSpec(record.name, record.weight_bytes) if record is not None else None
 
 
 # A node view read within this long of its heartbeat (on the reader's clock) is taken to come

@@ -29,10 +29,13 @@ Numbers (from `bench/lora.py`, bench/results/lora_*.json, rank 8 on all seven pr
   `RequestView.lora_rank` on every adapter request, so the core plans with it and the simulated
   engines take that long (`predict_seconds`). Decode: +18.5% / +28.4% / +9.1% per step at batch
   1 / 8 / 32 with four adapters mixed (`small` shape, CPU, one thread, rank 8), linear between
-  those points and flat beyond. Prefill: not measured; ASSUMPTION: the batch-32 figure (+9.1%),
-  the measured regime nearest a prefill's large matmuls. ASSUMPTION: the same relative cost on
+  those points and flat beyond; a batch over more than four distinct adapters costs
+  proportionally more (`LoraCost.decode_factor`: one segment per adapter in the engine).
+  Prefill: not measured; ASSUMPTION: the batch-32 figure (+9.1%), the measured regime nearest
+  a prefill's large matmuls. ASSUMPTION: the same relative cost on
   the simulated Xeon and A100 (no GPU figure is measured) and at every rank (one rank measured).
-  `lora_decode_overhead` replaces all of it with one constant.
+  `lora_decode_overhead` replaces the curve with one constant (for batches over up to four
+  adapters, as the curve).
 
 Memory (this module's report section): the bytes of weights resident (backbones, merged models
 and adapters) and the bytes the nodes hold for instances (SLINFER: the memory ledger's budget,
@@ -89,8 +92,8 @@ def shape_adapter_bytes(shape: prof.ModelShape, rank: int) -> int:
 
 def lora_cost(rank: int, constant: float | None = None) -> LoraCost:
     """What unmerged LoRA adds to a backbone's iterations (see the module docstring)."""
-    if constant is not None:
-        return LoraCost.flat(constant, rank)
+    if constant is not None:  # in place of the curve, so over as many adapters as it was
+        return LoraCost.flat(constant, rank, adapters=4)
     batches = [b for b, _ in MEASURED_DECODE_OVERHEAD]
     decode = [o for _, o in MEASURED_DECODE_OVERHEAD]
     return LoraCost([rank], batches, [decode], [MEASURED_DECODE_OVERHEAD[-1][1]], adapters=4)
@@ -157,7 +160,7 @@ class LoraSlinferSystem(SlinferSystem):
         backbone = self.models[self.layout.backbone_of[req.model]]
         view = RequestView(req.rid, backbone.name, req.input_len, req.arrival, req.slo,
                            max_tokens=max(1, backbone.max_context - req.input_len),
-                           lora_rank=self.rank)
+                           lora_rank=self.rank, adapter=req.model)
         self._place(view)
 
     def _adapter(self, view: RequestView) -> AdapterSpec | None:

@@ -149,7 +149,8 @@ class SlinferSystem:
         (or was dropped); False if it stays queued."""
         now = self.loop.now
         model = self.models[view.model]
-        plan = place(view, model, self._views(view.model), self.perf, now, self.config, self.models)
+        plan = place(view, model, self._views(view.model), self.perf, now, self.config,
+                     self.models, self._adapter(view))
         for attempt in plan.attempts:
             self.rec.count(ADMIT_PREFIX + attempt.reason.value)
         if self.cocoserve is not None and plan.action in (
@@ -162,7 +163,8 @@ class SlinferSystem:
                     self._enqueue(view)
                 return False
             if plan.action is not PlaceAction.NEW_INSTANCE and self.cocoserve.memory_pressure(view):
-                plan = place(view, model, self._views(view.model), self.perf, now, self.config, self.models)
+                plan = place(view, model, self._views(view.model), self.perf, now, self.config,
+                             self.models, self._adapter(view))
         if plan.action is PlaceAction.DROP:
             self._drop(view.request_id)
             return True

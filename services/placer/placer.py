@@ -54,7 +54,8 @@ from services.placer.settings import PlacerSettings
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import STREAM_MAX_AGE_S, ensure_streams
-from shared.cluster import decode_reply, load_perf, model_spec, read_nodes, request_view
+from shared.cluster import (adapter_spec, decode_reply, load_perf, model_spec, read_nodes,
+                            request_view)
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupChoice, StartupMethod, helper_bytes
@@ -348,7 +349,7 @@ class Placer:
             return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
         plan = place(request_view(p.request), specs[record.name], nodes, self.perf, time.time(),
-                     self.s.core, models=specs)
+                     self.s.core, models=specs, adapter=adapter_spec(p.request, records))
         self.decisions[plan.action.value] = self.decisions.get(plan.action.value, 0) + 1
         self._decision_counter.add(1, {"slinfer.placement.action": plan.action.value})
         self.modules.note(plan, request_view(p.request), specs[record.name], nodes)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
+from shared.core.lora import admission_through
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import first_run_at, handover_ready_at
-from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
+from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
+                               NodeView, RequestView)
 
 
 def binpack_order(candidates: list[tuple[NodeView, InstanceView]]) -> list[tuple[NodeView, InstanceView]]:
@@ -102,12 +104,15 @@ _PREEMPTION_MAY_HELP = _MEMORY_BOUND | _TIME_BOUND
 def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: RequestView,
                     model: ModelSpec, nodes: list[NodeView], models: dict[str, ModelSpec],
                     perf: PerfModel, now: float, config: CoreConfig,
-                    failed: AdmitReason | None = None) -> Preemption | None:
+                    failed: AdmitReason | None = None,
+                    adapter: AdapterSpec | None = None) -> Preemption | None:
     """Smallest victims first until the preemptor admits the request; then every victim's requests
     must validate elsewhere, or there is no preemption at all.
 
     `failed` is the answer the request got on this node without preemption, when the caller has
     it: trials that cannot change it are skipped (an idle victim frees memory, not time).
+    `adapter`: the LoRA adapter the request runs through; the trials judge it as the node's
+    re-check will (`lora.admission_through`).
     """
     if failed is not None and failed not in _PREEMPTION_MAY_HELP:
         return None
@@ -118,7 +123,7 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
         if failed in _TIME_BOUND and not victim.requests:  # smallest first: all chosen are idle
             continue
         trial = without_instances(node, {v.instance_id for v in chosen})
-        admission = evaluate(trial, target_id, request, model, perf, now, config)
+        admission = admission_through(trial, target_id, request, model, adapter, perf, now, config)
         if admission.ok:
             break
     else:
@@ -131,7 +136,7 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
     if not config.live_preemption or not displaced:
         return Preemption(node.node_id, victims, admission, tuple(moves))
     return _live_or_not(node, chosen, target_id, request, model, displaced, moves, nodes, models,
-                        perf, now, config, admission)
+                        perf, now, config, admission, adapter)
 
 
 def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migration],
@@ -159,7 +164,7 @@ def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | No
                  request: RequestView, model: ModelSpec, displaced: list[tuple[str, RequestView]],
                  moves: list[Migration], nodes: list[NodeView], models: dict[str, ModelSpec],
                  perf: PerfModel, now: float, config: CoreConfig,
-                 stop_and_resume: Admission) -> Preemption:
+                 stop_and_resume: Admission, adapter: AdapterSpec | None = None) -> Preemption:
     """Live when the newcomer still passes waiting for the handover, with the victims' work on
     the node until then; else stop-and-resume, which frees the node at once."""
     victims = tuple(v.instance_id for v in chosen)
@@ -173,8 +178,8 @@ def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | No
                           f"stop-and-resume: the engine of {', '.join(fixed)} cannot migrate live")
     leaves_at = now + handover
     trial = handing_over(node, set(victims), leaves_at)
-    live = evaluate(trial, target_id, request, model, perf, now, config,
-                    not_before=handover_ready_at(leaves_at))
+    live = admission_through(trial, target_id, request, model, adapter, perf, now, config,
+                             handover_ready_at(leaves_at))
     if live.ok:
         return Preemption(node.node_id, victims, live, tuple(moves), True, handover,
                           f"live: the newcomer waits ~{handover:.3f} s for the handover")

@@ -168,8 +168,10 @@ def with_request(node: NodeView, instance_id: str, request: RequestView,
 
 
 def without_instances(node: NodeView, instance_ids: set[str]) -> NodeView:
-    """The node once these instances are unloaded (their memory leaves the budget)."""
-    freed = sum(i.model.weight_bytes + i.kv_bytes for i in node.instances if i.instance_id in instance_ids)
+    """The node once these instances are unloaded (their memory, their adapters' included,
+    leaves the budget)."""
+    freed = sum(i.model.weight_bytes + i.kv_bytes + sum(i.adapters.values())
+                for i in node.instances if i.instance_id in instance_ids)
     kept = [i for i in node.instances if i.instance_id not in instance_ids]
     return replace(node, instances=kept, budget_bytes=node.budget_bytes - freed)
 

@@ -9,7 +9,7 @@ step of its whole batch. The node scheduler and shadow validation both call `cho
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from shared.core.memory import in_blocks
@@ -71,6 +71,12 @@ def lora_rank(requests: Collection[RequestView]) -> int:
     return max((r.lora_rank for r in requests), default=0)
 
 
+def distinct_adapters(requests: Iterable[RequestView]) -> int:
+    """How many adapters a batch runs through: one segment each in the engine. Requests through
+    an adapter the caller did not name count as one adapter together."""
+    return len({r.adapter for r in requests if r.lora_rank})
+
+
 def predict_seconds(choice: IterationChoice, instance: InstanceView, profile: Profile) -> float:
     """The profile's time for the iteration; one through LoRA adapters costs what the profile
     measured for their rank on top (a batch without adapters: the plain table, untouched)."""
@@ -80,7 +86,9 @@ def predict_seconds(choice: IterationChoice, instance: InstanceView, profile: Pr
     batch, avg_len = decode_shape(instance.requests)
     seconds = profile.decode_s(batch, avg_len)
     rank = lora_rank(instance.requests)
-    return seconds * profile.lora_decode_factor(rank, batch) if rank else seconds
+    if not rank:
+        return seconds
+    return seconds * profile.lora_decode_factor(rank, batch, distinct_adapters(instance.requests))
 
 
 def apply_iteration(choice: IterationChoice, instance: InstanceView) -> None:

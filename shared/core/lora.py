@@ -15,6 +15,11 @@
   The placer sees every request, so it plans from cluster-wide rates which node's DRAM tier keeps
   each backbone's checkpoint and which node attaches each adapter; a node carries out the plan it
   was sent while it is fresh, and plans from its own rates when none is (services/node/preload.py).
+- Admission through an adapter (§4.4), the one answer the node's admission, its preemption
+  trials and the placer all use (`admission_through`): the adapter's bytes where the instance
+  lacks it, its load (`adapter_load_s`, at the core's one adapter rate) holding the instance
+  up in the shadow validation, and the idle adapters offloading would free. Pre-loading onto a
+  serving instance only where its requests can wait for the load (`may_hold`).
 - Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
   first, never an adapter with requests in flight nor a backbone an active adapter uses
   (`offload_order`).
@@ -27,7 +32,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from shared.core.types import InstanceStatus, NodeView
+from shared.core.admission import Admission, AdmitReason
+from shared.core.config import CoreConfig
+from shared.core.evaluate import cold_start_ready_at, contended, evaluate, node_profiles
+from shared.core.perf_model import PerfModel
+from shared.core.shadow import shadow_hold
+from shared.core.types import AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,120 @@ class Artifact:
     @property
     def density(self) -> float:
         return self.value / max(1, self.bytes)
+
+
+# What an adapter's load reads per second (ASSUMPTION: about what the torch engine measured
+# reading one from the page cache). The one rate the core prices an adapter's load at: its op in
+# the node's timeline, the admission that waits for it, and its value when offloading weighs it.
+ADAPTER_LOAD_BYTES_PER_S = 0.5e9
+
+
+def adapter_load_s(nbytes: int) -> float:
+    """How long loading `nbytes` of adapter weights onto a running backbone instance takes (no
+    engine start-up: the backbone's engine runs already)."""
+    return max(0, nbytes) / ADAPTER_LOAD_BYTES_PER_S
+
+
+def adapter_ready_at(node: NodeView, nbytes: int, now: float) -> float:
+    """When an adapter load of `nbytes` issued now on `node` ends: like a cold start's load
+    (`cold_start_ready_at`: after the loads ahead of it on the node's I/O, and after the memory
+    ops under way if pessimistic tracking would park it), then `adapter_load_s`. The node's
+    timeline prices the op the same way."""
+    return cold_start_ready_at(node, nbytes, adapter_load_s(nbytes), now)
+
+
+# --- an admission through an adapter (ServerlessLoRA §4.4), for the node and the placer -------
+def adapter_need(node: NodeView, instance_id: str | None, adapter: AdapterSpec | None) -> int:
+    """Bytes an admission through `adapter` adds besides its KV: none where the instance holds
+    the adapter already (a new instance never does)."""
+    if adapter is None:
+        return 0
+    inst = node.instance(instance_id) if instance_id is not None else None
+    return 0 if inst is not None and adapter.name in inst.adapters else adapter.bytes
+
+
+def idle_adapter_bytes(node: NodeView, keep: str | None = None) -> int:
+    """The bytes of the adapters attached on `node` that no request there runs through (and
+    that are not `keep`): what offloading may free for an admission (§4.3)."""
+    total = 0
+    for inst in node.instances:
+        running = {r.adapter for r in inst.requests}
+        total += sum(b for name, b in inst.adapters.items() if name not in running and name != keep)
+    return total
+
+
+def evaluate_through(node: NodeView, instance_id: str | None, request: RequestView,
+                     model: ModelSpec, adapter: AdapterSpec | None, perf: PerfModel, now: float,
+                     config: CoreConfig, not_before: float | None = None,
+                     freed: int = 0) -> Admission:
+    """`evaluate` for a request that runs through `adapter` (None: the plain backbone), with
+    `freed` bytes of idle adapters offloaded first. Where the instance lacks the adapter, its
+    bytes must fit beside the admission's KV, and its load holds the instance up: nothing runs
+    there, the newcomer's first token included, before the load ends (`adapter_ready_at`)."""
+    need = adapter_need(node, instance_id, adapter)
+    view = replace(node, budget_bytes=node.budget_bytes - freed) if freed else node
+    if not need:
+        return evaluate(view, instance_id, request, model, perf, now, config, not_before)
+    ready = adapter_ready_at(view, need, now)
+    not_before = ready if not_before is None else max(not_before, ready)
+    # The KV check (where the admission grows it) sees the adapter's bytes as taken already.
+    admission = evaluate(replace(view, memory_bytes=view.memory_bytes - need), instance_id,
+                         request, model, perf, now, config, not_before)
+    if admission.ok and not _adapter_fits(view, instance_id, model, admission, need):
+        return Admission(AdmitReason.MEMORY)
+    return admission
+
+
+def admission_through(node: NodeView, instance_id: str | None, request: RequestView,
+                      model: ModelSpec, adapter: AdapterSpec | None, perf: PerfModel,
+                      now: float, config: CoreConfig,
+                      not_before: float | None = None) -> Admission:
+    """The answer the node's admission gives (`NodeScheduler.admit`), on any view of the node:
+    `evaluate_through`, and on a memory refusal, again with the idle adapters offloaded first
+    (§4.3: the node offloads them before it refuses). The placer plans with it, and the node's
+    preemption trial."""
+    admission = evaluate_through(node, instance_id, request, model, adapter, perf, now, config,
+                                 not_before)
+    if admission.reason is not AdmitReason.MEMORY:
+        return admission
+    spare = idle_adapter_bytes(node, keep=adapter.name if adapter is not None else None)
+    if not spare:
+        return admission
+    return evaluate_through(node, instance_id, request, model, adapter, perf, now, config,
+                            not_before, spare)
+
+
+def _adapter_fits(node: NodeView, instance_id: str | None, model: ModelSpec,
+                  admission: Admission, need: int) -> bool:
+    """The budget after the admission's KV change still has room for the adapter (evaluate does
+    not check memory for an admission that needs no KV growth)."""
+    budget = node.budget_bytes
+    kv = admission.kv_target_bytes
+    if instance_id is None:
+        budget += model.weight_bytes + (kv or 0)
+    elif kv is not None:
+        budget += kv - node.instance(instance_id).kv_bytes
+    return budget + need <= node.memory_bytes
+
+
+def may_hold(node: NodeView, instance_id: str, until: float, perf: PerfModel, now: float,
+             config: CoreConfig) -> bool:
+    """May the instance run nothing until `until` (an adapter pre-loaded onto it, §4.1) without
+    making a request on the node late? An instance without requests holds nobody up; one with
+    requests is validated as an admission would be (`shadow.shadow_hold`)."""
+    inst = node.instance(instance_id)
+    if inst is None or not inst.requests:
+        return True
+    profiles = node_profiles(node, perf)
+    if profiles is None:
+        return False
+    if node.stage_load >= 1:
+        return False  # its hosted stages may take all its compute: nothing can be promised
+    held = [replace(i, ready_at=max(i.ready_at, until)) if i.instance_id == instance_id else i
+            for i in node.instances]
+    verdict = shadow_hold(held, profiles, instance_id, now, node.busy_until,
+                          contended(config, node.stage_load), node.running)
+    return verdict is AdmitReason.ADMITTED
 
 
 RATE_USES = 32  # calls a model's or an adapter's invocation rate is taken over

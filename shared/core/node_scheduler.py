@@ -17,7 +17,9 @@ through an adapter is admitted to a backbone instance with `adapter=AdapterSpec(
 instance does not hold the adapter yet, its memory demand is the adapter's bytes plus its KV (the
 backbone's weights are there already), and the adapter gets its own entry in the memory ledger
 (`adapter_key`) and its own LOAD op, which the node executes like any other memory op. The
-instance runs nothing while one of its adapters loads; unloading the instance detaches them.
+instance runs nothing while one of its adapters loads (the op is priced by its bytes, and the
+admission is validated with that wait: `shared.core.lora.evaluate_through`); unloading the
+instance detaches them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from shared.core.evaluate import evaluate, handing_over, without_instances
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
-from shared.core.lora import Artifact, CallRates, offload_order
+from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S  # noqa: F401 (the pre-loaders' import)
+from shared.core.lora import (Artifact, CallRates, adapter_load_s, adapter_ready_at,
+                              admission_through, evaluate_through, may_hold, offload_order)
 from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
                                 memop_seconds, watermark_target)
 from shared.core.modules import instance_profile, layout_spec
@@ -45,10 +49,6 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceSt
 
 
 _RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
-# An adapter's reload time for the offloading order's value (load time x rate, per byte): its
-# bytes at this rate (ASSUMPTION: about what the torch engine measured reading one from the
-# page cache; only the ratio between adapters matters, so a constant is enough).
-ADAPTER_LOAD_BYTES_PER_S = 0.5e9
 
 
 @dataclass(frozen=True)
@@ -106,17 +106,10 @@ class NodeScheduler:
         """Re-check the placer's decision against this node's own state, then commit it.
         `adapter`: the LoRA adapter the request runs through on this backbone instance.
         `not_before`: the instance runs nothing before then (a live preemption's handover)."""
-        need = self._adapter_need(instance_id, adapter)
-
         def check(freed: int = 0) -> Admission:
             """The admission with `freed` more bytes of idle adapters offloaded first."""
-            view = self._with_adapter(self.view(), need)
-            view = replace(view, budget_bytes=view.budget_bytes - freed) if freed else view
-            admission = evaluate(view, instance_id, request, model, self.perf, now, self.config,
-                                 not_before)
-            if admission.ok and not self._adapter_fits(instance_id, model, admission, need, freed):
-                return Admission(AdmitReason.MEMORY)
-            return admission
+            return evaluate_through(self.view(), instance_id, request, model, adapter, self.perf,
+                                    now, self.config, not_before, freed)
 
         admission = check()
         ops: list[MemOp] = []
@@ -126,7 +119,7 @@ class NodeScheduler:
             return AdmitResult(admission, start_ops=tuple(ops))
         self._note_use(request.request_id, model.name, adapter, now)
         if instance_id is None:
-            result = self._admit_new(request, model, admission, now)
+            result = self._admit_new(request, model, admission, now, adapter)
             inst = self._instance(result.instance_id)
             return replace(result, start_ops=(*ops, *result.start_ops,
                                               *self._attach(inst, adapter, now)))
@@ -134,35 +127,18 @@ class NodeScheduler:
         if admission.kv_target_bytes is not None:
             ops.extend(self._resize(inst, admission.kv_target_bytes, now))
         ops.extend(self._attach(inst, adapter, now))
-        inst.requests.append(replace(request, grace_s=admission.grace_s))
+        inst.requests.append(self._joining(request, admission, adapter))
         inst.last_active = now
         return AdmitResult(admission, instance_id, tuple(ops))
 
     # --- LoRA adapters on backbone instances ----------------------------------------------------
-    def _adapter_need(self, instance_id: str | None, adapter: AdapterSpec | None) -> int:
-        """Bytes an admission must add for its adapter: none where the instance holds it."""
-        if adapter is None:
-            return 0
-        inst = self._find(instance_id) if instance_id is not None else None
-        return 0 if inst is not None and adapter.name in inst.adapters else adapter.bytes
-
     @staticmethod
-    def _with_adapter(view: NodeView, need: int) -> NodeView:
-        """The node as an admission needing `need` adapter bytes besides its KV sees it."""
-        return replace(view, memory_bytes=view.memory_bytes - need) if need else view
-
-    def _adapter_fits(self, instance_id: str | None, model: ModelSpec, admission: Admission,
-                      need: int, freed: int = 0) -> bool:
-        """The budget after the admission's KV change still has room for the adapter (an
-        admission that needs no KV growth is not memory-checked by evaluate)."""
-        if not need:
-            return True
-        budget = self.ledger.budget - freed
-        if instance_id is None:
-            budget += model.weight_bytes + (admission.kv_target_bytes or 0)
-        elif admission.kv_target_bytes is not None:
-            budget += model.weight_bytes + admission.kv_target_bytes - self.ledger.target(instance_id)
-        return budget + need <= self.ledger.capacity
+    def _joining(request: RequestView, admission: Admission,
+                 adapter: AdapterSpec | None) -> RequestView:
+        """The request as its instance holds it: with its cold-start grace and, where it runs
+        through an adapter, the adapter's name (its batch's LoRA cost counts distinct adapters)."""
+        name = adapter.name if adapter is not None else request.adapter
+        return replace(request, grace_s=admission.grace_s, adapter=name)
 
     def _attach(self, inst: InstanceView, adapter: AdapterSpec | None, now: float) -> list[MemOp]:
         if adapter is None or adapter.name in inst.adapters:
@@ -217,6 +193,10 @@ class NodeScheduler:
             return []
         if self.ledger.budget + adapter.bytes > self.ledger.capacity:
             return []
+        # Its load holds the instance up: only where the requests running there can wait for it.
+        until = adapter_ready_at(self.node, adapter.bytes, now)
+        if not may_hold(self.view(), instance_id, until, self.perf, now, self.config):
+            return []
         return self._attach(inst, adapter, now)
 
     def offloadable(self, now: float, keep: str | None = None) -> list[tuple[str, str, int]]:
@@ -230,7 +210,7 @@ class NodeScheduler:
                 key = adapter_key(inst.instance_id, name)
                 if name in running or name == keep:
                     busy.add(key)
-                artifacts.append(Artifact(key, nbytes, nbytes / ADAPTER_LOAD_BYTES_PER_S,
+                artifacts.append(Artifact(key, nbytes, adapter_load_s(nbytes),
                                           self.adapter_rate(name, now), inst.instance_id))
         order = offload_order(artifacts, busy)
         sizes = {a.name: a.bytes for a in artifacts}
@@ -267,7 +247,7 @@ class NodeScheduler:
         return self._admit_new(None, model, admission, now)
 
     def _admit_new(self, request: RequestView | None, model: ModelSpec, admission: Admission,
-                   now: float) -> AdmitResult:
+                   now: float, adapter: AdapterSpec | None = None) -> AdmitResult:
         iid = f"{model.name}@{self.node.node_id}#{self._next_instance}"
         self._next_instance += 1
         kv = admission.kv_target_bytes or 0
@@ -275,7 +255,7 @@ class NodeScheduler:
                             ready_at=now, last_active=now,  # through a pipeline: the startup's
                             pipeline=new_instance_view(self.node, model, now).pipeline)
         if request is not None:
-            inst.requests.append(replace(request, grace_s=admission.grace_s))
+            inst.requests.append(self._joining(request, admission, adapter))
         self.node.instances.append(inst)
         ok, ops = self.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)
         assert ok, "evaluate() approved the budget"
@@ -300,14 +280,26 @@ class NodeScheduler:
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         if handover_s is not None:
             return self._preempt_live(victims, request, instance_id, model, now, adapter, handover_s)
-        trial = without_instances(self.view(), set(victims))
-        trial = self._with_adapter(trial, self._adapter_need(instance_id, adapter))
-        admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config)
+        gone = without_instances(self.view(), set(victims))
+        # Their unloads run first: an op that needs their memory (the newcomer's adapter) starts
+        # after them, as the admission that follows the unloads sees it in the timeline.
+        if victims:
+            gone = replace(gone, memops_until=max(gone.memops_until, now + UNLOAD_S))
+        admission = self._trial(gone, instance_id, request, model, adapter, now)
         if not admission.ok:
             return AdmitResult(admission)
         evicted, unload_ops = self.preempt(victims, now)
         result = self.admit(request, instance_id, model, now, adapter)
         return replace(result, start_ops=(*unload_ops, *result.start_ops), evicted=tuple(evicted))
+
+    def _trial(self, view: NodeView, instance_id: str | None, request: RequestView,
+               model: ModelSpec, adapter: AdapterSpec | None, now: float,
+               not_before: float | None = None) -> Admission:
+        """What `admit` would answer on `view` (the node once the victims are gone), committing
+        nothing: the same check, the same offloading of idle adapters on a memory refusal (the
+        victims' are not on the view: they go with them)."""
+        return admission_through(view, instance_id, request, model, adapter, self.perf, now,
+                                 self.config, not_before)
 
     def _preempt_live(self, victims: list[str], request: RequestView, instance_id: str | None,
                       model: ModelSpec, now: float, adapter: AdapterSpec | None,
@@ -318,8 +310,7 @@ class NodeScheduler:
         leaves_at = now + max(0.0, handover_s)
         ready = handover_ready_at(leaves_at)
         trial = handing_over(self.view(), set(victims), leaves_at)
-        trial = self._with_adapter(trial, self._adapter_need(instance_id, adapter))
-        admission = evaluate(trial, instance_id, request, model, self.perf, now, self.config, ready)
+        admission = self._trial(trial, instance_id, request, model, adapter, now, ready)
         if not admission.ok:
             return AdmitResult(admission)
         targets = {v: self.ledger.target(v) for v in victims}
@@ -669,6 +660,10 @@ class NodeScheduler:
     def _op_s(self, op: MemOp) -> float:
         """The op's duration, estimated once when first seen: for a load, its n/b plus the
         loads ahead of it on the node's I/O then (later it would count in its own queue)."""
+        if op.op_id not in self._op_estimates and op.kind is MemOpKind.LOAD \
+                and adapter_owner(op.instance_id) is not None:  # an adapter's: by its bytes
+            queued = self.node.storage.pending_s if self.node.storage is not None else 0.0
+            self._op_estimates[op.op_id] = queued + adapter_load_s(op.bytes_after - op.bytes_before)
         if op.op_id not in self._op_estimates:
             inst = self._find(op.instance_id)
             profile = self.perf.get(inst.model.name, self.node.hardware) if inst is not None else None

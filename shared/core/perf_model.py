@@ -135,7 +135,15 @@ class LoraCost:
     the same batch without adapters. `prefill[i]`: one prefill through a rank-`ranks[i]` adapter.
     A batch with any adapter request is charged its largest rank's overhead: the measured batch
     had every row through an adapter, so a partly plain batch is over- rather than
-    under-estimated."""
+    under-estimated.
+
+    Distinct adapters: the engine runs two matmuls per adapter segment per projection
+    (services/node/engines/lora.py), so a batch over more adapters than the measured ones
+    (`adapters`, spread round-robin: a batch of b rows held min(b, adapters) of them) costs
+    more. ASSUMPTION: the measured overhead is all the segments' (a decode step's LoRA matmuls
+    are latency-bound: a few rows cost about what one does), so k distinct adapters cost
+    k / adapters times the measured figure; fewer than measured are still charged the measured
+    figure (the per-row part is not separated out: over- rather than under-estimated)."""
 
     ranks: list[int]  # ascending
     batch_sizes: list[int]  # ascending
@@ -143,24 +151,29 @@ class LoraCost:
     prefill: list[float]  # [rank]: extra fraction of a prefill
     adapters: int = 4  # distinct adapters the measured decode batches were spread over
 
-    def decode_factor(self, rank: int, batch_size: int) -> float:
+    def decode_factor(self, rank: int, batch_size: int, adapters: int = 1) -> float:
+        """A decode step of `batch_size` rows through `adapters` distinct adapters, the largest
+        of rank `rank`, over the plain step."""
         per_rank = [_clamped(self.batch_sizes, row, float(batch_size)) for row in self.decode]
-        return 1.0 + max(0.0, _by_rank(self.ranks, per_rank, rank))
+        segments = max(1.0, adapters / max(1, self.adapters))
+        return 1.0 + max(0.0, _by_rank(self.ranks, per_rank, rank)) * segments
 
     def prefill_factor(self, rank: int) -> float:
         return 1.0 + max(0.0, _by_rank(self.ranks, self.prefill, rank))
 
     @classmethod
-    def flat(cls, overhead: float, rank: int = 8) -> LoraCost:
-        """One overhead for every rank and batch (for profiles that are not measured)."""
-        return cls([rank], [1], [[overhead]], [overhead], adapters=1)
+    def flat(cls, overhead: float, rank: int = 8, adapters: int = 1) -> LoraCost:
+        """One overhead for every rank and batch (for profiles that are not measured), as
+        measured over `adapters` distinct adapters."""
+        return cls([rank], [1], [[overhead]], [overhead], adapters=adapters)
 
 
 # ASSUMPTION: a profile without a LoRA measurement (measured before the profiler did it, or by an
 # engine that serves no adapters, or derived for the simulator) charges adapter batches this
 # much: the upper end of what the torch engine measured on CPU at rank 8 (+9-28%,
-# bench/results/lora_small.json), so an unmeasured cost errs on the slow side.
-UNMEASURED_LORA = LoraCost.flat(0.3)
+# bench/results/lora_small.json, batches over four adapters), so an unmeasured cost errs on
+# the slow side.
+UNMEASURED_LORA = LoraCost.flat(0.3, adapters=4)
 
 
 @dataclass(frozen=True)
@@ -199,10 +212,10 @@ class Profile:
         seconds = self.prefill_s(input_len)
         return seconds * self.lora_prefill_factor(lora_rank) if lora_rank else seconds
 
-    def lora_decode_factor(self, rank: int, batch_size: int) -> float:
-        """A decode step of a batch whose largest adapter rank is `rank` takes this times the
-        plain batch's (1 for rank 0: no adapter in the batch)."""
-        return self.lora_cost().decode_factor(rank, batch_size) if rank > 0 else 1.0
+    def lora_decode_factor(self, rank: int, batch_size: int, adapters: int = 1) -> float:
+        """A decode step of a batch whose largest adapter rank is `rank`, through `adapters`
+        distinct adapters, takes this times the plain batch's (1 for rank 0: no adapter)."""
+        return self.lora_cost().decode_factor(rank, batch_size, adapters) if rank > 0 else 1.0
 
     def decode_s(self, batch_size: int, avg_len: float) -> float:
         if batch_size <= 0:

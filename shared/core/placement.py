@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
-from shared.core.evaluate import evaluate, node_check, slo_check
+from shared.core.evaluate import node_check, slo_check
+from shared.core.lora import admission_through
 from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.startup import StartupChoice, choose_startup, with_startup
-from shared.core.types import (Hardware, ModelSpec, NodeView, RequestView, first_token_due,
-                               token_deadline)
+from shared.core.types import (AdapterSpec, Hardware, ModelSpec, NodeView, RequestView,
+                               first_token_due, token_deadline)
 
 
 class PlaceAction(str, enum.Enum):
@@ -74,16 +75,17 @@ class NewInstanceSpot:
 
 def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[NodeView],
                        perf: PerfModel, now: float, config: CoreConfig,
-                       nodes: list[NodeView] | None = None) -> list[NewInstanceSpot]:
+                       nodes: list[NodeView] | None = None,
+                       adapter: AdapterSpec | None = None) -> list[NewInstanceSpot]:
     """Where a new instance goes first: CPU nodes first (§V); then nodes whose startup still lets
     the first token meet the TTFT SLO (the load itself is covered by the cold-start grace, a wait
     for memory is not); then bin-packing (§V): the node with the least free memory first, so used
     nodes fill up and empty ones stay empty (and can be given back). The shadow validation that
     follows decides whether the packed node can take the interference. Each node's load is
     the quicker of its own tiers and a multicast from the nodes of `nodes` holding the model
-    (`shared.core.startup`)."""
+    (`shared.core.startup`). A request through `adapter` loads it too."""
     spots = []
-    need = model.weight_bytes + kv_demand(model, [request])
+    need = model.weight_bytes + kv_demand(model, [request]) + (adapter.bytes if adapter else 0)
     for node in eligible:
         profile = perf.get(model.name, node.hardware)
         if profile is None:
@@ -108,7 +110,12 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
 
 
 def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: PerfModel,
-          now: float, config: CoreConfig, models: dict[str, ModelSpec] | None = None) -> PlacementPlan:
+          now: float, config: CoreConfig, models: dict[str, ModelSpec] | None = None,
+          adapter: AdapterSpec | None = None) -> PlacementPlan:
+    """`adapter`: the LoRA adapter the request runs through on an instance of `model` (its
+    backbone). Every candidate is judged as its node's admission will judge it
+    (`lora.admission_through`): the adapter's bytes where the instance lacks it, its load's wait,
+    the idle adapters the node would offload for it."""
     models = {**(models or {}), model.name: model}
     attempts: list[Attempt] = []
     eligible: list[NodeView] = []
@@ -124,7 +131,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     cands = binpack_order([(n, i) for n in eligible for i in n.instances
                            if i.model.name == model.name and i.accepts])
     for node, inst in cands:
-        adm = evaluate(node, inst.instance_id, request, model, perf, now, config)
+        adm = admission_through(node, inst.instance_id, request, model, adapter, perf, now, config)
         attempts.append(Attempt(node.node_id, inst.instance_id, adm.reason))
         if adm.ok:
             return PlacementPlan(PlaceAction.ROUTE, node.node_id, inst.instance_id, adm,
@@ -134,7 +141,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
         failed = {(a.node_id, a.instance_id): a.reason for a in attempts}  # each candidate's answer
         for node, inst in cands:
             pre = plan_preemption(node, inst, request, model, nodes, models, perf, now, config,
-                                  failed[node.node_id, inst.instance_id])
+                                  failed[node.node_id, inst.instance_id], adapter)
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
                                      pre.admission, pre.victims, pre.migrations, tuple(attempts),
@@ -147,8 +154,8 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     # such nodes out was tried (branch burst-nodup) and cut both ways in the simulator: 64x7B
     # SLO 0.982 -> 0.985, but a 13B registry burst dropped 17 instead of 3 of 61 requests the
     # copies had served inside their load grace. So it stays allowed.
-    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
-        adm = evaluate(spot.node, None, request, model, perf, now, config)
+    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes, adapter):
+        adm = admission_through(spot.node, None, request, model, adapter, perf, now, config)
         attempts.append(Attempt(spot.node.node_id, None, adm.reason, spot.startup_s, spot.free_bytes))
         if adm.ok:
             return PlacementPlan(PlaceAction.NEW_INSTANCE, spot.node.node_id, None, adm,

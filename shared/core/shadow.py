@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.iteration import distinct_adapters
 from shared.core.perf_model import Profile
 from shared.core.types import (InstanceStatus, InstanceView, RequestView, RunningIteration,
                                token_deadline)
@@ -49,7 +50,7 @@ INF = float("inf")
 
 class _SimRequest:
     __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late",
-                 "deadline", "lora_rank")
+                 "deadline", "lora_rank", "adapter")
 
     def __init__(self, r: RequestView) -> None:
         self.request_id = r.request_id
@@ -61,6 +62,7 @@ class _SimRequest:
         self.late = False  # lost with or without the newcomer: never counted against it
         self.deadline = r.deadline()  # kept current by `credit` (read on every step)
         self.lora_rank = r.lora_rank
+        self.adapter = r.adapter
 
     def prefill_s(self, profile: Profile) -> float:
         """Its prefill (of everything so far), through its adapter if it has one."""
@@ -155,56 +157,58 @@ def _decode_at(profile: Profile, requests: list[_SimRequest]):
     rank = max((r.lora_rank for r in requests), default=0)
     if not rank:
         return plain
-    factor = profile.lora_decode_factor(rank, n)
+    factor = profile.lora_decode_factor(rank, n, distinct_adapters(requests))
     return lambda avg_len: plain(avg_len) * factor
 
 
 def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-                       request: RequestView, overestimate: float) -> tuple[bool, float]:
-    """Case 3: is one decode step of every busy instance (the newcomer in the target's batch),
-    overestimated, longer than the tightest TPOT SLO on the node? Returns that and the round.
+                       request: RequestView | None, overestimate: float) -> tuple[bool, float]:
+    """Case 3: is one decode step of every busy instance (the newcomer, if any, in the target's
+    batch), overestimated, longer than the tightest TPOT SLO on the node? Returns that and the
+    round.
 
     The round only grows and the tightest SLO only shrinks as instances are added, so the first
     instance that tips it over decides; most nodes the placer rejects stop after a few.
     """
     total = 0.0
     scale = 1 + overestimate
-    tpot = request.slo.tpot_s
+    tpot = request.slo.tpot_s if request is not None else INF
     for inst in instances:
         if inst.status is InstanceStatus.HANDOVER:
             continue  # its requests are leaving: no round of the node's future holds them
         reqs = inst.requests
         n = len(reqs)
         context = sum(r.input_len + r.generated for r in reqs)
-        rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             tpot = min(tpot, min(r.slo.tpot_s for r in reqs))
-        if inst.instance_id == target_id:
+        if request is not None and inst.instance_id == target_id:
             n += 1
             context += request.input_len + request.generated
-            rank = max(rank, request.lora_rank)
+            reqs = [*reqs, request]
+        rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             profile = profiles[inst.instance_id]
             step = profile.decode_s(n, context / n)
-            total += step * profile.lora_decode_factor(rank, n) if rank else step
+            total += step * profile.lora_decode_factor(rank, n, distinct_adapters(reqs)) \
+                if rank else step
             if total * scale > tpot:
                 return True, total * scale
     return False, total * scale
 
 
 def _build(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-           request: RequestView) -> list[_SimInstance]:
+           request: RequestView | None) -> list[_SimInstance]:
     sim = []
     for inst in instances:
         reqs = [_SimRequest(r) for r in inst.requests]
-        if inst.instance_id == target_id:
+        if request is not None and inst.instance_id == target_id:
             reqs.append(_SimRequest(request))
         sim.append(_SimInstance(inst, profiles[inst.instance_id], reqs))
     return sim
 
 
 def _start_state(sim: list[_SimInstance], running: RunningIteration | None, busy_until: float,
-                 start: float, new_request_id: str) -> None:
+                 start: float, new_request_id: str | None) -> None:
     """Credit the iteration in flight with its tokens at `busy_until` (a token that comes after
     its deadline is late whatever the newcomer does), then mark every request already late.
     The newcomer is never written off: if it is already late, that is its miss (case 1)."""
@@ -241,20 +245,21 @@ def _missed(chosen: list[_SimRequest], t: float) -> list[_SimRequest]:
     return [r for r in chosen if not r.late and r.deadline - t < 0]
 
 
-def _verdict(missed: list[_SimRequest], new_request_id: str) -> AdmitReason:
+def _verdict(missed: list[_SimRequest], new_request_id: str | None) -> AdmitReason:
     first = missed[0]
     return AdmitReason.TTFT_MISS if first.request_id == new_request_id else AdmitReason.HEADROOM
 
 
 def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: CoreConfig,
-              new_request_id: str, blame_from: float) -> AdmitReason:
+              new_request_id: str | None, blame_from: float) -> AdmitReason:
     """Run the node's future on the copy. Misses in iterations that start before `blame_from`
-    (the newcomer's instance cannot run yet) are the node's own and only mark requests late."""
+    (the newcomer's instance cannot run yet) are the node's own and only mark requests late.
+    `new_request_id` None: there is no newcomer (`shadow_hold`)."""
     waiting = sum(1 for si in sim if si.leaves_at == INF
                   for r in si.requests if not r.prefilled and not r.late)
     last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
-    new_done = False
+    new_done = new_request_id is None
     steps = 0
     scale = 1 + config.overestimate
     while True:
@@ -321,3 +326,21 @@ def shadow_validate(instances: list[InstanceView], profiles: dict[str, Profile],
     _start_state(sim, running, busy_until, start, request.request_id)
     target = next(si for si in sim if si.instance_id == target_id)
     return _simulate(sim, round_s, start, config, request.request_id, max(start, target.ready_at))
+
+
+def shadow_hold(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
+                now: float, busy_until: float, config: CoreConfig,
+                running: RunningIteration | None = None) -> AdmitReason:
+    """The validation without a newcomer: may instance `target_id` run nothing until its
+    `ready_at` (set by the caller: a memory op of its own, such as an adapter pre-loaded onto it,
+    holds it up) without making a request on the node late that would otherwise be on time?
+    Misses in iterations that start before then are the node's own (the hold only gives the
+    other instances more time); from then on, as for an admission, every request must make its
+    deadlines until each has a decode round of slack. HEADROOM if not, HORIZON when that takes
+    more than `shadow_max_steps` iterations to decide."""
+    _, round_s = _round_over_budget(instances, profiles, target_id, None, config.overestimate)
+    start = max(now, busy_until)
+    sim = _build(instances, profiles, target_id, None)
+    _start_state(sim, running, busy_until, start, None)
+    target = next(si for si in sim if si.instance_id == target_id)
+    return _simulate(sim, round_s, start, config, None, max(start, target.ready_at))

@@ -109,6 +109,9 @@ class RequestView:
     # The rank of the LoRA adapter it runs through (0: the plain backbone). Its iterations cost
     # what the profile measured for that rank (`Profile.lora_decode_factor`).
     lora_rank: int = 0
+    # The adapter's name (None: none, or not known to the caller): a batch's LoRA cost grows
+    # with the distinct adapters it holds, and offloading spares the adapters requests run through.
+    adapter: str | None = None
 
     def deadline_base(self) -> float:
         """The deadline of the first token: ST + grace + TTFT_SLO."""
