@@ -28,15 +28,15 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
+from shared.core.cost import instance_profile, kv_demand, layout_spec
 from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
                                   new_instance_view, without_instances)
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
 from shared.core.lora import Artifact, CallRates, offload_order
-from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
-                                memop_seconds, watermark_target)
-from shared.core.modules import instance_profile, layout_spec
+from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, memop_seconds,
+                                watermark_target)
 from shared.core.perf_model import PerfModel
 from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
+from shared.core.cost import budget_room, kv_demand
 from shared.core.evaluate import cold_start_ready_at, evaluate, load_seconds, node_check, slo_check
-from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.startup import StartupChoice, choose_startup, with_startup
 from shared.core.types import Hardware, ModelSpec, NodeView, RequestView
@@ -94,7 +94,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         first_token = now + startup + profile.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)
         deadline = request.deadline() - request.grace_s + max(request.grace_s, load)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
-                                     node.memory_bytes - node.budget_bytes, choice))
+                                     budget_room(node), choice))
     if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)
         return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU,
                                             s.startup_s + max(0.0, s.node.busy_until - now),

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.evaluate import load_seconds
-from shared.core.modules import share_spec
+from shared.core.cost import helper_bytes, hosted_layer_bytes, stage_bytes  # noqa: F401
 from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
                                    multicast_seconds)
 from shared.core.perf_model import Profile
@@ -118,14 +118,6 @@ def pipeline_serve_steps(sources: int, receivers: int, blocks: int, need: int) -
     return max(got[b] for b in order[:need]) + 1
 
 
-def stage_bytes(model: ModelSpec) -> int:
-    """What a helper's stage may hold at most: every layer but one with their K/V for a full
-    context (the head node holds at least one layer when the pipeline starts)."""
-    remote = model.layers - 1
-    weights = share_spec(model, remote, model.layers, model.head_bytes, head=False).weight_bytes
-    return weights + model.kv_bytes_per_token * remote // model.layers * model.max_context
-
-
 def pipeline_helper(model: ModelSpec, sources: list[NodeView]) -> NodeView | None:
     """The source with the most free memory, if it has room for the stage (`stage_bytes`)."""
     need = stage_bytes(model)
@@ -156,23 +148,6 @@ def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: l
         + profile.engine_init_s
     return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
                         (helper.node_id,))
-
-
-def hosted_layer_bytes(model: ModelSpec) -> int:
-    """What hosting one layer for another receiver's instance adds on a receiver: that layer's
-    K/V for a full context (its own instance holds the layer's weights already)."""
-    return model.kv_bytes_per_token // max(1, model.layers) * model.max_context
-
-
-def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
-    """What each helper of `mode` holds for the instance: a DRAM holder the stage of every layer
-    it lacks (`stage_bytes`), a receiver its ranges' K/V (`hosted_layer_bytes`)."""
-    if not mode.ranges:
-        return {h: stage_bytes(model) for h in mode.helpers}
-    out: dict[str, int] = {}
-    for r in mode.ranges:
-        out[r.helper] = out.get(r.helper, 0) + (r.end - r.start) * hosted_layer_bytes(model)
-    return out
 
 
 def receivers_in_order(model: ModelSpec, nodes: list[NodeView], exclude: str = "") -> list[NodeView]:
