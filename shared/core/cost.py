@@ -300,6 +300,18 @@ def layout_spec(layout: InstanceLayout) -> ModelSpec:
     return share_spec(spec, layout.local_layers(), spec.layers, spec.head_bytes, head=True)
 
 
+def kv_ceiling(inst: InstanceView) -> int | None:
+    """The most K/V the instance may hold on its node (None: no ceiling but its node's memory).
+    The stages of a split or replicated instance on other nodes mirror its pool's block count,
+    and their hosts reserved their share of the pool as it was when they took the layers
+    (`stage_share_bytes`, `NodeScheduler.hold`); a larger pool here would grow them beyond
+    what their hosts' ledgers approved. So it keeps the pool it has until its layers are back
+    (a request that needs more goes elsewhere, or waits for the take)."""
+    if inst.layout is None or not inst.layout.runs:
+        return None
+    return inst.kv_bytes
+
+
 def stage_share_bytes(inst: InstanceView, layers: int) -> int:
     """A stage of `layers` of the instance on another node: their weights and their share of
     the instance's K/V pool (the stage's pool mirrors the instance's block count)."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.cost import budget_room, contended, instance_profile, kv_demand
+from shared.core.cost import budget_room, contended, instance_profile, kv_ceiling, kv_demand
 from shared.core.memory import UNLOAD_S, watermark_target
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.shadow import shadow_validate
@@ -54,6 +54,8 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
     need = kv_demand(spec, [*instance.requests, request])
     if instance.kv_bytes >= need:
         return Admission(AdmitReason.ADMITTED)
+    if kv_ceiling(instance) is not None:  # its stages' hosts reserved no more (issue 22 #1)
+        return Admission(AdmitReason.MEMORY)
     recommend = watermark_target(instance.kv_bytes, need, config.watermark) or need
     current_total = (spec.weight_bytes + instance.kv_bytes) if instance.instance_id != NEW_INSTANCE_ID else 0
     headroom_bytes = budget_room(node) + current_total

@@ -28,7 +28,7 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
-from shared.core.cost import instance_profile, kv_demand, layout_spec
+from shared.core.cost import instance_profile, kv_ceiling, kv_demand, layout_spec
 from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
                                   new_instance_view, without_instances)
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
@@ -409,6 +409,8 @@ class NodeScheduler:
         """Underestimation (§VII-D): try to scale up again; None if the node has no room."""
         spec = inst.model
         need = max(tokens * spec.kv_bytes_per_token, kv_demand(spec, inst.requests))
+        if kv_ceiling(inst) is not None:
+            return None  # its stages' hosts reserved no more: evict instead (issue 22 #1)
         target = int(need * (1 + self.config.watermark))
         for size in (target, need):
             if self.ledger.fits(inst.instance_id, spec.weight_bytes + size):
