@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from shared.core.config import CoreConfig
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
-from shared.core.types import (Hardware, InstanceLayout, InstanceView, LayerRun, ModelSpec,
-                               NodeView, PipelineMode, RequestView)
+from shared.core.types import (Hardware, InstanceLayout, InstanceStatus, InstanceView, LayerRun,
+                               ModelSpec, NodeView, PipelineMode, RequestView)
 
 
 # -- K/V demand (SLINFER §VII, eq. 2) -------------------------------------------------------------
@@ -239,6 +239,39 @@ def decode_round_s(node: NodeView, serving: list[InstanceView], perf: PerfModel,
     return total * (1 + config.overestimate)
 
 
+def serves(inst: InstanceView) -> bool:
+    """Does the instance take part in its node's decode rounds (requests it keeps)?"""
+    return bool(inst.requests) and inst.status is not InstanceStatus.HANDOVER
+
+
+def round_fits(node: NodeView, load: float, perf: PerfModel | None, config: CoreConfig) -> bool:
+    """Would the node's busy instances still fit one decode round each within their tightest
+    TPOT SLO (SLINFER's case 3) while stages it hosts take `load` of its compute (all of them:
+    what it hosts already and what it would take on)? Without profiles (`perf` None) only a
+    node with nothing to serve can say yes."""
+    busy = [i for i in node.instances if serves(i)]
+    if not busy:
+        return True
+    if perf is None or load >= 1:
+        return False
+    return decode_round_s(node, busy, perf, contended(config, load)) <= \
+        min(tightest_tpot(i) for i in busy)
+
+
+def pipeline_helper_loads(model: ModelSpec, mode: PipelineMode) -> dict[str, float]:
+    """The share of each helper's compute a pipelined instance's stage on it takes while the
+    instance steps back to back: the layers it runs over the model's (a DRAM holder every layer
+    but the one the head node starts with, `stage_bytes`; a receiver its ranges). The hops make
+    each step longer than the layers' compute, so this is the ceiling (`stage_load`'s share)."""
+    layers = max(1, model.layers)
+    if not mode.ranges:
+        return {h: (layers - 1) / layers for h in mode.helpers}
+    out: dict[str, float] = {}
+    for r in mode.ranges:
+        out[r.helper] = out.get(r.helper, 0.0) + (r.end - r.start) / layers
+    return out
+
+
 def avg_context(inst: InstanceView) -> float:
     """The average context of the instance's requests (1 with none: a decode step's length)."""
     if not inst.requests:
@@ -344,6 +377,13 @@ def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
     for r in mode.ranges:
         out[r.helper] = out.get(r.helper, 0) + (r.end - r.start) * hosted_layer_bytes(model)
     return out
+
+
+def multicast_step_s(model_bytes: int, blocks: int, link_bytes_per_s: float,
+                     config: CoreConfig) -> float:
+    """One step of a multicast of a checkpoint in `blocks` blocks: a block over the link plus
+    the step's fixed latency (λScale §4.2)."""
+    return model_bytes / blocks / link_bytes_per_s + config.multicast_step_latency_s
 
 
 def budget_room(node: NodeView) -> int:

@@ -22,15 +22,18 @@ and memory models.
 A host's compute. A stage runs its layers for every iteration of the instance, on the host's
 compute. The host measures the share its stages take (each stage's busy fraction over the
 core's `busy_window_s`) and reports the sum (`NodeView.stage_load`), which its shadow validation
-counts (`evaluate.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
+counts (`cost.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
 not placed yet has no measurement: its load is predicted (`predicted_load`) as the owner's
 measured busy fraction (`InstanceView.busy`, grown by the hops the move adds) times the stage's
 share of a step (`modules.stage_load`, the ceiling: its share were the owner busy all the time);
 the host reports the prediction until it has measured the stage for a window. A shed or a
 replica goes only to a host whose own busy instances still fit one decode round each within
 their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
-then take at most `max_host_load`. (A replica yields: it is dropped once the host's own requests
-run late, so the host does not count it.)
+then take at most `max_host_load`, and where the requests the host already admitted still meet
+their deadlines with the stage's work (`shadow.admitted_hold`). The shedding instance's own node
+is checked the same way with the hops the shed adds (its round, SLINFER's case 3, and its
+admitted requests' deadlines), not the shedding instance alone. (A replica yields: it is
+dropped once the host's own requests run late, so the host does not count it.)
 
 One plan per instance per call, and none for an instance with a move under way (`busy`): each
 plan changes the views the next one is decided on. Every plan keeps the nodes' memory safe by
@@ -45,14 +48,17 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
+from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_round_s,
-                              decode_step_s, free_bytes, kv_demand, layout_replication,
-                              layout_spec, plan_layer_move, stage_load, stage_share_bytes,
-                              tightest_tpot)
+from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
+                              free_bytes, kv_demand, layout_replication, layout_spec,
+                              plan_layer_move, round_fits, serves, stage_load,
+                              stage_share_bytes, tightest_tpot)
+from shared.core.evaluate import node_profiles
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
                                  scale_up, speedup)
 from shared.core.perf_model import PerfModel, Profile
+from shared.core.shadow import admitted_hold
 from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
                                NodeView, RequestView)
 
@@ -249,17 +255,22 @@ def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
     total = room.load[host.node_id] + load
     if not replica and total > settings.max_host_load:
         return False
-    serving = [i for i in host.instances if _serves(i)]
-    if not serving:
-        return True
-    if total >= 1:
+    return round_fits(host, total, perf, config)
+
+
+def _keeps_promises(node: NodeView, instances: list[InstanceView], load: float, perf: PerfModel,
+                    config: CoreConfig, now: float) -> bool:
+    """Would the requests `node` already admitted still meet their deadlines, and its busy
+    instances one decode round within their tightest TPOT, with its instances as `instances`
+    (one of them with its layers shed, say) and its hosted stages taking `load` of its compute
+    (`shadow.admitted_hold`, as its own validation would see it)?"""
+    if load >= 1:
+        return not any(serves(i) for i in instances)
+    profiles = node_profiles(replace(node, instances=instances), perf)
+    if profiles is None:
         return False
-    return decode_round_s(host, serving, perf, contended(config, total)) <= \
-        min(tightest_tpot(i) for i in serving)
-
-
-def _serves(inst: InstanceView) -> bool:
-    return bool(inst.requests) and inst.status is not InstanceStatus.HANDOVER
+    return admitted_hold(instances, profiles, now, node.busy_until, contended(config, load),
+                         node.running) is AdmitReason.ADMITTED
 
 
 # -- memory pressure ---------------------------------------------------------------------------
@@ -329,12 +340,16 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
                           owner_bytes_after=move.source_bytes_after,
                           why=f"memory pressure: {deficit} bytes short")
         after = plan.layout_after(inst, "", settings)
-        if not _meets_tpot(inst, after, perf, node, config):
-            continue
+        if not _meets_tpot(inst, after, perf, node, config) or not _keeps_promises(
+                node, [replace(i, layout=after) if i is inst else i for i in node.instances],
+                node.stage_load, perf, config, now):
+            continue  # its own batch, or its node's round or admitted requests, would suffer
         load = predicted_load(inst, profile, after, config, now)
         hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
                  and not n.draining and free[n.node_id] >= move.dest_bytes
-                 and _host_fits(n, load, perf, config, settings, free)]
+                 and _host_fits(n, load, perf, config, settings, free)
+                 and _keeps_promises(n, n.instances, free.load[n.node_id] + load, perf, config,
+                                     now)]
         if not hosts:
             continue
         host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))

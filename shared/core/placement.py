@@ -87,7 +87,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         if profile is None:
             continue
         choice = choose_startup(node, model, profile, nodes if nodes is not None else eligible,
-                                config)
+                                config, perf)
         node = with_startup(node, model.name, choice)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
@@ -175,7 +175,7 @@ def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: 
         if node.hardware in warm and now + prefill <= request.deadline():
             return False
         load = choose_startup(node, model, p, nodes if nodes is not None else eligible,
-                              config).load_s
+                              config, perf).load_s
         if now + load + prefill <= no_grace + max(request.grace_s, load):
             return False
     return True

@@ -158,7 +158,7 @@ def _decode_at(profile: Profile, requests: list[_SimRequest]):
 
 
 def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-                       request: RequestView, overestimate: float) -> tuple[bool, float]:
+                       request: RequestView | None, overestimate: float) -> tuple[bool, float]:
     """Case 3: is one decode step of every busy instance (the newcomer in the target's batch),
     overestimated, longer than the tightest TPOT SLO on the node? Returns that and the round.
 
@@ -167,7 +167,7 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
     """
     total = 0.0
     scale = 1 + overestimate
-    tpot = request.slo.tpot_s
+    tpot = request.slo.tpot_s if request is not None else INF
     for inst in instances:
         if inst.status is InstanceStatus.HANDOVER:
             continue  # its requests are leaving: no round of the node's future holds them
@@ -177,7 +177,7 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
         rank = max((r.lora_rank for r in reqs), default=0)
         if n:
             tpot = min(tpot, min(r.slo.tpot_s for r in reqs))
-        if inst.instance_id == target_id:
+        if inst.instance_id == target_id and request is not None:
             n += 1
             context += request.input_len + request.generated
             rank = max(rank, request.lora_rank)
@@ -191,11 +191,11 @@ def _round_over_budget(instances: list[InstanceView], profiles: dict[str, Profil
 
 
 def _build(instances: list[InstanceView], profiles: dict[str, Profile], target_id: str,
-           request: RequestView) -> list[_SimInstance]:
+           request: RequestView | None) -> list[_SimInstance]:
     sim = []
     for inst in instances:
         reqs = [_SimRequest(r) for r in inst.requests]
-        if inst.instance_id == target_id:
+        if inst.instance_id == target_id and request is not None:
             reqs.append(_SimRequest(request))
         sim.append(_SimInstance(inst, profiles[inst.instance_id], reqs))
     return sim
@@ -252,7 +252,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
                   for r in si.requests if not r.prefilled and not r.late)
     last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
-    new_done = False
+    new_done = not new_request_id  # (no newcomer: `admitted_hold`)
     steps = 0
     scale = 1 + config.overestimate
     while True:
@@ -317,3 +317,20 @@ def shadow_validate(instances: list[InstanceView], profiles: dict[str, Profile],
     _start_state(sim, running, busy_until, start, request.request_id)
     target = next(si for si in sim if si.instance_id == target_id)
     return _simulate(sim, round_s, start, config, request.request_id, max(start, target.ready_at))
+
+
+def admitted_hold(instances: list[InstanceView], profiles: dict[str, Profile], now: float,
+                  busy_until: float, config: CoreConfig,
+                  running: RunningIteration | None = None) -> AdmitReason:
+    """The node's admitted requests, with no newcomer, under `profiles` (a change of what its
+    iterations cost: a stage taking some of its compute, hops added to an instance): TPOT_BUDGET
+    when a decode round of its busy instances exceeds their tightest TPOT SLO (case 3),
+    HEADROOM when one of them would miss a deadline it still meets as things are (case 2),
+    else ADMITTED. Requests already late at the start are not counted."""
+    over, round_s = _round_over_budget(instances, profiles, "", None, config.overestimate)
+    if over:
+        return AdmitReason.TPOT_BUDGET
+    start = max(now, busy_until)
+    sim = _build(instances, profiles, "", None)
+    _start_state(sim, running, busy_until, start, "")
+    return _simulate(sim, round_s, start, config, "", start)

@@ -3,12 +3,21 @@ each test failed on the code before its fix."""
 
 from __future__ import annotations
 
-from shared.core.cost import kv_demand, layer_weight_bytes, plan_layer_move
+from dataclasses import replace
+
+from shared.core.config import CoreConfig
+from shared.core.cost import (contended, decode_round_s, kv_demand, layer_weight_bytes,
+                              pipeline_helper_loads, plan_layer_move)
+from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModuleSettings,
+                                        plan_module_scaling)
 from shared.core.modules import stage_key
+from shared.core.placement import place
+from shared.core.startup import StartupMethod, choose_startup, stage_bytes, with_startup
 from shared.core.types import Hardware, InstanceLayout, LayerRun
 
-from .factories import GB, loaded, node, perf_for, request
-from .test_module_scaling import HEAD, LAYERS, drain, proportional, spec
+from .factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, flat_profile, loaded, model, node,
+                        perf_for, request, tiered_gpu)
+from .test_module_scaling import CONFIG, HEAD, LAYERS, SETTINGS, drain, proportional, spec
 
 
 def _moved_kv(inst, moved: int) -> int:
@@ -51,3 +60,125 @@ def test_a_split_instance_never_grows_kv_beyond_what_its_stages_host_reserved():
         drain(owner, res.start_ops)
         assert _moved_kv(inst, 4) <= reserved, f"after {k} admissions"
     assert owner.ledger.allocated(iid) <= owner.node.memory_bytes
+
+
+# -- #3: an execute-while-load helper's compute is counted nowhere ------------------------------
+
+
+def _busy_holder(node_id: str = "g0", tpot: float = 0.025, holds: dict | None = None,
+                 memory_gb: float = 80, link: float = 12.5 * GB):
+    """A node holding the model `m` in its DRAM tier (or as `holds` says) and serving a batch of
+    another model `o`: one decode round of 0.022 s (with the overestimate) against `tpot`."""
+    other = flat_profile("o", Hardware.GPU, decode_s=0.02)
+    perf = perf_for(SPLIT_PROFILE, other)
+    sched = node(node_id, Hardware.GPU, memory_gb, perf)
+    loaded(sched, None, request("busy", model_name="o", tpot=tpot), model("o"))
+    view = sched.view()
+    view.storage = tiered_gpu(node_id, link, {"m": "dram"} if holds is None else holds).storage
+    return view, perf
+
+
+def test_a_busy_holder_whose_round_would_break_its_tpot_with_the_stage_is_no_pipeline_helper():
+    """Issue 22 #3: the holder's round is 0.022 s against a 0.025 s TPOT; running 31 of the
+    model's 32 layers for the new instance takes 31/32 of its compute, its round would be
+    0.70 s. Before the fix it was chosen as the pipeline's helper anyway (by free memory)."""
+    cfg = CoreConfig(enable_pipeline=True)
+    holder, perf = _busy_holder()
+    busy = [i for i in holder.instances if i.requests]
+    assert round(decode_round_s(holder, busy, perf, cfg), 3) == 0.022
+    load = 31 / 32
+    assert round(decode_round_s(holder, busy, perf, contended(cfg, load)), 2) == 0.70
+    fresh = tiered_gpu("g1", 12.5 * GB)
+    plan = place(request("new", tpot=1.0, ttft=30.0), SPLIT_SPEC, [holder, fresh], perf, 0.0,
+                 cfg)
+    assert plan.node_id == "g1" and plan.startup is not None
+    assert plan.startup.method is not StartupMethod.PIPELINE, plan.startup
+    # An idle holder helps, and the stage's share of its compute is what it counts.
+    idle = replace(holder, instances=[])
+    choice = choose_startup(fresh, SPLIT_SPEC, SPLIT_PROFILE, [idle, fresh], cfg, perf)
+    assert choice.method is StartupMethod.PIPELINE
+    assert pipeline_helper_loads(SPLIT_SPEC, choice.pipeline) == {"g0": load}
+
+
+def test_a_busy_receiver_hosts_no_layers_of_another_receivers_pipeline():
+    """Issue 22 #3, receiver pipelines: the receiver that joined first would host the layers the
+    second lacks; when its own round (0.022 s) would break its 0.025 s TPOT with them, the
+    second waits for its copy instead (before the fix: chosen by its free memory alone)."""
+    link = 2.5 * GB
+    cfg = CoreConfig(enable_pipeline=True, enable_receiver_pipelines=True)
+    cramped = stage_bytes(SPLIT_SPEC) / GB * 0.5  # no source has room for a holder's stage
+    sources = [tiered_gpu(s, link, {"m": "dram"}, memory_gb=cramped) for s in ("s0", "s1")]
+    first, perf = _busy_holder("g1", holds={}, link=link)
+    second = tiered_gpu("g2", link)
+    nodes = [*sources, first, second]
+    c1 = choose_startup(first, SPLIT_SPEC, SPLIT_PROFILE, nodes, cfg, perf)
+    nodes[2] = with_startup(first, "m", c1)
+    idle = replace(nodes[2], instances=[])
+    helped = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE, [*sources, idle, second], cfg,
+                            perf)
+    assert helped.method is StartupMethod.PIPELINE and helped.pipeline.helpers == ("g1",)
+    assert 0 < pipeline_helper_loads(SPLIT_SPEC, helped.pipeline)["g1"] < 1
+    c2 = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE, nodes, cfg, perf)
+    assert c2.method is not StartupMethod.PIPELINE, c2
+
+
+# -- #6: a CoCoServe shed is checked against the shedding instance alone -----------------------
+
+
+def _serving(sched, name: str, batch: int, tpot: float = 0.25, ttft: float = 60.0) -> str:
+    iid = None
+    for k in range(batch):
+        iid = loaded(sched, iid, request(f"{name}{k}", model_name=name, ttft=ttft, tpot=tpot),
+                     spec(name=name))
+    return iid
+
+
+def test_a_shed_that_breaks_its_owner_nodes_decode_round_is_not_planned():
+    """Issue 22 #6: two instances on the owner, five requests each, 0.02 s per request: a round
+    of 0.220 s (with the overestimate) against a 0.25 s TPOT. Shedding either one's layers adds
+    two hops (0.02 s each) to its step: 0.154 s alone (fine), but the node's round becomes
+    0.264 s. Before the fix the shed was planned anyway."""
+    perf = perf_for(proportional("m"), proportional("y"))
+    owner = node("a", Hardware.CPU, 16, perf)
+    host = node("b", Hardware.CPU, 16, perf)
+    _serving(owner, "m", 5)
+    _serving(owner, "y", 5)
+    view = owner.view()
+    busy = [i for i in view.instances if i.requests]
+    assert round(decode_round_s(view, busy, perf, CONFIG), 3) == 0.220
+    slow_hops = ModuleSettings(hop_latency_s=0.02, link_bytes_per_s=1e10)
+    deficit = layer_weight_bytes(spec(), LAYERS, HEAD) // 2
+    plans = plan_module_scaling([view, host.view()], perf, 0.0,
+                                [MemoryPressure("a", deficit)], slow_hops, CONFIG)
+    assert plans == []
+    # The same shed on an owner whose other instance is idle meets the round: planned.
+    alone = replace(view, instances=[i for i in view.instances if i.model.name == "m"])
+    [plan] = plan_module_scaling([alone, host.view()], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], slow_hops, CONFIG)
+    assert plan.action is ModuleAction.SHED
+
+
+def test_a_shed_goes_to_no_host_whose_admitted_request_would_miss_its_ttft():
+    """Issue 22 #6: the host already admitted a request whose prefill (0.4 s, 0.44 s with the
+    overestimate) is due by 0.48 s; the stage's share of the host's compute (1/8) makes it
+    0.503 s. The host's round (0.022 s against 0.25 s) still fits, so before the fix the shed
+    went there anyway."""
+    perf = perf_for(proportional("m"), proportional("y"))
+    owner = node("a", Hardware.CPU, 16, perf)
+    host = node("b", Hardware.CPU, 16, perf)
+    _serving(owner, "m", 1)
+    _serving(host, "y", 1)
+    host_view = host.view()
+    [inst] = host_view.instances
+    waiting = replace(inst.requests[0], input_len=4000, grace_s=0.0, prefilled=False,
+                      slo=replace(inst.requests[0].slo, ttft_s=0.48))
+    inst.requests = [waiting]
+    deficit = layer_weight_bytes(spec(), LAYERS, HEAD) // 2
+    plans = plan_module_scaling([owner.view(), host_view], perf, 0.0,
+                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    assert plans == []
+    # With a TTFT it meets with the stage's work too, the shed goes there.
+    inst.requests = [replace(waiting, slo=replace(waiting.slo, ttft_s=0.6))]
+    [plan] = plan_module_scaling([owner.view(), host_view], perf, 0.0,
+                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    assert plan.host_node == "b" and plan.load == 1 / LAYERS
