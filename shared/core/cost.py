@@ -172,8 +172,13 @@ def instance_profile(perf: PerfModel, inst: InstanceView, hardware: Hardware) ->
     """The profile an instance's iterations are predicted with (its layout's, if split; with
     the pipeline's hops while it serves through one, λScale's execute-while-load)."""
     profile = perf.get(inst.model.name, hardware)
-    if profile is None:
-        return None
+    return None if profile is None else own_profile(profile, inst)
+
+
+def own_profile(profile: Profile, inst: InstanceView) -> Profile:
+    """`profile` (of the instance's model on its node's hardware) with what the instance adds to
+    each iteration: the pipeline's hops while it serves through one, its layout's replicas and
+    hops (`instance_profile` on a given profile)."""
     mode = inst.pipeline
     if mode is not None:
         profile = pipeline_profile(profile, mode.hops, HopCost(
@@ -216,6 +221,14 @@ def contended(config: CoreConfig, stage_load: float) -> CoreConfig:
     if stage_load >= 1:
         return replace(config, overestimate=math.inf)
     return replace(config, overestimate=(1 + config.overestimate) / (1 - stage_load) - 1)
+
+
+def contention(stage_load: float) -> float:
+    """How much longer an iteration takes on a node whose hosted stages take `stage_load` of its
+    compute: 1 / (1 - load), what `contended` applies to its validation (infinite at 1)."""
+    if stage_load <= 0:
+        return 1.0
+    return math.inf if stage_load >= 1 else 1 / (1 - stage_load)
 
 
 def decode_step_s(inst: InstanceView, layout: InstanceLayout | None, profile: Profile,

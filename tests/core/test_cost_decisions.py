@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shared.core.config import CoreConfig
-from shared.core.cost import (contended, decode_round_s, kv_demand, layer_weight_bytes,
-                              pipeline_helper_loads, plan_layer_move)
+from shared.core.calibration import DECODE, PREFILL, Calibrator, baseline_s, calibrated
+from shared.core.cost import (contended, decode_round_s, instance_profile, kv_demand,
+                              layer_weight_bytes, pipeline_helper_loads, plan_layer_move)
+from shared.core.iteration import IterationChoice, IterationKind, predict_seconds
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModuleSettings,
                                         plan_module_scaling)
 from shared.core.modules import stage_key
@@ -182,3 +184,40 @@ def test_a_shed_goes_to_no_host_whose_admitted_request_would_miss_its_ttft():
     [plan] = plan_module_scaling([owner.view(), host_view], perf, 0.0,
                                  [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
     assert plan.host_node == "b" and plan.load == 1 / LAYERS
+
+
+# -- #10: online calibration double-counts hops and host contention -----------------------------
+
+
+def _decided_s(perf, cal, choice, inst, config, stage_load: float) -> float:
+    """The iteration's time as the node's decisions see it once the calibration is in: the
+    calibrated profile with the instance's hops (`instance_profile`), contended by the node's
+    stage load, without the overestimate."""
+    base = perf.get(inst.model.name, Hardware.CPU)
+    fixed = perf_for(calibrated(base, cal.factor("m", PREFILL), cal.factor("m", DECODE)))
+    profile = instance_profile(fixed, inst, Hardware.CPU)
+    scale = (1 + contended(config, stage_load).overestimate) / (1 + config.overestimate)
+    return predict_seconds(choice, inst, profile) * scale
+
+
+def test_calibration_on_a_stage_host_learns_nothing_the_core_already_applies():
+    """Issue 22 #10: a split instance (two hops an iteration) on a node whose hosted stages take
+    half its compute runs exactly as the core's model says: its profile, plus the hops, over
+    1 - 0.5. Before the fix the baseline left the hops and the contention out, so the node
+    learnt a factor of about 1/(1-L) = 2 and its decisions then applied the contention again."""
+    perf = perf_for(proportional())
+    sched = node("a", Hardware.CPU, 16, perf)
+    iid = _serving(sched, "m", 4)
+    sched.set_layout(iid, InstanceLayout(spec(), (LayerRun(6, 8, "b", "b:1"),), 2e-3, 1e9), 0.0)
+    inst = sched.node.instance(iid)
+    load = 0.5
+    choice = IterationChoice(iid, IterationKind.DECODE, tuple(r.request_id for r in inst.requests),
+                             1.0)
+    true_s = predict_seconds(choice, inst, instance_profile(perf, inst, Hardware.CPU)) / (1 - load)
+    cal = Calibrator()
+    base = perf.get("m", Hardware.CPU)
+    for k in range(200):
+        cal.observe("m", DECODE, baseline_s(choice, inst, base, load), true_s, now=float(k) / 10)
+    assert cal.factor("m", DECODE) == 1.0
+    decided = _decided_s(perf, cal, choice, inst, CONFIG, load)
+    assert abs(decided / true_s - 1) < 1e-9
