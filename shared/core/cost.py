@@ -186,6 +186,13 @@ def own_profile(profile: Profile, inst: InstanceView) -> Profile:
     return layout_profile(profile, inst.layout)
 
 
+def run_layer_work(run: LayerRun, degrees: list[int]) -> float:
+    """Layers' worth of one step a run computes on its host: each of its layers, over its
+    replica count where the run is a replica (the batch is split among a layer's replicas);
+    `degrees` is `layout_replication(layout).degrees()`."""
+    return sum(1 / degrees[i] if run.replica else 1 for i in range(run.start, run.end))
+
+
 def stage_load(profile: Profile, layout: InstanceLayout, run: LayerRun) -> float:
     """The share of its host's compute a stage of the instance (`run`, in `layout`) may take
     while the instance runs iterations back to back: the stage's layers' work in one decode step
@@ -196,7 +203,7 @@ def stage_load(profile: Profile, layout: InstanceLayout, run: LayerRun) -> float
     owner's hardware kind, so one profile prices both."""
     layers = layout.model.layers
     degrees = layout_replication(layout).degrees()
-    share = sum(1 / degrees[i] if run.replica else 1 for i in range(run.start, run.end)) / layers
+    share = run_layer_work(run, degrees) / layers
     step = layout_profile(profile, layout)
     dec = profile.decode
     worst = 0.0
@@ -340,6 +347,13 @@ def plan_layer_move(spec: ModelSpec, kv_bytes: int, kv_used_bytes: int, layers: 
     return LayerMove(here - dest, dest, moved * layer + kv_used_bytes * moved // layers_here)
 
 
+def kv_for_layers(kv_bytes: int, layers_before: int, layers_after: int) -> int:
+    """A split instance's K/V pool on its node once it runs `layers_after` layers there instead
+    of `layers_before`: the pool is per layer with the block count kept, rounded up so the
+    engine keeps every block (`NodeScheduler.set_layout`)."""
+    return -(-kv_bytes * layers_after // layers_before)
+
+
 def layout_spec(layout: InstanceLayout) -> ModelSpec:
     """What the instance's own node holds of it: its local layers' weights and K/V, the head."""
     spec = layout.model
@@ -393,10 +407,10 @@ def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
 
 
 def multicast_step_s(model_bytes: int, blocks: int, link_bytes_per_s: float,
-                     config: CoreConfig) -> float:
+                     step_latency_s: float) -> float:
     """One step of a multicast of a checkpoint in `blocks` blocks: a block over the link plus
     the step's fixed latency (λScale §4.2)."""
-    return model_bytes / blocks / link_bytes_per_s + config.multicast_step_latency_s
+    return model_bytes / blocks / link_bytes_per_s + step_latency_s
 
 
 def budget_room(node: NodeView) -> int:

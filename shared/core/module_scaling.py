@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
-                              free_bytes, kv_demand, layout_replication, layout_spec,
-                              plan_layer_move, round_fits, serves, stage_load,
+                              free_bytes, kv_demand, kv_for_layers, layout_replication,
+                              layout_spec, plan_layer_move, round_fits, serves, stage_load,
                               stage_share_bytes, tightest_tpot)
 from shared.core.evaluate import node_profiles
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
@@ -535,7 +535,7 @@ def _take_plan(node: NodeView, inst: InstanceView, overloaded: set[str],
     after = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if r != run))
     here, back = inst.layout.local_layers(), after.local_layers()
     spec = layout_spec(after) if back < after.model.layers else after.model
-    owner_after = spec.weight_bytes + -(-inst.kv_bytes * back // here)
+    owner_after = spec.weight_bytes + kv_for_layers(inst.kv_bytes, here, back)
     need = owner_after - (inst.model.weight_bytes + inst.kv_bytes)
     headroom = 0 if run.node_id in overloaded else settings.take_headroom * node.memory_bytes
     if free[node.node_id] - need < headroom:

@@ -28,7 +28,8 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
-from shared.core.cost import instance_profile, kv_ceiling, kv_demand, layout_spec
+from shared.core.cost import (instance_profile, kv_ceiling, kv_demand, kv_for_layers,
+                              layout_spec)
 from shared.core.evaluate import (evaluate, handing_over, handover_ready_at, load_seconds,
                                   new_instance_view, without_instances)
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
@@ -600,7 +601,7 @@ class NodeScheduler:
         if not 0 < after <= full.layers:
             raise ValueError(f"an instance keeps 1 to {full.layers} layers here, not {after}")
         spec = layout_spec(layout) if after < full.layers else full  # replicas move nothing off
-        kv = -(-inst.kv_bytes * after // before)
+        kv = kv_for_layers(inst.kv_bytes, before, after)
         ok, ops = self.ledger.request(MemOpKind.SCALE, instance_id, spec.weight_bytes + kv, now)
         if not ok:
             return False, []

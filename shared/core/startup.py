@@ -152,7 +152,7 @@ def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: l
     blocks = config.multicast_blocks
     link = min(n.storage.multicast_bytes_per_s for n in [*sources, node])
     steps = pipeline_serve_steps(len(sources), receivers, blocks, head_blocks(model, blocks))
-    step_s = multicast_step_s(model.weight_bytes, blocks, link, config)
+    step_s = multicast_step_s(model.weight_bytes, blocks, link, config.multicast_step_latency_s)
     serve = config.multicast_setup_s + steps * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
     return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
@@ -206,7 +206,8 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
             return None  # (the plan ignored a refusal: never loop on it)
         room.update({by_name[h]: -1 for h in busy})  # it has no compute to spare: no room
     link = min(x.storage.multicast_bytes_per_s for x in [*sources, *order])
-    step_s = multicast_step_s(model.weight_bytes, len(cut), link, config)
+    step_s = multicast_step_s(model.weight_bytes, len(cut), link,
+                              config.multicast_step_latency_s)
     serve = config.multicast_setup_s + plan.serve_step * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
     return replace(mode, hop_bytes_per_s=link, until=serve)
