@@ -364,12 +364,16 @@ def kv_ceiling(inst: InstanceView) -> int | None:
     """The most K/V the instance may hold on its node (None: no ceiling but its node's memory).
     The stages of a split or replicated instance on other nodes mirror its pool's block count,
     and their hosts reserved their share of the pool as it was when they took the layers
-    (`stage_share_bytes`, `NodeScheduler.hold`); a larger pool here would grow them beyond
-    what their hosts' ledgers approved. So it keeps the pool it has until its layers are back
-    (a request that needs more goes elsewhere, or waits for the take)."""
+    (`LayerRun.kv_bytes`, `stage_share_bytes`, `NodeScheduler.hold`); a larger pool here would
+    grow them beyond what their hosts' ledgers approved. So its pool may grow (back) only to
+    what each run's reservation covers, per layer, for its local layers; a run whose
+    reservation is not known holds it at the pool it has (a request that needs more goes
+    elsewhere, or waits until the layers are back)."""
     if inst.layout is None or not inst.layout.runs:
         return None
-    return inst.kv_bytes
+    local = inst.layout.local_layers()
+    return min(r.kv_bytes * local // (r.end - r.start) if r.kv_bytes > 0 else inst.kv_bytes
+               for r in inst.layout.runs)
 
 
 def stage_share_bytes(inst: InstanceView, layers: int) -> int:

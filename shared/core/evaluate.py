@@ -54,9 +54,12 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
     need = kv_demand(spec, [*instance.requests, request])
     if instance.kv_bytes >= need:
         return Admission(AdmitReason.ADMITTED)
-    if kv_ceiling(instance) is not None:  # its stages' hosts reserved no more (issue 22 #1)
+    ceiling = kv_ceiling(instance)  # its stages' hosts reserved no more (issue 22 #1)
+    if ceiling is not None and need > ceiling:
         return Admission(AdmitReason.MEMORY)
     recommend = watermark_target(instance.kv_bytes, need, config.watermark) or need
+    if ceiling is not None:
+        recommend = min(recommend, ceiling)
     current_total = (spec.weight_bytes + instance.kv_bytes) if instance.instance_id != NEW_INSTANCE_ID else 0
     headroom_bytes = budget_room(node) + current_total
     if spec.weight_bytes + recommend <= headroom_bytes:

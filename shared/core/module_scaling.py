@@ -52,7 +52,8 @@ from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
                               free_bytes, kv_demand, kv_for_layers, layout_replication,
-                              layout_spec, plan_layer_move, round_fits, serves, stage_load,
+                              layer_weight_bytes, layout_spec, plan_layer_move, round_fits,
+                              serves, stage_load,
                               stage_share_bytes, tightest_tpot)
 from shared.core.evaluate import node_profiles
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
@@ -143,8 +144,12 @@ class ModulePlan:
                          if not (r.replica is replica and r.address == self.address
                                  and (replica or (r.start, r.end) == (self.start, self.end))))
         else:
+            full = layout.model
+            weights = (self.end - self.start) * layer_weight_bytes(full, full.layers,
+                                                                   full.head_bytes)
             runs = (*layout.runs, LayerRun(self.start, self.end, self.host_node, address,
-                                           replica=self.action is ModuleAction.REPLICATE))
+                                           replica=self.action is ModuleAction.REPLICATE,
+                                           kv_bytes=max(0, self.host_bytes - weights)))
         return replace(layout, runs=runs)
 
 

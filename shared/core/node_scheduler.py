@@ -410,9 +410,12 @@ class NodeScheduler:
         """Underestimation (§VII-D): try to scale up again; None if the node has no room."""
         spec = inst.model
         need = max(tokens * spec.kv_bytes_per_token, kv_demand(spec, inst.requests))
-        if kv_ceiling(inst) is not None:
+        ceiling = kv_ceiling(inst)
+        if ceiling is not None and need > ceiling:
             return None  # its stages' hosts reserved no more: evict instead (issue 22 #1)
         target = int(need * (1 + self.config.watermark))
+        if ceiling is not None:
+            target = min(target, ceiling)
         for size in (target, need):
             if self.ledger.fits(inst.instance_id, spec.weight_bytes + size):
                 return self._resize(inst, size, now)

@@ -64,6 +64,28 @@ def test_a_split_instance_never_grows_kv_beyond_what_its_stages_host_reserved():
     assert owner.ledger.allocated(iid) <= owner.node.memory_bytes
 
 
+
+def test_a_split_instance_grows_up_to_what_its_stages_host_reserved_and_no_further():
+    """A run that records its host's reservation (`LayerRun.kv_bytes`, the planner's
+    `layout_after`) lets the owner's pool grow until the stage's mirror fills it, not beyond."""
+    perf = perf_for(proportional())
+    owner = node("a", Hardware.CPU, 64, perf)
+    full = spec()
+    iid = loaded(owner, None, request("r0", ttft=60.0, tpot=5.0), full)
+    inst = owner.node.instance(iid)
+    reserved = 2 * (inst.kv_bytes * 4 // LAYERS)  # room for twice the moved layers' pool
+    layout = InstanceLayout(full, (LayerRun(4, 8, "b", "b:1", kv_bytes=reserved),), 1e-4, 1e10)
+    drain(owner, owner.set_layout(iid, layout, 0.0)[1])
+    grown = False
+    for k in range(1, 12):
+        before = inst.kv_bytes
+        res = owner.admit(request(f"r{k}", input_len=624, ttft=60.0, tpot=5.0), iid, full, 0.0)
+        drain(owner, res.start_ops)
+        grown = grown or inst.kv_bytes > before
+        assert _moved_kv(inst, 4) <= reserved, f"after {k} admissions"
+    assert grown and inst.batch_size < 12
+
+
 # -- #3: an execute-while-load helper's compute is counted nowhere ------------------------------
 
 
