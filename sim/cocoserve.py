@@ -12,7 +12,7 @@ node is left to instance-level scaling), one contiguous range per host. Each hos
 range's bytes (its weights and its share of the instance's K/V pool) through
 `NodeScheduler.hold`, a LOAD op that lasts the transfer (the layers' weights over the link plus
 CoCoServe Table 2's ~0.25 s floor). Once it ends, the instance's layout names the replica
-(`NodeScheduler.set_layout`) and its node decides with `modules.layout_profile`: decode
+(`NodeScheduler.set_layout`) and its node decides with `cost.layout_profile`: decode
 splits the batch among the replicas (`replicated_profile`, the speedup model on the profile's
 own tables, plus the hops); a prefill (one request on one executor) gains nothing. A request
 that can wait for the transfer within its TTFT SLO waits in the queue (retried when the

@@ -25,7 +25,7 @@ core's `busy_window_s`) and reports the sum (`NodeView.stage_load`), which its s
 counts (`cost.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
 not placed yet has no measurement: its load is predicted (`predicted_load`) as the owner's
 measured busy fraction (`InstanceView.busy`, grown by the hops the move adds) times the stage's
-share of a step (`modules.stage_load`, the ceiling: its share were the owner busy all the time);
+share of a step (`cost.stage_load`, the ceiling: its share were the owner busy all the time);
 the host reports the prediction until it has measured the stage for a window. A shed or a
 replica goes only to a host whose own busy instances still fit one decode round each within
 their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
@@ -233,7 +233,7 @@ class _Room:
 def predicted_load(inst: InstanceView, profile: Profile, after: InstanceLayout,
                    config: CoreConfig, now: float) -> float:
     """The share of its host's compute the newest run of `after` (the instance's layout with
-    it) is predicted to take: the stage's share of a step (`modules.stage_load`) times the share
+    it) is predicted to take: the stage's share of a step (`cost.stage_load`) times the share
     of time the owner will be stepping, its measured busy fraction grown by the hops (the same
     steps, each `after`'s step over the current one longer). An owner measured for less than a
     window (`InstanceView.busy`): the ceiling, as if it stepped all the time, since a few

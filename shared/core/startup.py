@@ -20,7 +20,7 @@ burst are estimated as one group, the way the placer then sends them the model: 
   final norm, LM head: the multicast sends their blocks first, `multicast.head_first`) and one
   layer, a *helper* (a node holding the model in its DRAM tier: a multicast source with room
   for a stage of the other layers) runs the layers it lacks, and every iteration pays two
-  activation transfers (`modules.pipeline_profile`) until the copy is whole and the node
+  activation transfers (`cost.pipeline_profile`) until the copy is whole and the node
   switches to local execution. Until it serves: setup + the multicast steps until this node's
   first blocks are in (`pipeline_serve_steps`, from the k-way schedule) + the stage's start.
   It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
