@@ -1,14 +1,16 @@
 """What an instance costs: the one place the core answers it (every decision asks here).
 
 - **Compute per iteration**: its profile with its layout (`layout_profile`: layer replicas,
-  activation hops to moved layers), while it serves through an execution pipeline the
-  pipeline's hops (`instance_profile`), and on a node whose hosted stages take a share of its
-  compute, that contention (`contended`); a node's decode round (`decode_round_s`); what a stage
-  of another node's instance takes of its host (`stage_load`, `pipeline_helper_loads`); the
-  baseline online calibration judges an iteration against (`calibration_baseline_s`).
+  activation hops to moved layers) and, while it serves through an execution pipeline, the
+  pipeline's hops (`own_profile`, `instance_profile`); on a node whose hosted stages take a
+  share of its compute, that contention (`contention`, `contended`); an instance's decode step
+  and a node's decode round (`decode_step_s`, `decode_round_s`, `round_fits`); what a stage of
+  another node's instance takes of its host (`run_layer_work`, `stage_load`,
+  `pipeline_helper_loads`). Online calibration judges an iteration against the same cost
+  (`calibration.baseline_s`).
 - **Memory**: K/V demand (`m_require`, `kv_demand`), a layer's weights (`layer_weight_bytes`),
-  the share of a split instance a node holds (`share_spec`, `layout_spec`), a stage's bytes
-  (`stage_share_bytes`, a λScale helper's `stage_bytes` / `hosted_layer_bytes` /
+  the share of a split instance a node holds (`share_spec`, `layout_spec`, `kv_for_layers`), a
+  stage's bytes (`stage_share_bytes`; a λScale helper's `stage_bytes`, `hosted_layer_bytes`,
   `helper_bytes`), a layer move (`plan_layer_move`), the K/V a split instance may hold without
   outgrowing what its stages' hosts reserved (`kv_ceiling`), and a node's free memory
   (`budget_room`, `free_bytes`).
