@@ -185,7 +185,7 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
                                 config.multicast_blocks)
     room = {k + i: -1 if r.draining else budget_room(r) for i, r in enumerate(receivers)}
     name = {k + i: x.node_id for i, x in enumerate(order)}
-    by_name = {x.node_id: k + i for i, x in enumerate(receivers)}
+    index = {x.node_id: k + i for i, x in enumerate(receivers)}
     while True:
         plan = receiver_plan(n, k, n - 1, tensors, cut, model.layers,
                              head_first(cut, head_spans(tensors)), room, hosted_layer_bytes(model))
@@ -193,24 +193,29 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
             return None
         ranges = tuple(HostedRange(name[int(s.node)], s.start, s.end) for s in plan.stages
                        if int(s.node) != n - 1)
-        helpers = tuple(dict.fromkeys(r.helper for r in ranges))
         mode = PipelineMode(plan.hops, config.pipeline_hop_latency_s, 0.0, model.token_bytes,
-                            0.0, helpers, ranges=ranges)
-        loads = pipeline_helper_loads(model, mode)
-        busy = [h for h in helpers if not round_fits(
-            receivers[by_name[h] - k], receivers[by_name[h] - k].stage_load + loads[h], perf,
-            config)]
+                            0.0, tuple(dict.fromkeys(r.helper for r in ranges)), ranges=ranges)
+        busy = _too_busy(model, mode, {x.node_id: x for x in receivers}, perf, config)
         if not busy:
             break
-        if all(room[by_name[h]] < 0 for h in busy):
+        if all(room[index[h]] < 0 for h in busy):
             return None  # (the plan ignored a refusal: never loop on it)
-        room.update({by_name[h]: -1 for h in busy})  # it has no compute to spare: no room
+        room.update({index[h]: -1 for h in busy})  # it has no compute to spare: no room
     link = min(x.storage.multicast_bytes_per_s for x in [*sources, *order])
     step_s = multicast_step_s(model.weight_bytes, len(cut), link,
                               config.multicast_step_latency_s)
     serve = config.multicast_setup_s + plan.serve_step * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
     return replace(mode, hop_bytes_per_s=link, until=serve)
+
+
+def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
+              perf: PerfModel | None, config: CoreConfig) -> list[str]:
+    """The helpers of `mode` whose own busy instances would miss their TPOT with the layers it
+    gives them on top of the stages they run already (`cost.round_fits`)."""
+    loads = pipeline_helper_loads(model, mode)
+    return [h for h in mode.helpers
+            if not round_fits(nodes[h], nodes[h].stage_load + loads[h], perf, config)]
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
