@@ -51,10 +51,9 @@ from dataclasses import dataclass, replace
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
-                              free_bytes, kv_demand, kv_for_layers, layout_replication,
-                              layer_weight_bytes, layout_spec, plan_layer_move, round_fits,
-                              serves, stage_load,
-                              stage_share_bytes, tightest_tpot)
+                              free_bytes, kv_demand, kv_for_layers, layer_weight_bytes,
+                              layout_replication, layout_spec, plan_layer_move, round_fits,
+                              serves, stage_load, stage_share_bytes, tightest_tpot)
 from shared.core.evaluate import node_profiles
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
                                  scale_up, speedup)
