@@ -12,7 +12,7 @@ node is left to instance-level scaling), one contiguous range per host. Each hos
 range's bytes (its weights and its share of the instance's K/V pool) through
 `NodeScheduler.hold`, a LOAD op that lasts the transfer (the layers' weights over the link plus
 CoCoServe Table 2's ~0.25 s floor). Once it ends, the instance's layout names the replica
-(`NodeScheduler.set_layout`) and its node decides with `modules.layout_profile`: decode
+(`NodeScheduler.set_layout`) and its node decides with `cost.layout_profile`: decode
 splits the batch among the replicas (`replicated_profile`, the speedup model on the profile's
 own tables, plus the hops); a prefill (one request on one executor) gains nothing. A request
 that can wait for the transfer within its TTFT SLO waits in the queue (retried when the
@@ -51,10 +51,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shared.core.busy import BusyMeter
+from shared.core.cost import layer_weight_bytes, layout_replication, run_layer_work
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
                                         memory_deficit, plan_module_scaling)
-from shared.core.modules import layout_replication, stage_key
+from shared.core.modules import stage_key
 from shared.core.perf_model import PerfModel
 from shared.core.types import InstanceLayout, InstanceStatus, RequestView
 
@@ -184,7 +185,7 @@ class CoCoServe:
         if not ok:  # the node's budget moved since the plan: not there
             return
         full = owner.layout.model if owner.layout is not None else owner.model
-        layer_bytes = full.weight_bytes // full.layers
+        layer_bytes = layer_weight_bytes(full, full.layers, full.head_bytes)
         seconds = (plan.end - plan.start) * layer_bytes / self.link_bytes_per_s + REPLICA_FIXED_S
         for op in ops:
             self.op_s[op.op_id] = seconds
@@ -245,8 +246,7 @@ class CoCoServe:
         layers = layout.model.layers
         degrees = layout_replication(layout).degrees()
         for run in layout.runs:
-            share = sum(1 / (degrees[i] if run.replica else 1) for i in range(run.start, run.end))
-            work = seconds * share / layers
+            work = seconds * run_layer_work(run, degrees) / layers
             start = max(now, self.host_work.get(run.node_id, 0.0))
             self.host_work[run.node_id] = start + work
             meter = self.meters.get(run.address)

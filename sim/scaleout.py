@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.core.config import CoreConfig
+from shared.core.cost import HopCost, multicast_step_s
 from shared.core.multicast import DEFAULT_BLOCKS, Block, arrival_steps, head_first, kway_schedule
 from shared.core.perf_model import Profile
 from shared.core.pipeline import ReceiverPlan, TensorSpan, head_spans, model_layout, receiver_plan
@@ -86,11 +87,13 @@ class ScaleoutConfig:
         return self.link_gbps * 1e9 / 8
 
     def step_s(self, model_bytes: int) -> float:
-        return model_bytes / self.blocks / self.link_bytes_per_s + self.step_latency_s
+        return multicast_step_s(model_bytes, self.blocks, self.link_bytes_per_s,
+                                self.step_latency_s)
 
     def hop_s(self, tokens: int, hidden: int) -> float:
         """One activation transfer between pipeline nodes."""
-        return self.step_latency_s + tokens * hidden * ACTIVATION_BYTES / self.link_bytes_per_s
+        return HopCost(self.step_latency_s, self.link_bytes_per_s,
+                       hidden * ACTIVATION_BYTES).seconds(tokens)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from nats.aio.msg import Msg
 from services.node.stage_host import StageHost, is_stage_key
 from shared.cluster import read_nodes
 from shared.core.busy import BusyMeter
-from shared.core.modules import layout_spec, stage_key
+from shared.core.cost import kv_for_layers, layout_spec
+from shared.core.modules import stage_key
 from shared.core.types import InstanceLayout, InstanceStatus, LayerRun
 from shared.schemas import CommandKind, NodeCommand, NodeReply
 
@@ -352,7 +353,7 @@ class LayerMoves:
             return NodeReply(False, "not_here: those layers do not run elsewhere", inst.instance_id)
         after = replace(layout, runs=tuple(r for r in layout.runs if r != run))
         spec = layout_spec(after) if after.runs else layout.model
-        kv = -(-inst.kv_bytes * after.local_layers() // layout.local_layers())  # as set_layout
+        kv = kv_for_layers(inst.kv_bytes, layout.local_layers(), after.local_layers())
         need = spec.weight_bytes + kv - self.w.sched.ledger.target(inst.instance_id)
         key = f"{inst.instance_id}{TAKE_MARK}"
         if not self._hold(key, need):

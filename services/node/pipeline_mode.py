@@ -261,6 +261,8 @@ class PipelineStarts:
         cmd = NodeCommand(CommandKind.HOST_LAYERS, instance_id=instance_id, model=record,
                           layer_start=stage.start, layer_end=stage.end,
                           stage_node=self.w.s.node_id, stage_bytes=max(1, weights + kv),
+                          # its share of the helper's compute (`cost.pipeline_helper_loads`)
+                          stage_load=count / max(1, layers),
                           pipeline=mode if mode.ranges else None)
         reply = self._call(self._ask(stage.helper, cmd), wait_s=HELPER_TIMEOUT_S + 5)
         if not reply.accepted or not reply.stage_address:

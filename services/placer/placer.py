@@ -56,9 +56,10 @@ from shared import wire
 from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.cluster import (adapter_spec, decode_reply, load_perf, model_spec, read_nodes,
                             request_view)
+from shared.core.cost import helper_bytes, pipeline_helper_loads
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
-from shared.core.startup import StartupChoice, StartupMethod, helper_bytes
+from shared.core.startup import StartupChoice, StartupMethod
 from shared.core.types import NodeView
 from shared.registry import ModelRegistry
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest,
@@ -550,10 +551,14 @@ def _decision_attributes(p: Pending, plan: PlacementPlan | None, now: float, tri
 
 def _with_stage(nodes: list[NodeView], startup: StartupChoice, spec) -> list[NodeView]:
     """The placer's view once the pipeline's helpers reserved their stages (the next decision
-    of this turn must not count the same room; a helper's own view follows at its heartbeat):
-    a DRAM holder its stage, a receiver its ranges' K/V, as the core planned (`helper_bytes`)."""
+    of this turn must not count the same room, nor the same compute; a helper's own view
+    follows at its heartbeat): a DRAM holder its stage, a receiver its ranges' K/V, as the core
+    planned (`helper_bytes`), and the share of its compute the stage takes
+    (`pipeline_helper_loads`)."""
     need = helper_bytes(spec, startup.pipeline)
-    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id])
+    load = pipeline_helper_loads(spec, startup.pipeline)
+    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id],
+                    stage_load=n.stage_load + load[n.node_id])
             if n.node_id in need else n for n in nodes]
 
 

@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from shared.core.cost import contention, own_profile
+from shared.core.iteration import IterationChoice, predict_seconds
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
+from shared.core.types import InstanceView
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -114,6 +117,17 @@ class Calibrator:
 
     def models(self) -> set[str]:
         return {m for m, _ in self._drift}
+
+
+def baseline_s(choice: IterationChoice, inst: InstanceView, profile: Profile,
+               stage_load: float) -> float:
+    """The prediction an executed iteration is judged against (`Calibrator.observe`'s
+    `base_predicted_s`): what the measured, uncorrected `profile` says it takes as the core
+    decides with it, i.e. with the hops of the instance's layout or pipeline
+    (`cost.own_profile`) and on a node whose hosted stages take `stage_load` of its compute,
+    1 / (1 - load) as long (`cost.contention`). Left out, a stage host would learn that
+    contention as drift and the core would then apply it a second time (issue 22 #10)."""
+    return predict_seconds(choice, inst, own_profile(profile, inst)) * contention(stage_load)
 
 
 def aged(factor: float, age_s: float, config: CalibrationConfig) -> float:

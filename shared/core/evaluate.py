@@ -4,13 +4,12 @@ own state before it accepts: hardware fit, context, memory (§VII-D) and shadow 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.memory import kv_demand, watermark_target
-from shared.core.modules import instance_profile
+from shared.core.cost import budget_room, contended, instance_profile, kv_ceiling, kv_demand
+from shared.core.memory import watermark_target
 from shared.core.perf_model import PerfModel, Profile
 # Moved to readiness; also imported from here by older callers (noqa: re-exports).
 from shared.core.readiness import (  # noqa: F401
@@ -18,18 +17,6 @@ from shared.core.readiness import (  # noqa: F401
     load_seconds, new_instance_view)
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
-
-
-def contended(config: CoreConfig, stage_load: float) -> CoreConfig:
-    """The validation of a node whose hosted layer stages take `stage_load` of its compute
-    (`NodeView.stage_load`): each of its own iterations gets the rest, so it takes
-    1 / (1 - load) as long as its profile says, on top of the overestimate. A node whose
-    stages may take all of it can promise nothing (every step infinitely long)."""
-    if stage_load <= 0:
-        return config
-    if stage_load >= 1:
-        return replace(config, overestimate=math.inf)
-    return replace(config, overestimate=(1 + config.overestimate) / (1 - stage_load) - 1)
 
 
 def node_check(node: NodeView, config: CoreConfig) -> AdmitReason | None:
@@ -69,9 +56,14 @@ def kv_admission(instance: InstanceView, request: RequestView, node: NodeView,
     need = kv_demand(spec, [*instance.requests, request])
     if instance.kv_bytes >= need:
         return Admission(AdmitReason.ADMITTED)
+    ceiling = kv_ceiling(instance)  # its stages' hosts reserved no more (issue 22 #1)
+    if ceiling is not None and need > ceiling:
+        return Admission(AdmitReason.MEMORY)
     recommend = watermark_target(instance.kv_bytes, need, config.watermark) or need
+    if ceiling is not None:
+        recommend = min(recommend, ceiling)
     current_total = (spec.weight_bytes + instance.kv_bytes) if instance.instance_id != NEW_INSTANCE_ID else 0
-    headroom_bytes = node.memory_bytes - node.budget_bytes + current_total
+    headroom_bytes = budget_room(node) + current_total
     if spec.weight_bytes + recommend <= headroom_bytes:
         return Admission(AdmitReason.ADMITTED, kv_target_bytes=recommend)
     if spec.weight_bytes + need <= headroom_bytes:

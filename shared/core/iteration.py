@@ -12,7 +12,7 @@ import enum
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from shared.core.memory import in_blocks
+from shared.core.cost import in_blocks
 from shared.core.perf_model import Profile
 from shared.core.types import InstanceStatus, InstanceView, RequestView
 

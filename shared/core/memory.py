@@ -12,34 +12,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+# K/V demand is part of what an instance costs (shared.core.cost); re-exported for old imports.
+from shared.core.cost import in_blocks, kv_demand, m_require, request_tokens  # noqa: F401
 from shared.core.perf_model import Profile
-from shared.core.types import ModelSpec, RequestView
 
 UNLOAD_S = 0.05  # freeing an instance's memory (ASSUMPTION: tens of milliseconds)
-
-
-def in_blocks(tokens: float, block: int) -> int:
-    """Tokens rounded up to whole KV blocks."""
-    return -(-int(tokens + 0.999999) // block) * block
-
-
-def request_tokens(r: RequestView, avg_output_len: float, block: int = 1) -> int:
-    """I_r + max(O_r, Ō), capped by what the request may ever hold (input + max_tokens)."""
-    expected_out = max(r.generated, avg_output_len)
-    return in_blocks(min(r.input_len + expected_out, r.input_len + r.max_tokens), block)
-
-
-def m_require(requests: list[RequestView], kv_bytes_per_token: int, avg_output_len: float,
-              floor_tokens: int, block: int = 1) -> int:
-    """Eq. 2: C * max(sum_r (I_r + max(O_r, Ō)), L_min), each request in whole blocks."""
-    tokens = sum(request_tokens(r, avg_output_len, block) for r in requests)
-    return int(kv_bytes_per_token * max(tokens, floor_tokens))
-
-
-def kv_demand(spec: ModelSpec, requests: list[RequestView]) -> int:
-    """M_require of an instance of `spec` holding `requests`."""
-    return m_require(requests, spec.kv_bytes_per_token, spec.avg_output_len, spec.max_context,
-                     spec.kv_block_tokens)
 
 
 def watermark_target(m_cur: int, m_req: int, w: float) -> int | None:

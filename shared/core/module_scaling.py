@@ -22,15 +22,18 @@ and memory models.
 A host's compute. A stage runs its layers for every iteration of the instance, on the host's
 compute. The host measures the share its stages take (each stage's busy fraction over the
 core's `busy_window_s`) and reports the sum (`NodeView.stage_load`), which its shadow validation
-counts (`evaluate.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
+counts (`cost.contended`: each of its own iterations takes 1 / (1 - load) as long). A stage
 not placed yet has no measurement: its load is predicted (`predicted_load`) as the owner's
 measured busy fraction (`InstanceView.busy`, grown by the hops the move adds) times the stage's
-share of a step (`modules.stage_load`, the ceiling: its share were the owner busy all the time);
+share of a step (`cost.stage_load`, the ceiling: its share were the owner busy all the time);
 the host reports the prediction until it has measured the stage for a window. A shed or a
 replica goes only to a host whose own busy instances still fit one decode round each within
 their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
-then take at most `max_host_load`. (A replica yields: it is dropped once the host's own requests
-run late, so the host does not count it.)
+then take at most `max_host_load`, and where the requests the host already admitted still meet
+their deadlines with the stage's work (`shadow.admitted_hold`). The shedding instance's own node
+is checked the same way with the hops the shed adds (its round, SLINFER's case 3, and its
+admitted requests' deadlines), not the shedding instance alone. (A replica yields: it is
+dropped once the host's own requests run late, so the host does not count it.)
 
 One plan per instance per call, and none for an instance with a move under way (`busy`): each
 plan changes the views the next one is decided on. Every plan keeps the nodes' memory safe by
@@ -45,14 +48,17 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
+from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import contended
-from shared.core.memory import kv_demand
-from shared.core.modules import (Device, HopCost, eviction_order, instance_profile,
-                                 layer_weight_bytes, layout_profile, layout_replication,
-                                 layout_spec, layers_to_shed, plan_layer_move, relative_hop_cost,
-                                 scale_up, speedup, stage_load)
+from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
+                              free_bytes, kv_demand, kv_for_layers, layer_weight_bytes,
+                              layout_replication, layout_spec, plan_layer_move, round_fits,
+                              serves, stage_load, stage_share_bytes, tightest_tpot)
+from shared.core.evaluate import node_profiles
+from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
+                                 scale_up, speedup)
 from shared.core.perf_model import PerfModel, Profile
+from shared.core.shadow import admitted_hold
 from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
                                NodeView, RequestView)
 
@@ -137,8 +143,12 @@ class ModulePlan:
                          if not (r.replica is replica and r.address == self.address
                                  and (replica or (r.start, r.end) == (self.start, self.end))))
         else:
+            full = layout.model
+            weights = (self.end - self.start) * layer_weight_bytes(full, full.layers,
+                                                                   full.head_bytes)
             runs = (*layout.runs, LayerRun(self.start, self.end, self.host_node, address,
-                                           replica=self.action is ModuleAction.REPLICATE))
+                                           replica=self.action is ModuleAction.REPLICATE,
+                                           kv_bytes=max(0, self.host_bytes - weights)))
         return replace(layout, runs=runs)
 
 
@@ -154,7 +164,7 @@ def memory_deficit(node: NodeView, model: ModelSpec, request: RequestView) -> in
     """Bytes `node` lacks for a new instance of `model` holding `request` (its optimistic
     budget; <= 0: none)."""
     need = model.weight_bytes + kv_demand(model, [request])
-    return need - (node.memory_bytes - node.budget_bytes)
+    return need - budget_room(node)
 
 
 def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
@@ -171,7 +181,7 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
     has room); `stay`, instances whose shed layers are not taken back now."""
     plans: list[ModulePlan] = []
     taken: set[str] = set(busy)  # instances with a plan (one decision each)
-    free = _Room({n.node_id: _free(n) for n in nodes},  # what earlier plans leave on each node
+    free = _Room({n.node_id: free_bytes(n) for n in nodes},  # what earlier plans leave on each node
                  {n.node_id: n.stage_load for n in nodes})
     for node_id in overloaded:
         node = next((n for n in nodes if n.node_id == node_id), None)
@@ -201,12 +211,6 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
     return plans
 
 
-def _free(node: NodeView) -> int:
-    """Memory a new hold can take now: the optimistic budget's room, and pessimistic tracking's
-    (a hold beyond that would park in the reservation station until running ops end)."""
-    return node.memory_bytes - max(node.budget_bytes, node.pessimistic_bytes)
-
-
 @dataclass
 class _Room:
     """What the plans made so far leave on each node: free bytes, and the stage load it has."""
@@ -228,7 +232,7 @@ class _Room:
 def predicted_load(inst: InstanceView, profile: Profile, after: InstanceLayout,
                    config: CoreConfig, now: float) -> float:
     """The share of its host's compute the newest run of `after` (the instance's layout with
-    it) is predicted to take: the stage's share of a step (`modules.stage_load`) times the share
+    it) is predicted to take: the stage's share of a step (`cost.stage_load`) times the share
     of time the owner will be stepping, its measured busy fraction grown by the hops (the same
     steps, each `after`'s step over the current one longer). An owner measured for less than a
     window (`InstanceView.busy`): the ceiling, as if it stepped all the time, since a few
@@ -238,8 +242,8 @@ def predicted_load(inst: InstanceView, profile: Profile, after: InstanceLayout,
     meter = inst.busy
     if meter is None or meter.observed_s(now) < meter.window_s:
         return ceiling
-    before_s = _step_s(inst, inst.layout, profile, config)
-    after_s = _step_s(inst, after, profile, config)
+    before_s = decode_step_s(inst, inst.layout, profile, config)
+    after_s = decode_step_s(inst, after, profile, config)
     grown = after_s / before_s if before_s > 0 else 1.0
     return ceiling * min(1.0, meter.fraction(now) * grown)
 
@@ -255,29 +259,22 @@ def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
     total = room.load[host.node_id] + load
     if not replica and total > settings.max_host_load:
         return False
-    serving = [i for i in host.instances if _serves(i)]
-    if not serving:
-        return True
-    if total >= 1:
+    return round_fits(host, total, perf, config)
+
+
+def _keeps_promises(node: NodeView, instances: list[InstanceView], load: float, perf: PerfModel,
+                    config: CoreConfig, now: float) -> bool:
+    """Would the requests `node` already admitted still meet their deadlines, and its busy
+    instances one decode round within their tightest TPOT, with its instances as `instances`
+    (one of them with its layers shed, say) and its hosted stages taking `load` of its compute
+    (`shadow.admitted_hold`, as its own validation would see it)?"""
+    if load >= 1:
+        return not any(serves(i) for i in instances)
+    profiles = node_profiles(replace(node, instances=instances), perf)
+    if profiles is None:
         return False
-    return _round_s(host, serving, perf, contended(config, total)) <= \
-        min(_tpot(i) for i in serving)
-
-
-def _round_s(node: NodeView, serving: list[InstanceView], perf: PerfModel,
-             config: CoreConfig) -> float:
-    """One decode step of each instance with requests on the node, with the overestimate."""
-    total = 0.0
-    for inst in serving:
-        profile = instance_profile(perf, inst, node.hardware)
-        if profile is None:
-            return math.inf
-        total += profile.decode_s(inst.batch_size, _avg_len(inst))
-    return total * (1 + config.overestimate)
-
-
-def _serves(inst: InstanceView) -> bool:
-    return bool(inst.requests) and inst.status is not InstanceStatus.HANDOVER
+    return admitted_hold(instances, profiles, now, node.busy_until, contended(config, load),
+                         node.running) is AdmitReason.ADMITTED
 
 
 # -- memory pressure ---------------------------------------------------------------------------
@@ -312,7 +309,7 @@ def _drop_hosted(node: NodeView, nodes: list[NodeView], deficit: int, settings: 
             order = eviction_order(layout_replication(inst.layout), hop_c)
             device = next(d for d, _ in order if d.startswith(f"{node.node_id}/"))
             run = next(r for r in mine if device == f"{r.node_id}/{r.address}")
-            freed = _stage_bytes(inst, run.end - run.start)
+            freed = stage_share_bytes(inst, run.end - run.start)
             plans.append(ModulePlan(ModuleAction.DROP_REPLICA, inst.instance_id, owner.node_id,
                                     node.node_id, run.start, run.end, host_bytes=freed,
                                     address=run.address, why="memory pressure on its host"))
@@ -347,12 +344,16 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
                           owner_bytes_after=move.source_bytes_after,
                           why=f"memory pressure: {deficit} bytes short")
         after = plan.layout_after(inst, "", settings)
-        if not _meets_tpot(inst, after, perf, node, config):
-            continue
+        if not _meets_tpot(inst, after, perf, node, config) or not _keeps_promises(
+                node, [replace(i, layout=after) if i is inst else i for i in node.instances],
+                node.stage_load, perf, config, now):
+            continue  # its own batch, or its node's round or admitted requests, would suffer
         load = predicted_load(inst, profile, after, config, now)
         hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
                  and not n.draining and free[n.node_id] >= move.dest_bytes
-                 and _host_fits(n, load, perf, config, settings, free)]
+                 and _host_fits(n, load, perf, config, settings, free)
+                 and _keeps_promises(n, n.instances, free.load[n.node_id] + load, perf, config,
+                                     now)]
         if not hosts:
             continue
         host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))
@@ -404,7 +405,7 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], per
                   profile: Profile, settings: ModuleSettings, config: CoreConfig, free: _Room,
                   now: float, one_host: bool, why: str) -> list[ModulePlan]:
     full = _full(inst)
-    per_layer = _stage_bytes(inst, 1)
+    per_layer = stage_share_bytes(inst, 1)
     hosting = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
     spots = []
     for other in nodes:
@@ -435,7 +436,7 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], per
             continue
         start, end = _fit_range(layout, *_longest_run(held))
         plan = ModulePlan(ModuleAction.REPLICATE, inst.instance_id, node.node_id, device.name,
-                          start, end, host_bytes=_stage_bytes(inst, end - start), why=why)
+                          start, end, host_bytes=stage_share_bytes(inst, end - start), why=why)
         if plan.host_bytes > free[device.name]:
             continue
         after = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
@@ -456,30 +457,11 @@ def _full(inst: InstanceView) -> ModelSpec:
 # -- load spikes -------------------------------------------------------------------------------
 
 
-def _step_s(inst: InstanceView, layout: InstanceLayout | None, profile: Profile,
-            config: CoreConfig) -> float:
-    """The instance's decode step with its batch under `layout`, as the shadow validation
-    predicts it (with the overestimate)."""
-    batch = max(1, inst.batch_size)
-    length = _avg_len(inst)
-    return layout_profile(profile, layout).decode_s(batch, length) * (1 + config.overestimate)
-
-
-def _avg_len(inst: InstanceView) -> float:
-    if not inst.requests:
-        return 1.0
-    return sum(r.context_len() for r in inst.requests) / len(inst.requests)
-
-
-def _tpot(inst: InstanceView) -> float:
-    return min((r.slo.tpot_s for r in inst.requests), default=math.inf)
-
-
 def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, node: NodeView,
                 config: CoreConfig) -> bool:
     profile = perf.get(inst.model.name, node.hardware)
-    return profile is not None and (not inst.requests
-                                    or _step_s(inst, layout, profile, config) <= _tpot(inst))
+    return profile is not None and (
+        not inst.requests or decode_step_s(inst, layout, profile, config) <= tightest_tpot(inst))
 
 
 def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
@@ -491,8 +473,8 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
             not inst.requests or (inst.layout is not None
                                   and any(not r.replica for r in inst.layout.runs)):
         return None  # (a split instance's layers are not all here: none to replicate)
-    now_s = _step_s(inst, inst.layout, profile, config)
-    if now_s <= settings.spike * _tpot(inst):
+    now_s = decode_step_s(inst, inst.layout, profile, config)
+    if now_s <= settings.spike * tightest_tpot(inst):
         return None
     trial = free.copy()
     plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, trial, now,
@@ -501,7 +483,7 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     if not plans:
         return None
     plan = plans[0]
-    if _step_s(inst, plan.layout_after(inst, "?", settings), profile, config) >= now_s:
+    if decode_step_s(inst, plan.layout_after(inst, "?", settings), profile, config) >= now_s:
         return None  # the profile's small batches cost about as much: no gain
     free.take(plan.host_node, plan.host_bytes, plan.load)
     return plan
@@ -515,14 +497,14 @@ def _passed_plan(node: NodeView, inst: InstanceView, perf: PerfModel, settings: 
     if profile is None:
         return None
     unreplicated = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if not r.replica))
-    if inst.requests and _step_s(inst, unreplicated, profile, config) > \
-            settings.relief * _tpot(inst):
+    if inst.requests and decode_step_s(inst, unreplicated, profile, config) > \
+            settings.relief * tightest_tpot(inst):
         return None
     order = eviction_order(layout_replication(inst.layout), _hop_c(inst, profile, settings))
     device = order[0][0]
     run = next(r for r in inst.layout.runs if r.replica and f"{r.node_id}/{r.address}" == device)
     return ModulePlan(ModuleAction.DROP_REPLICA, inst.instance_id, node.node_id, run.node_id,
-                      run.start, run.end, host_bytes=_stage_bytes(inst, run.end - run.start),
+                      run.start, run.end, host_bytes=stage_share_bytes(inst, run.end - run.start),
                       address=run.address, why="the spike passed")
 
 
@@ -557,7 +539,7 @@ def _take_plan(node: NodeView, inst: InstanceView, overloaded: set[str],
     after = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if r != run))
     here, back = inst.layout.local_layers(), after.local_layers()
     spec = layout_spec(after) if back < after.model.layers else after.model
-    owner_after = spec.weight_bytes + -(-inst.kv_bytes * back // here)
+    owner_after = spec.weight_bytes + kv_for_layers(inst.kv_bytes, here, back)
     need = owner_after - (inst.model.weight_bytes + inst.kv_bytes)
     headroom = 0 if run.node_id in overloaded else settings.take_headroom * node.memory_bytes
     if free[node.node_id] - need < headroom:
@@ -565,7 +547,7 @@ def _take_plan(node: NodeView, inst: InstanceView, overloaded: set[str],
     free.take(node.node_id, need)
     why = "its host is overloaded" if run.node_id in overloaded else "room again on its node"
     return ModulePlan(ModuleAction.TAKE, inst.instance_id, node.node_id, run.node_id, run.start,
-                      run.end, host_bytes=_stage_bytes(inst, run.end - run.start),
+                      run.end, host_bytes=stage_share_bytes(inst, run.end - run.start),
                       owner_bytes_after=owner_after, address=run.address, why=why)
 
 
@@ -597,18 +579,9 @@ def _fit_range(layout: InstanceLayout | None, start: int, end: int) -> tuple[int
     return start, end
 
 
-def _stage_bytes(inst: InstanceView, layers: int) -> int:
-    """A stage of `layers` of the instance on another node: their weights and their share of
-    the instance's K/V pool (the stage's pool mirrors the instance's block count)."""
-    full = inst.layout.model if inst.layout is not None else inst.model
-    here = inst.layout.local_layers() if inst.layout is not None else full.layers
-    layer = layer_weight_bytes(full, full.layers, full.head_bytes)
-    return layers * (layer + inst.kv_bytes // max(1, here))
-
-
 def _hop_c(inst: InstanceView, profile: Profile, settings: ModuleSettings) -> float:
     """The speedup model's C for the instance now (a hop over one layer's share of a step)."""
     layout = inst.layout or new_layout(inst.model, settings)
     hop = HopCost(layout.hop_latency_s, layout.hop_bytes_per_s, layout.model.token_bytes)
     return relative_hop_cost(profile, hop, layout.model.layers, max(1, inst.batch_size),
-                             _avg_len(inst))
+                             avg_context(inst))

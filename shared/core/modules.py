@@ -19,7 +19,8 @@ contiguous run first and keep a replica only if it raises the modelled speedup.
 loss costs the least speedup first), then reduce the batch.
 
 The cost and memory of a split or replicated instance, for shadow validation and the memory
-ledger (the core sees such an instance as an ordinary one with its own profile and bytes):
+ledger (the core sees such an instance as an ordinary one with its own profile and bytes), are
+in `shared.core.cost` (re-exported here):
 
 - `HopCost`: one transfer of activations between two processes of the instance (a latency plus
   the tokens' hidden states over the link), as `services/node/stages.py` measures it.
@@ -41,42 +42,22 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
-from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
-from shared.core.types import Hardware, InstanceLayout, InstanceView, LayerRun, ModelSpec
+# The cost and memory of a split or replicated instance live in shared.core.cost (what an
+# instance costs, in one place); re-exported here for the callers that import them from here.
+from shared.core.cost import (HopCost, LayerMove, Replication, instance_profile,  # noqa: F401
+                              layer_weight_bytes, layout_hop, layout_hops, layout_profile,
+                              layout_replication, layout_spec, pipeline_profile,
+                              plan_layer_move, replicated_profile, share_spec, stage_load)
+from shared.core.perf_model import Profile
+from shared.core.types import ModelSpec
 
 
 @dataclass(frozen=True)
 class Device:
     name: str
     free_layers: int  # layers' worth of memory (and compute share) it can take
-
-
-@dataclass
-class Replication:
-    """Which layers of an instance have replicas where (the original holds every layer)."""
-
-    layers: int
-    on: dict[str, set[int]] = field(default_factory=dict)  # device -> layer indices replicated there
-
-    def degrees(self) -> list[int]:
-        p = [1] * self.layers
-        for held in self.on.values():
-            for i in held:
-                p[i] += 1
-        return p
-
-    def hops(self) -> int:
-        return sum(2 * _runs(held) for held in self.on.values())
-
-    def replicas(self) -> int:
-        return sum(len(h) for h in self.on.values())
-
-
-def _runs(layers: set[int]) -> int:
-    """Maximal runs of consecutive indices."""
-    return sum(1 for i in layers if i - 1 not in layers)
 
 
 def speedup(rep: Replication, hop_cost: float) -> float:
@@ -168,100 +149,7 @@ def module_reduction(rep: Replication, hop_cost: float, migrate_to: list[str]) -
     return steps
 
 
-# -- cost and memory of a split / replicated instance ------------------------------------------
-
-
-@dataclass(frozen=True)
-class HopCost:
-    """One transfer of activations between two processes of an instance."""
-
-    latency_s: float  # per transfer, whatever its size (framing, a round trip, scheduling)
-    bytes_per_s: float  # the link's bandwidth
-    token_bytes: int  # one token's hidden state: hidden_size x the dtype's bytes
-
-    def seconds(self, tokens: float) -> float:
-        return self.latency_s + tokens * self.token_bytes / self.bytes_per_s
-
-
-def pipeline_profile(profile: Profile, hops: int, hop: HopCost) -> Profile:
-    """The instance's profile when each iteration crosses `hops` links with all its tokens'
-    activations (a stage that ends the chain sends back only the last position; counting every
-    token keeps the estimate on the safe side)."""
-    if hops < 0:
-        raise ValueError("hops must be >= 0")
-    if hops == 0:
-        return profile
-    pre = profile.prefill
-    dec = profile.decode
-    prefill = PrefillTable(list(pre.lengths),
-                           [s + hops * hop.seconds(n) for n, s in zip(pre.lengths, pre.seconds)])
-    decode = DecodeTable(list(dec.batch_sizes), list(dec.lengths),
-                         [[s + hops * hop.seconds(b) for s in row]
-                          for b, row in zip(dec.batch_sizes, dec.seconds)])
-    return replace(profile, prefill=prefill, decode=decode,
-                   source=f"{profile.source} + pipeline ({hops} hops)")
-
-
-def replicated_profile(profile: Profile, rep: Replication, hop: HopCost) -> Profile:
-    """The instance's profile with `rep`'s layer replicas: decode as the module docstring says;
-    a prefill runs one request on one executor, so it gains nothing and may pay the hops."""
-    hops = rep.hops()
-    if not rep.replicas():
-        return profile
-    degrees = rep.degrees()
-    dec = profile.decode
-
-    def step(b: int, length: int) -> float:
-        per_layer = sum(profile.decode_s(math.ceil(b / p), length) for p in degrees)
-        return per_layer / rep.layers + hops * hop.seconds(math.ceil(b / max(degrees)))
-
-    decode = DecodeTable(list(dec.batch_sizes), list(dec.lengths),
-                         [[step(b, n) for n in dec.lengths] for b in dec.batch_sizes])
-    pre = profile.prefill
-    prefill = PrefillTable(list(pre.lengths),
-                           [s + hops * hop.seconds(n) for n, s in zip(pre.lengths, pre.seconds)])
-    return replace(profile, prefill=prefill, decode=decode,
-                   source=f"{profile.source} + {rep.replicas()} layer replicas")
-
-
-@dataclass(frozen=True)
-class LayerMove:
-    source_bytes_after: int  # the instance's bytes left on the source node
-    dest_bytes: int  # the stage's bytes on the destination node (weights + its K/V pool)
-    moved_bytes: int  # what crosses the link: the layers' weights (or their reads) + live K/V
-
-
-def layer_weight_bytes(spec: ModelSpec, layers: int, head_bytes: int) -> int:
-    """One decoder layer's weights (the instance's weights less embeddings, norm and head)."""
-    if not 0 <= head_bytes <= spec.weight_bytes or layers <= 0:
-        raise ValueError("need layers > 0 and 0 <= head_bytes <= weight_bytes")
-    return (spec.weight_bytes - head_bytes) // layers
-
-
-def share_spec(spec: ModelSpec, layers_here: int, layers: int, head_bytes: int,
-               head: bool) -> ModelSpec:
-    """The part of a split instance one process holds, as the node's ledger sees it: its
-    layers' weights (plus the head where it runs) and K/V of its layers only."""
-    if not 0 <= layers_here <= layers:
-        raise ValueError("layers_here must be within the model's layers")
-    weights = layers_here * layer_weight_bytes(spec, layers, head_bytes) + \
-        (head_bytes if head else 0)
-    return replace(spec, weight_bytes=weights,
-                   kv_bytes_per_token=spec.kv_bytes_per_token * layers_here // layers)
-
-
-def plan_layer_move(spec: ModelSpec, kv_bytes: int, kv_used_bytes: int, layers: int,
-                    layers_here: int, moved: int, head_bytes: int) -> LayerMove:
-    """Migrating `moved` of the `layers_here` layers an instance runs on its node to a stage on
-    another node: its K/V pool is per layer, so the moved layers' share of `kv_bytes` (the pool)
-    goes with them and their share of `kv_used_bytes` (live tokens) crosses the link."""
-    if not 0 < moved < layers_here <= layers:
-        raise ValueError("move at least one layer and keep at least one")
-    layer = layer_weight_bytes(spec, layers, head_bytes)
-    per_layer_kv = kv_bytes // layers_here
-    here = share_spec(spec, layers_here, layers, head_bytes, head=True).weight_bytes + kv_bytes
-    dest = moved * (layer + per_layer_kv)
-    return LayerMove(here - dest, dest, moved * layer + kv_used_bytes * moved // layers_here)
+# -- stages and module reduction under memory pressure -------------------------------------------
 
 
 def stage_key(instance_id: str, start: int, end: int) -> str:
@@ -290,81 +178,3 @@ def layers_to_shed(spec: ModelSpec, kv_bytes: int, layers: int, layers_here: int
                            head_bytes).dest_bytes >= deficit_bytes:
             return moved
     return None
-
-
-# -- an instance's layout (InstanceView.layout) -------------------------------------------------
-
-
-def layout_hop(layout: InstanceLayout) -> HopCost:
-    return HopCost(layout.hop_latency_s, layout.hop_bytes_per_s, layout.model.token_bytes)
-
-
-def layout_replication(layout: InstanceLayout) -> Replication:
-    """The layout's replicas as the speedup model sees them (one device per replica stage)."""
-    rep = Replication(layout.model.layers)
-    for run in layout.runs:
-        if run.replica:
-            rep.on.setdefault(f"{run.node_id}/{run.address}", set()).update(range(run.start, run.end))
-    return rep
-
-
-def layout_hops(layout: InstanceLayout) -> int:
-    """Activation transfers an iteration makes to and from the moved (not replicated) runs:
-    two each (a run that ends the chain sends back only the last position; counted in full)."""
-    return 2 * sum(1 for r in layout.runs if not r.replica)
-
-
-def layout_profile(profile: Profile, layout: InstanceLayout | None) -> Profile:
-    """The instance's cost with its layout: `replicated_profile` for its replicas, then
-    `pipeline_profile` for the hops to its moved layers."""
-    if layout is None or not layout.runs:
-        return profile
-    hop = layout_hop(layout)
-    rep = layout_replication(layout)
-    if rep.replicas():
-        profile = replicated_profile(profile, rep, hop)
-    return pipeline_profile(profile, layout_hops(layout), hop)
-
-
-def stage_load(profile: Profile, layout: InstanceLayout, run: LayerRun) -> float:
-    """The share of its host's compute a stage of the instance (`run`, in `layout`) may take
-    while the instance runs iterations back to back: the stage's layers' work in one decode step
-    (each on its rows: the batch, or its share of it on a replica) over the step with the
-    layout (`layout_profile`), the largest over the profile's decode table; and at least the
-    run's share of the step's layers (each over its replicas), which is what a step's time gives
-    the stage where compute is proportional (the simulator's host model). Hosts are of the
-    owner's hardware kind, so one profile prices both."""
-    layers = layout.model.layers
-    degrees = layout_replication(layout).degrees()
-    share = sum(1 / degrees[i] if run.replica else 1 for i in range(run.start, run.end)) / layers
-    step = layout_profile(profile, layout)
-    dec = profile.decode
-    worst = 0.0
-    for b in dec.batch_sizes:
-        for n in dec.lengths:
-            total = step.decode_s(b, n)
-            if total <= 0:
-                continue
-            work = sum(profile.decode_s(math.ceil(b / degrees[i]) if run.replica else b, n)
-                       for i in range(run.start, run.end)) / layers
-            worst = max(worst, work / total)
-    return max(share, worst)
-
-
-def layout_spec(layout: InstanceLayout) -> ModelSpec:
-    """What the instance's own node holds of it: its local layers' weights and K/V, the head."""
-    spec = layout.model
-    return share_spec(spec, layout.local_layers(), spec.layers, spec.head_bytes, head=True)
-
-
-def instance_profile(perf: PerfModel, inst: InstanceView, hardware: Hardware) -> Profile | None:
-    """The profile an instance's iterations are predicted with (its layout's, if split; with
-    the pipeline's hops while it serves through one, λScale's execute-while-load)."""
-    profile = perf.get(inst.model.name, hardware)
-    if profile is None:
-        return None
-    mode = inst.pipeline
-    if mode is not None:
-        profile = pipeline_profile(profile, mode.hops, HopCost(
-            mode.hop_latency_s, mode.hop_bytes_per_s, mode.token_bytes))
-    return layout_profile(profile, inst.layout)

@@ -30,6 +30,8 @@ from shared.core.admission import Admission, AdmitReason
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
 from shared.core.consolidation import idle_instances, preemption_victims
+from shared.core.cost import (instance_profile, kv_ceiling, kv_demand, kv_for_layers,
+                              layout_spec)
 from shared.core.evaluate import evaluate, handing_over, without_instances
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
@@ -37,9 +39,8 @@ from shared.core.iteration import (IterationChoice, IterationKind, apply_iterati
 from shared.core.lora import ADAPTER_LOAD_BYTES_PER_S  # noqa: F401 (the pre-loaders' import)
 from shared.core.lora import (Artifact, CallRates, adapter_load_s, adapter_ready_at,
                               admission_through, evaluate_through, may_hold, offload_order)
-from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, kv_demand,
-                                memop_seconds, watermark_target)
-from shared.core.modules import instance_profile, layout_spec
+from shared.core.memory import (UNLOAD_S, MemOp, MemOpKind, MemoryLedger, memop_seconds,
+                                watermark_target)
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import (handover_ready_at, load_seconds, memop_timeline,
                                    new_instance_view)
@@ -402,7 +403,12 @@ class NodeScheduler:
         """Underestimation (§VII-D): try to scale up again; None if the node has no room."""
         spec = inst.model
         need = max(tokens * spec.kv_bytes_per_token, kv_demand(spec, inst.requests))
+        ceiling = kv_ceiling(inst)
+        if ceiling is not None and need > ceiling:
+            return None  # its stages' hosts reserved no more: evict instead (issue 22 #1)
         target = int(need * (1 + self.config.watermark))
+        if ceiling is not None:
+            target = min(target, ceiling)
         for size in (target, need):
             if self.ledger.fits(inst.instance_id, spec.weight_bytes + size):
                 return self._resize(inst, size, now)
@@ -591,7 +597,7 @@ class NodeScheduler:
         if not 0 < after <= full.layers:
             raise ValueError(f"an instance keeps 1 to {full.layers} layers here, not {after}")
         spec = layout_spec(layout) if after < full.layers else full  # replicas move nothing off
-        kv = -(-inst.kv_bytes * after // before)
+        kv = kv_for_layers(inst.kv_bytes, before, after)
         ok, ops = self.ledger.request(MemOpKind.SCALE, instance_id, spec.weight_bytes + kv, now)
         if not ok:
             return False, []

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
+from shared.core.cost import budget_room, kv_demand
 from shared.core.evaluate import node_check, slo_check
 from shared.core.lora import admission_through
-from shared.core.memory import kv_demand
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.startup import StartupChoice, choose_startup, with_startup
@@ -91,7 +91,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         if profile is None:
             continue
         choice = choose_startup(node, model, profile, nodes if nodes is not None else eligible,
-                                config)
+                                config, perf)
         node = with_startup(node, model.name, choice)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
@@ -100,7 +100,7 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
         deadline = token_deadline(first_token_due(request.arrival, grace, request.slo.ttft_s),
                                   request.slo.tpot_s, request.generated)
         spots.append(NewInstanceSpot(node, startup, first_token <= deadline,
-                                     node.memory_bytes - node.budget_bytes, choice))
+                                     budget_room(node), choice))
     if not config.pack_new_instances:  # ablation: soonest start (the node's iteration included)
         return sorted(spots, key=lambda s: (s.node.hardware is not Hardware.CPU,
                                             s.startup_s + max(0.0, s.node.busy_until - now),
@@ -186,7 +186,7 @@ def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: 
         if node.hardware in warm and now + prefill <= request.deadline():
             return False
         load = choose_startup(node, model, p, nodes if nodes is not None else eligible,
-                              config).load_s
+                              config, perf).load_s
         if now + load + prefill <= no_grace + max(request.grace_s, load):
             return False
     return True

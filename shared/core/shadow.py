@@ -259,7 +259,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
                   for r in si.requests if not r.prefilled and not r.late)
     last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
-    new_done = new_request_id is None
+    new_done = not new_request_id  # no newcomer: `shadow_hold`, `admitted_hold`
     steps = 0
     scale = 1 + config.overestimate
     while True:
@@ -344,3 +344,20 @@ def shadow_hold(instances: list[InstanceView], profiles: dict[str, Profile], tar
     _start_state(sim, running, busy_until, start, None)
     target = next(si for si in sim if si.instance_id == target_id)
     return _simulate(sim, round_s, start, config, None, max(start, target.ready_at))
+
+
+def admitted_hold(instances: list[InstanceView], profiles: dict[str, Profile], now: float,
+                  busy_until: float, config: CoreConfig,
+                  running: RunningIteration | None = None) -> AdmitReason:
+    """The node's admitted requests, with no newcomer, under `profiles` (a change of what its
+    iterations cost: a stage taking some of its compute, hops added to an instance): TPOT_BUDGET
+    when a decode round of its busy instances exceeds their tightest TPOT SLO (case 3),
+    HEADROOM when one of them would miss a deadline it still meets as things are (case 2),
+    else ADMITTED. Requests already late at the start are not counted."""
+    over, round_s = _round_over_budget(instances, profiles, "", None, config.overestimate)
+    if over:
+        return AdmitReason.TPOT_BUDGET
+    start = max(now, busy_until)
+    sim = _build(instances, profiles, "", None)
+    _start_state(sim, running, busy_until, start, "")
+    return _simulate(sim, round_s, start, config, "", start)

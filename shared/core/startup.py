@@ -20,7 +20,7 @@ burst are estimated as one group, the way the placer then sends them the model: 
   final norm, LM head: the multicast sends their blocks first, `multicast.head_first`) and one
   layer, a *helper* (a node holding the model in its DRAM tier: a multicast source with room
   for a stage of the other layers) runs the layers it lacks, and every iteration pays two
-  activation transfers (`modules.pipeline_profile`) until the copy is whole and the node
+  activation transfers (`cost.pipeline_profile`) until the copy is whole and the node
   switches to local execution. Until it serves: setup + the multicast steps until this node's
   first blocks are in (`pipeline_serve_steps`, from the k-way schedule) + the stage's start.
   It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
@@ -44,10 +44,12 @@ import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
+from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes,  # noqa: F401
+                              multicast_step_s, pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.modules import share_spec
 from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
                                    multicast_seconds)
-from shared.core.perf_model import Profile
+from shared.core.perf_model import PerfModel, Profile
 from shared.core.pipeline import head_spans, model_layout, receiver_plan
 from shared.core.readiness import arrived_load_s, load_seconds
 from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
@@ -118,19 +120,18 @@ def pipeline_serve_steps(sources: int, receivers: int, blocks: int, need: int) -
     return max(got[b] for b in order[:need]) + 1
 
 
-def stage_bytes(model: ModelSpec) -> int:
-    """What a helper's stage may hold at most: every layer but one with their K/V for a full
-    context (the head node holds at least one layer when the pipeline starts)."""
-    remote = model.layers - 1
-    weights = share_spec(model, remote, model.layers, model.head_bytes, head=False).weight_bytes
-    return weights + model.kv_bytes_per_token * remote // model.layers * model.max_context
-
-
-def pipeline_helper(model: ModelSpec, sources: list[NodeView]) -> NodeView | None:
-    """The source with the most free memory, if it has room for the stage (`stage_bytes`)."""
+def pipeline_helper(model: ModelSpec, sources: list[NodeView], perf: PerfModel | None = None,
+                    config: CoreConfig | None = None) -> NodeView | None:
+    """The source with the most free memory, if it has room for the stage (`stage_bytes`) and
+    its own busy instances still meet their TPOT with the stage's share of its compute on top
+    of what its stages take already (`cost.round_fits`: the stage runs every layer but one of
+    every iteration of the new instance)."""
     need = stage_bytes(model)
-    roomy = [n for n in sources if not n.draining and n.memory_bytes - n.budget_bytes >= need]
-    return max(roomy, key=lambda n: (n.memory_bytes - n.budget_bytes, n.node_id), default=None)
+    load = (model.layers - 1) / max(1, model.layers)
+    config = config or CoreConfig()
+    roomy = [n for n in sources if not n.draining and budget_room(n) >= need
+             and round_fits(n, n.stage_load + load, perf, config)]
+    return max(roomy, key=lambda n: (budget_room(n), n.node_id), default=None)
 
 
 def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
@@ -140,39 +141,23 @@ def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
 
 
 def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
-                  receivers: int, config: CoreConfig) -> PipelineMode | None:
+                  receivers: int, config: CoreConfig,
+                  perf: PerfModel | None = None) -> PipelineMode | None:
     """How the new instance would serve through a pipeline (None: it cannot: the model's shape
-    is unknown, or no source has room for the stage)."""
+    is unknown, or no source has room for the stage and the compute for it)."""
     if not _pipelinable(model, config):
         return None
-    helper = pipeline_helper(model, sources)
+    helper = pipeline_helper(model, sources, perf, config)
     if helper is None:
         return None
     blocks = config.multicast_blocks
     link = min(n.storage.multicast_bytes_per_s for n in [*sources, node])
     steps = pipeline_serve_steps(len(sources), receivers, blocks, head_blocks(model, blocks))
-    step_s = model.weight_bytes / blocks / link + config.multicast_step_latency_s
+    step_s = multicast_step_s(model.weight_bytes, blocks, link, config.multicast_step_latency_s)
     serve = config.multicast_setup_s + steps * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
     return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
                         (helper.node_id,))
-
-
-def hosted_layer_bytes(model: ModelSpec) -> int:
-    """What hosting one layer for another receiver's instance adds on a receiver: that layer's
-    K/V for a full context (its own instance holds the layer's weights already)."""
-    return model.kv_bytes_per_token // max(1, model.layers) * model.max_context
-
-
-def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
-    """What each helper of `mode` holds for the instance: a DRAM holder the stage of every layer
-    it lacks (`stage_bytes`), a receiver its ranges' K/V (`hosted_layer_bytes`)."""
-    if not mode.ranges:
-        return {h: stage_bytes(model) for h in mode.helpers}
-    out: dict[str, int] = {}
-    for r in mode.ranges:
-        out[r.helper] = out.get(r.helper, 0) + (r.end - r.start) * hosted_layer_bytes(model)
-    return out
 
 
 def receivers_in_order(model: ModelSpec, nodes: list[NodeView], exclude: str = "") -> list[NodeView]:
@@ -186,36 +171,56 @@ def receivers_in_order(model: ModelSpec, nodes: list[NodeView], exclude: str = "
 
 def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
                            sources: list[NodeView], receivers: list[NodeView],
-                           config: CoreConfig) -> PipelineMode | None:
+                           config: CoreConfig, perf: PerfModel | None = None
+                           ) -> PipelineMode | None:
     """How the new instance would serve with the receivers of its execution pipeline hosting the
     layers it lacks (`receiver_plan`: this node joins last, after `receivers`); None when that
-    pipeline has no cover before its copy is whole (alone in it, or no room on the others)."""
+    pipeline has no cover before its copy is whole (alone in it, or no room on the others). A
+    receiver whose own busy instances would miss their TPOT with the ranges it is given
+    (`cost.round_fits`) hosts nothing: the plan is made again without it."""
     if not (config.enable_receiver_pipelines and _pipelinable(model, config)) or not receivers:
         return None
     k, order = len(sources), [*receivers, node]
     n = k + len(order)
     tensors, cut = model_layout(model.weight_bytes, model.layers, model.head_bytes,
                                 config.multicast_blocks)
-    room = {k + i: -1 if r.draining else r.memory_bytes - r.budget_bytes
-            for i, r in enumerate(receivers)}
-    plan = receiver_plan(n, k, n - 1, tensors, cut, model.layers,
-                         head_first(cut, head_spans(tensors)), room, hosted_layer_bytes(model))
-    if plan.serve_step is None:
-        return None
+    room = {k + i: -1 if r.draining else budget_room(r) for i, r in enumerate(receivers)}
+    name = {k + i: x.node_id for i, x in enumerate(order)}
+    index = {x.node_id: k + i for i, x in enumerate(receivers)}
+    while True:
+        plan = receiver_plan(n, k, n - 1, tensors, cut, model.layers,
+                             head_first(cut, head_spans(tensors)), room, hosted_layer_bytes(model))
+        if plan.serve_step is None:
+            return None
+        ranges = tuple(HostedRange(name[int(s.node)], s.start, s.end) for s in plan.stages
+                       if int(s.node) != n - 1)
+        mode = PipelineMode(plan.hops, config.pipeline_hop_latency_s, 0.0, model.token_bytes,
+                            0.0, tuple(dict.fromkeys(r.helper for r in ranges)), ranges=ranges)
+        busy = _too_busy(model, mode, {x.node_id: x for x in receivers}, perf, config)
+        if not busy:
+            break
+        if all(room[index[h]] < 0 for h in busy):
+            return None  # (the plan ignored a refusal: never loop on it)
+        room.update({index[h]: -1 for h in busy})  # it has no compute to spare: no room
     link = min(x.storage.multicast_bytes_per_s for x in [*sources, *order])
-    step_s = model.weight_bytes / len(cut) / link + config.multicast_step_latency_s
+    step_s = multicast_step_s(model.weight_bytes, len(cut), link,
+                              config.multicast_step_latency_s)
     serve = config.multicast_setup_s + plan.serve_step * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
-    name = {k + i: x.node_id for i, x in enumerate(order)}
-    ranges = tuple(HostedRange(name[int(s.node)], s.start, s.end) for s in plan.stages
-                   if int(s.node) != n - 1)
-    helpers = tuple(dict.fromkeys(r.helper for r in ranges))
-    return PipelineMode(plan.hops, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
-                        helpers, ranges=ranges)
+    return replace(mode, hop_bytes_per_s=link, until=serve)
+
+
+def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
+              perf: PerfModel | None, config: CoreConfig) -> list[str]:
+    """The helpers of `mode` whose own busy instances would miss their TPOT with the layers it
+    gives them on top of the stages they run already (`cost.round_fits`)."""
+    loads = pipeline_helper_loads(model, mode)
+    return [h for h in mode.helpers
+            if not round_fits(nodes[h], nodes[h].stage_load + loads[h], perf, config)]
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
-                   config: CoreConfig) -> StartupChoice:
+                   config: CoreConfig, perf: PerfModel | None = None) -> StartupChoice:
     """The soonest of loading from the node's own tiers, receiving the model by multicast from
     the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
     doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
@@ -234,8 +239,8 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
     via = arrived_load_s(model, arrive, storage.bytes_per_s["dram"], profile)
     names = tuple(sorted(n.node_id for n in sources))
-    modes = [plan_pipeline(node, model, profile, sources, receivers, config),
-             plan_receiver_pipeline(node, model, profile, sources, on_way, config)]
+    modes = [plan_pipeline(node, model, profile, sources, receivers, config, perf),
+             plan_receiver_pipeline(node, model, profile, sources, on_way, config, perf)]
     mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)

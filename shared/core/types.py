@@ -149,6 +149,10 @@ class LayerRun:
     node_id: str
     address: str = ""  # the stage's host:port on that node
     replica: bool = False
+    # The K/V pool its host reserved for these layers (their share of the instance's pool when
+    # the plan was made, `cost.stage_share_bytes`); 0: not known (the instance then keeps the
+    # pool it had when its layout was set: `cost.kv_ceiling`).
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True)

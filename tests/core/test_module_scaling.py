@@ -155,7 +155,9 @@ def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_the_replicas_go_on
     assert 0 <= plan.start < plan.end <= LAYERS and plan.host_bytes > 0
     inst = owner.node.instance(iid)
     layout = plan.layout_after(inst, "b:9", SETTINGS)
-    assert layout.runs == (LayerRun(plan.start, plan.end, "b", "b:9", replica=True),)
+    reserved = plan.host_bytes - (plan.end - plan.start) * layer_weight_bytes(spec(), LAYERS, HEAD)
+    assert layout.runs == (LayerRun(plan.start, plan.end, "b", "b:9", replica=True,
+                                    kv_bytes=reserved),)  # what its host reserves of the pool
     drain(owner, owner.set_layout(iid, layout, 0.0)[1])
     assert inst.model.weight_bytes == spec().weight_bytes  # a replica moves nothing off
     assert node_profiles(owner.node, perf)[iid].decode_s(16, 100) < \
