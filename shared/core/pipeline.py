@@ -292,10 +292,11 @@ def holder_plan(n: int, k: int, node: int, tensors: list[TensorSpan], cut: list[
 
 @functools.lru_cache(maxsize=1024)
 def holder_serve(weight_bytes: int, layers: int, head_bytes: int, blocks: int, n: int,
-                 k: int) -> tuple[int, int] | None:
-    """(serve step, hops) of the newest receiver (node n - 1) of a k -> n multicast served by a
-    DRAM holder, over the core's layout of the checkpoint (`model_layout`); memoized, since a
-    placement asks for the same few group shapes of one model again and again."""
+                 k: int, node: int | None = None) -> tuple[int, int] | None:
+    """(serve step, hops) of receiver `node` (None: the newest, n - 1) of a k -> n multicast
+    served by a DRAM holder, over the core's layout of the checkpoint (`model_layout`);
+    memoized, since a placement asks for the same few group shapes of one model again and
+    again."""
     tensors, cut = model_layout(weight_bytes, layers, head_bytes, blocks)
-    plan = holder_plan(n, k, n - 1, tensors, cut, layers)
+    plan = holder_plan(n, k, n - 1 if node is None else node, tensors, cut, layers)
     return None if plan is None else (plan.serve_step, plan.hops)

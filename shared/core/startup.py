@@ -126,7 +126,8 @@ def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
 
 
 def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
-                  receivers: int, config: CoreConfig) -> PipelineMode | None:
+                  receivers: int, config: CoreConfig,
+                  position: int | None = None) -> PipelineMode | None:
     """How the new instance would serve through a pipeline (None: it cannot: the model's shape
     is unknown, or no source has room for the stage)."""
     if not _pipelinable(model, config):
@@ -135,8 +136,9 @@ def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: l
     if helper is None:
         return None
     k = len(sources)
+    at = receivers - 1 if position is None else position
     plan = holder_serve(model.weight_bytes, model.layers, model.head_bytes,
-                        config.multicast_blocks, k + receivers, k)
+                        config.multicast_blocks, k + receivers, k, k + at)
     if plan is None:
         return None
     steps, hops = plan
@@ -206,11 +208,13 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
-                   config: CoreConfig) -> StartupChoice:
+                   config: CoreConfig, group: tuple[int, int] | None = None) -> StartupChoice:
     """The soonest of loading from the node's own tiers, receiving the model by multicast from
     the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
     doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
-    loads it (`load_seconds` counts the arrival)."""
+    loads it (`load_seconds` counts the arrival). The node joins the receivers on their way
+    last; `group` = (position, receivers): it is the receiver at that position of a group of
+    that many instead (a burst's instances, priced once the burst's group is known)."""
     tier = load_seconds(node, model, profile)
     keep = StartupChoice(StartupMethod.TIER, tier, tier)
     storage = node.storage
@@ -221,12 +225,13 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     if not sources:
         return keep
     on_way = receivers_in_order(model, nodes, exclude=node.node_id)  # the group it joins
-    receivers = 1 + len(on_way)
-    arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
+    position, receivers = group if group is not None else (len(on_way), 1 + len(on_way))
+    arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config, position)
     via = arrive + model.weight_bytes / storage.bytes_per_s["dram"] + profile.engine_init_s
     names = tuple(sorted(n.node_id for n in sources))
-    modes = [plan_pipeline(node, model, profile, sources, receivers, config),
-             plan_receiver_pipeline(node, model, profile, sources, on_way, config)]
+    modes = [plan_pipeline(node, model, profile, sources, receivers, config, position)]
+    if group is None:  # receivers host for the newest only as it joins (`receiver_plan`)
+        modes.append(plan_receiver_pipeline(node, model, profile, sources, on_way, config))
     mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)
