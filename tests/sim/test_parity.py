@@ -117,3 +117,87 @@ def _until_prefilled(sched: NodeScheduler, rid: str) -> float:
         now += step.predicted_s
         sched.finish_iteration(step.iteration, now)
     return now
+
+
+# -- module scaling (CoCoServe): the placer's planner gets what the simulator's gets -----------
+
+def _module_state():
+    """a: a lone, busy instance of m (4 requests); b: an idle fragment (an instance of another
+    model, no request)."""
+    from tests.core.test_module_scaling import proportional, spec
+
+    perf = perf_for(proportional(per_request_s=0.02), proportional("other"))
+    owner = node("a", Hardware.CPU, 40, perf)
+    iid = None
+    for k in range(4):
+        iid = loaded(owner, iid, request(f"r{k}", ttft=5.0), spec())
+    fragment = node("b", Hardware.CPU, 40, perf)
+    loaded(fragment, None, request("idle", model_name="other", ttft=5.0), spec(name="other"))
+    fragment.cancel("idle", 1.0)
+    nodes = [wire.decode(NodeView, wire.encode(s.view())) for s in (owner, fragment)]
+    return nodes, perf, {"m": spec(), "other": spec(name="other")}
+
+
+def _simulator(nodes, perf, models):
+    from sim.engine import EventLoop
+    from sim.metrics import Metrics
+
+    system = SlinferSystem(nodes, perf, dict(models), SimConfig().core_config(),
+                           cocoserve=(10.0, {m: s.layers for m, s in models.items()},
+                                      {m: 4096 for m in models}))
+    system.bind(EventLoop(), Metrics())
+    return system
+
+
+def test_the_placers_module_planner_is_given_the_demand_the_simulators_is():
+    from services.placer.module_scaler import ModuleScaler
+    from shared.core.module_scaling import ModuleAction
+
+    nodes, perf, models = _module_state()
+    new = request("new", ttft=5.0, tpot=0.06)  # a's instance cannot take its TPOT
+    system = _simulator(nodes, perf, models)
+    ours = system.cocoserve.scale_up_plans(new)
+    assert [p.action for p in ours] == [ModuleAction.REPLICATE]
+    core = SimConfig().core_config()
+    plan = place(new, models["m"], nodes, perf, 0.0, core, models=models)
+    assert plan.action is PlaceAction.NEW_INSTANCE  # the simulator offers it to its planner
+    scaler = ModuleScaler(None, system.cocoserve.settings, interval_s=1.0)
+    scaler.note(plan, new, models["m"], nodes)  # what `Placer._place_one` tells it
+    assert scaler.decide(nodes, perf, 0.0, core) == ours
+    assert scaler.decide(nodes, perf, 0.0, core) == []  # demand is passed once
+
+
+def test_a_host_whose_own_requests_ran_late_loses_its_replicas_in_both_planners():
+    """b hosts a replica of a's instance; one of b's own requests gets a token after its
+    deadline: the node's view counts it (`late_tokens`), and the placer's planner, like the
+    simulator's (which sees the late token itself), drops the replica b hosts."""
+    from services.placer.module_scaler import ModuleScaler
+    from shared.core.module_scaling import ModuleAction
+    from shared.core.types import InstanceLayout, LayerRun
+    from tests.core.test_module_scaling import drain, proportional, spec
+
+    perf = perf_for(proportional(), proportional("other"))
+    owner, host = node("a", Hardware.CPU, 40, perf), node("b", Hardware.CPU, 40, perf)
+    iid = loaded(owner, None, request("r0", ttft=5.0), spec())
+    layout = InstanceLayout(owner.node.instance(iid).model,
+                            (LayerRun(0, 4, "b", "b:7", replica=True),), 1e-4, 1e10)
+    drain(owner, owner.set_layout(iid, layout, 0.0)[1])
+    loaded(host, None, request("own", model_name="other", ttft=0.5), spec(name="other"))
+    models = {"m": spec(), "other": spec(name="other")}
+
+    def views():
+        return [wire.decode(NodeView, wire.encode(s.view())) for s in (owner, host)]
+
+    system = _simulator(views(), perf, models)
+    scaler = ModuleScaler(None, system.cocoserve.settings, interval_s=1.0)
+    core = SimConfig().core_config()
+    assert scaler.decide(views(), perf, 0.0, core) == []  # nothing late yet
+    step = host.step(0.0)
+    host.finish_iteration(step.iteration, 2.0)  # its first token was due at 0.5 s
+    after = views()
+    assert after[1].late_tokens == 1
+    system = _simulator(after, perf, models)
+    system.cocoserve.layouts[iid] = layout  # (the simulator's record of the replica it made)
+    ours = system.cocoserve.overload_plans("b")
+    assert [p.action for p in ours] == [ModuleAction.DROP_REPLICA]
+    assert scaler.decide(after, perf, 2.0, core) == ours
