@@ -175,29 +175,30 @@ def _priced_in_group(request: RequestView, model: ModelSpec, spots: list[BurstSp
                      views: list[NodeView], perf: PerfModel, now: float,
                      config: CoreConfig) -> tuple[BurstSpot, ...]:
     """Each multicast spot priced at its position in the whole group and validated again; a
-    spot that no longer passes leaves, and the others are priced again without it."""
+    spot that no longer passes leaves (one that now loads from its own tiers leaves the group),
+    and the others are priced again, until the group stays as it is."""
     ids = {s.node_id for s in spots}
-    base = [n for n in views if n.node_id not in ids]  # the spots' nodes as they were
+    base = [n for n in views if n.node_id not in ids]  # the group's receivers before the spots
     before = [n for n in base if n.storage is not None and model.name in n.storage.arriving]
     originals = {n.node_id: n for n in views if n.node_id in ids}  # without their own arrival
     for _ in range(len(spots) + 1):
-        group = [s for s in spots if _multicasts(s.startup)]
-        receivers = len(before) + len(group)
+        group = [s.node_id for s in spots if _multicasts(s.startup)]
         priced: list[BurstSpot] = []
         for spot in spots:
-            if spot not in group:
+            if spot.node_id not in group:
                 priced.append(spot)
                 continue
             node = originals[spot.node_id]
-            profile = perf.get(model.name, node.hardware)
-            choice = choose_startup(node, model, profile, base, config,
-                                    group=(len(before) + group.index(spot), receivers))
+            position = (len(before) + group.index(spot.node_id), len(before) + len(group))
+            choice = choose_startup(node, model, perf.get(model.name, node.hardware), base,
+                                    config, group=position)
             adm = evaluate(with_startup(node, model.name, choice), None, request, model, perf,
                            now, config)
             if adm.ok:
                 priced.append(BurstSpot(spot.node_id, adm, choice))
-        if len(priced) == len(spots):
-            return tuple(priced)
-        spots = [s for s in spots if s.node_id in {p.node_id for p in priced}]
+        stable = [p.node_id for p in priced] == [s.node_id for s in spots] and \
+            [p.node_id for p in priced if _multicasts(p.startup)] == group
+        spots = priced
+        if stable:
+            break
     return tuple(spots)
-
