@@ -288,7 +288,8 @@ class SlinferSystem:
         self._hand_over(sn, data)
         self._kick(sn)
 
-    def _hand_over(self, sn: SimNode, data: tuple[str, tuple[str, ...], tuple[Migration, ...]]) -> None:
+    def _hand_over(self, sn: SimNode,
+                   data: tuple[str, tuple[str, ...], tuple[Migration, ...]]) -> None:
         _, victims, migrations = data
         now = self.loop.now
         dest = {m.request_id: m for m in migrations}

@@ -42,7 +42,7 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceSt
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
 
-LATE_EPS_S = 1e-9  # a token this close to its deadline is on time (float rounding, as the simulator)
+LATE_EPS_S = 1e-9  # a token this close to its deadline is on time (float rounding; the sim's too)
 _RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
 # An adapter's reload time for the offloading order's value (load time x rate, per byte): its
 # bytes at this rate (ASSUMPTION: about what the torch engine measured reading one from the

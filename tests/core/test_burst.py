@@ -210,7 +210,8 @@ def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_sched
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5, ttft=3.0)
     plan = place(new, spec, views, perf, 0.5, ON)
-    assert plan.action is PlaceAction.NEW_INSTANCE and plan.startup.method is StartupMethod.MULTICAST
+    assert plan.action is PlaceAction.NEW_INSTANCE
+    assert plan.startup.method is StartupMethod.MULTICAST
     burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
     assert len(burst.spots) == 3  # n1..n4 but the plan's node
     step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)

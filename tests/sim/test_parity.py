@@ -16,7 +16,8 @@ from services.placer.settings import burst_from_env
 from sim.simulate import SimConfig
 from sim.slinfer_system import SlinferSystem
 
-from tests.core.factories import flat_profile, linear_profile, loaded, model, node, perf_for, request
+from tests.core.factories import (flat_profile, linear_profile, loaded, model, node, perf_for,
+                                  request)
 
 BIG = model("big", weight_gb=30, kv_per_token=10 * 1024**2, max_context=1024, avg_out=64)
 SMALL = model("small", weight_gb=35, max_context=1024)
