@@ -39,6 +39,15 @@ from sim.scaleout import Multicaster, annotate, start_load
 from sim.storage import NodeStorage
 
 
+@dataclass(frozen=True)
+class Incoming:
+    """A live migrant its destination admitted at the start of the handover (not batched yet)."""
+
+    node_id: str
+    instance_id: str
+    request: RequestView
+
+
 @dataclass
 class SimNode:
     sched: NodeScheduler
@@ -254,8 +263,9 @@ class SlinferSystem:
         if result.admission.ok:
             self.rec.count("preemptions", len(plan.preempt))
             if plan.live:
+                incoming = self._begin_migrations(result.migrating, plan.migrations)
                 self.loop.schedule(now + max(0.0, plan.handover_s), "handover",
-                                   (plan.node_id, plan.preempt, plan.migrations))
+                                   (plan.node_id, plan.preempt, incoming))
             else:
                 for iid in plan.preempt:
                     self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
@@ -273,13 +283,39 @@ class SlinferSystem:
         if move is None or not self._offer(move.to_node, move.to_instance, moved):
             self._place(moved)
 
-    def _on_handover(self, data: tuple[str, tuple[str, ...], tuple[Migration, ...]]) -> None:
+    def _begin_migrations(self, moving: tuple[RequestView, ...],
+                          migrations: tuple[Migration, ...]) -> tuple[Incoming, ...]:
+        """A live preemption's migrations begin (the node workers' MIGRATE_BEGIN): each
+        destination the plan validated admits its migrant now, its memory counted but the
+        request not batched until the handover commits it (the destination recomputes its KV
+        cache meanwhile: that compute is not charged to it here). One a destination refuses
+        stays on its victim and moves stop-and-resume at the handover."""
+        dest = {m.request_id: m for m in migrations}
+        out = []
+        for req in moving:
+            move = dest.get(req.request_id)
+            if move is None:
+                continue
+            sn = self.nodes[move.to_node]
+            self._sync_storage(sn, req.model)
+            result = sn.sched.admit(replace(req), move.to_instance, self.models[req.model],
+                                    self.loop.now, self._adapter(req))
+            self._start_ops(sn, result.start_ops)
+            if not result.admission.ok:
+                self.rec.count("migration_refusals")
+                continue
+            inst = sn.sched.node.instance(result.instance_id)
+            held = next(r for r in inst.requests if r.request_id == req.request_id)
+            inst.requests.remove(held)  # admitted (memory counted), not batched before the commit
+            out.append(Incoming(move.to_node, result.instance_id, held))
+        return tuple(out)
+
+    def _on_handover(self, data: tuple[str, tuple[str, ...], tuple[Incoming, ...]]) -> None:
         """A live preemption's handover is due (the plan's estimate of its migrations): each
-        victim's requests join the destinations the plan validated with their KV cache there
-        (the destination recomputed it while the victim decoded on; that compute is not
-        charged to the destination here), then the victims are unloaded
-        (`NodeScheduler.finish_handover`); a request a destination refuses now moves
-        stop-and-resume. Waits for a victim's iteration in flight (the node worker's lock)."""
+        migrant the destination admitted at the start joins its batch there with the tokens it
+        made on the victim meanwhile (the commit), then the victims are unloaded
+        (`NodeScheduler.finish_handover`); their requests left move stop-and-resume. Waits for
+        a victim's iteration in flight (the node worker's lock)."""
         sn = self.nodes[data[0]]
         running = sn.sched.node.running
         if sn.busy and running is not None and running.instance_id in data[1]:
@@ -289,17 +325,23 @@ class SlinferSystem:
         self._kick(sn)
 
     def _hand_over(self, sn: SimNode,
-                   data: tuple[str, tuple[str, ...], tuple[Migration, ...]]) -> None:
-        _, victims, migrations = data
+                   data: tuple[str, tuple[str, ...], tuple[Incoming, ...]]) -> None:
+        _, victims, incoming = data
         now = self.loop.now
-        dest = {m.request_id: m for m in migrations}
+        on_victims = {r.request_id: r for v in victims
+                      for r in getattr(sn.sched.node.instance(v), "requests", ())}
+        for mig in incoming:
+            dest = self.nodes[mig.node_id]
+            inst = dest.sched.node.instance(mig.instance_id)
+            source = on_victims.get(mig.request.request_id)
+            if inst is None or source is None:  # it finished meanwhile, or the instance went
+                continue
+            inst.requests.append(replace(mig.request, generated=source.generated,
+                                         prefilled=True))
+            self.rec.count("migrations")
+            self._start_ops(sn, sn.sched.cancel(source.request_id, now))
+            self._kick(dest)
         for victim in victims:
-            inst = sn.sched.node.instance(victim)
-            for req in list(inst.requests) if inst is not None else []:
-                move = dest.get(req.request_id)
-                if move is not None and self._offer(move.to_node, move.to_instance, replace(req)):
-                    self.rec.count("migrations")
-                    self._start_ops(sn, sn.sched.cancel(req.request_id, now))
             left, ops = sn.sched.finish_handover(victim, now)
             self._start_ops(sn, ops)
             self.rec.add_instance_lifetime(now - self._born.pop(victim, now))
