@@ -20,12 +20,12 @@ burst are estimated as one group, the way the placer then sends them the model: 
   the instance serves before its copy is whole: once this node holds the head (embeddings,
   final norm, LM head: the multicast sends their blocks first, `multicast.head_first`) and one
   layer, a *helper* (a node holding the model in its DRAM tier: a multicast source with room
-  for a stage of the other layers) runs the layers it lacks, and every iteration pays two
-  activation transfers (`modules.pipeline_profile`) until the copy is whole and the node
-  switches to local execution. Until it serves: setup + the multicast steps until this node
-  holds the head and a layer + the stage's start; it runs the layers it holds then and pays
-  the hops between them and the helper's runs (`pipeline.holder_plan`, over the core's layout
-  of the checkpoint: a receiver whose sub-group brings a middle run first pays four, not two).
+  for a stage of the other layers) runs the layers it lacks, and every iteration pays the
+  activation transfers between them (`modules.pipeline_profile`) until the copy is whole and
+  the node switches to local execution. Until it serves: setup + the multicast steps until
+  this node holds the head and a layer + the stage's start; it runs the layers it holds then
+  and pays the hops between them and the helper's runs (`pipeline.holder_plan`, over the core's
+  layout of the checkpoint: a receiver whose sub-group brings a middle run first pays four).
   It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
   admission then validates the request against the pipeline's slower profile.
   With `enable_receiver_pipelines` the helpers may also be the other receivers of the burst
@@ -43,14 +43,12 @@ Pure: views and numbers in, a `StartupChoice` out; the placer carries a multicas
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.evaluate import load_seconds
 from shared.core.modules import share_spec
-from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
-                                   step_seconds, whole_steps)
+from shared.core.multicast import head_first, step_seconds, whole_steps
 from shared.core.perf_model import Profile
 from shared.core.pipeline import head_spans, holder_serve, model_layout, receiver_plan
 from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
