@@ -298,8 +298,10 @@ class SlinferSystem:
                 continue
             sn = self.nodes[move.to_node]
             self._sync_storage(sn, req.model)
-            result = sn.sched.admit(replace(req), move.to_instance, self.models[req.model],
-                                    self.loop.now, self._adapter(req))
+            # as the node workers' MIGRATE_BEGIN: with its tokens so far, its KV cache to
+            # recompute there (`shared.cluster.request_view`: not prefilled)
+            result = sn.sched.admit(replace(req, prefilled=False), move.to_instance,
+                                    self.models[req.model], self.loop.now, self._adapter(req))
             self._start_ops(sn, result.start_ops)
             if not result.admission.ok:
                 self.rec.count("migration_refusals")
