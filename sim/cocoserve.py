@@ -131,7 +131,7 @@ class CoCoServe:
         for iid, layout in self.layouts.items():
             if layout.model.name == view.model and self._try_admit(iid, view):
                 return "admitted"
-        plans = self._plan(demand=[view])
+        plans = self.scale_up_plans(view)
         if any(p.action is ModuleAction.REPLICATE for p in plans):
             self.sys.rec.count("cocoserve_scale_ups")
         for plan in plans:
@@ -142,6 +142,11 @@ class CoCoServe:
         if any(self._can_wait(view, t, now) for t in waiting):
             return "wait"
         return None
+
+    def scale_up_plans(self, view: RequestView) -> list[ModulePlan]:
+        """The planner's answer to one request of demand (what the placer's module scaler passes
+        it for a placement that needs a new instance or finds no room)."""
+        return self._plan(demand=[view])
 
     def _can_wait(self, view: RequestView, t: Transfer, now: float) -> bool:
         """Its first token still in time if its prefill starts once the replicas are in place."""
@@ -283,8 +288,13 @@ class CoCoServe:
         if node_id not in self.hosts():
             return
         self.sys.rec.count("cocoserve_host_violations")
-        for plan in self._plan(overloaded=[node_id]):
+        for plan in self.overload_plans(node_id):
             self._carry(plan)
+
+    def overload_plans(self, node_id: str) -> list[ModulePlan]:
+        """The planner's answer to a host whose own request ran late (the placer's module scaler
+        sees the host's `late_tokens` rise)."""
+        return self._plan(overloaded=[node_id])
 
     def memory_pressure(self, view: RequestView) -> bool:
         """No node had room: module reduction on the node that lacked the least for a new

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.core.config import CoreConfig
+from shared.settings import core_config_from_env
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, ModelSpec, slo_for_input
 from sim import profiles as prof
@@ -99,11 +100,15 @@ class SimConfig:
             object.__setattr__(self, "models", self.lora_adapters)  # the functions are adapters
 
     def core_config(self) -> CoreConfig:
-        return CoreConfig(watermark=self.watermark, keep_alive_s=self.keep_alive,
-                          enable_cpu=not self.no_cpu, enable_sharing=not self.no_sharing,
-                          enable_consolidation=not self.no_consolidation,
-                          pack_new_instances=not self.no_packing,
-                          **scaleout.burst_settings(self.extra))
+        """The services' defaults (what a placer and its nodes build from an environment that
+        sets nothing: live preemption, execute-while-load, ...), with this run's ablations, so a
+        decision seen here is the one the services take (tests/sim/test_parity.py)."""
+        return replace(core_config_from_env(env={}), watermark=self.watermark,
+                       keep_alive_s=self.keep_alive,
+                       enable_cpu=not self.no_cpu, enable_sharing=not self.no_sharing,
+                       enable_consolidation=not self.no_consolidation,
+                       pack_new_instances=not self.no_packing,
+                       **scaleout.burst_settings(self.extra))
 
 
 def model_sizes(cfg: SimConfig) -> list[str]:

@@ -28,6 +28,7 @@ from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
 from shared.core.node_scheduler import AdmitResult, NodeScheduler
 from shared.core.perf_model import PerfModel
+from shared.core.consolidation import Migration
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec, NodeView,
                                RequestView)
@@ -38,6 +39,15 @@ from sim.scaleout import Multicaster, annotate, start_load
 from sim.storage import NodeStorage
 
 
+@dataclass(frozen=True)
+class Incoming:
+    """A live migrant its destination admitted at the start of the handover (not batched yet)."""
+
+    node_id: str
+    instance_id: str
+    request: RequestView
+
+
 @dataclass
 class SimNode:
     sched: NodeScheduler
@@ -46,6 +56,8 @@ class SimNode:
     checked_at: float = -1.0  # time of the last keep-alive check (to avoid re-checking at once)
     ops_running: dict[int, MemOp] = field(default_factory=dict)
     storage: NodeStorage | None = None  # checkpoint tiers (None: the profile's load time)
+    # live preemptions whose handover is due once the victim's iteration in flight ends
+    handovers: list[tuple] = field(default_factory=list)
 
     @property
     def node_id(self) -> str:
@@ -144,13 +156,18 @@ class SlinferSystem:
                                 if i.model.name == model and i.status is InstanceStatus.READY],
             sn.storage is not None and model in sn.storage.dram, self.loop.now)]
 
+    def decide(self, view: RequestView, now: float) -> PlacementPlan:
+        """The placement decision on the nodes' views now: the call the placer service makes
+        (`Placer._place_one`), with this run's core configuration (tests/sim/test_parity.py)."""
+        return place(view, self.models[view.model], self._views(view.model), self.perf, now,
+                     self.config, self.models, self._adapter(view))
+
     def _place(self, view: RequestView, from_queue: bool = False) -> bool:
         """Ask the core where the request goes and carry the plan out. True if it went somewhere
         (or was dropped); False if it stays queued."""
         now = self.loop.now
         model = self.models[view.model]
-        plan = place(view, model, self._views(view.model), self.perf, now, self.config,
-                     self.models, self._adapter(view))
+        plan = self.decide(view, now)
         for attempt in plan.attempts:
             self.rec.count(ADMIT_PREFIX + attempt.reason.value)
         if self.cocoserve is not None and plan.action in (
@@ -163,8 +180,7 @@ class SlinferSystem:
                     self._enqueue(view)
                 return False
             if plan.action is not PlaceAction.NEW_INSTANCE and self.cocoserve.memory_pressure(view):
-                plan = place(view, model, self._views(view.model), self.perf, now, self.config,
-                             self.models, self._adapter(view))
+                plan = self.decide(view, now)
         if plan.action is PlaceAction.DROP:
             self._drop(view.request_id)
             return True
@@ -236,24 +252,103 @@ class SlinferSystem:
 
     def _preempt_and_admit(self, plan: PlacementPlan, view: RequestView) -> bool:
         """§VIII-A as the service does it: one node step that re-checks first; the displaced
-        requests go to the destinations the plan validated (placed afresh if those refuse)."""
+        requests go to the destinations the plan validated (placed afresh if those refuse).
+        A live plan (the services' default): the victims run on until the handover, then their
+        requests move (`_on_handover`)."""
         sn = self.nodes[plan.node_id]
         now = self.loop.now
         result = sn.sched.preempt_and_admit(list(plan.preempt), view, plan.instance_id,
-                                            self.models[view.model], now, self._adapter(view))
+                                            self.models[view.model], now, self._adapter(view),
+                                            handover_s=plan.handover_s if plan.live else None)
         if result.admission.ok:
             self.rec.count("preemptions", len(plan.preempt))
-            for iid in plan.preempt:
-                self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
+            if plan.live:
+                incoming = self._begin_migrations(result.migrating, plan.migrations)
+                self.loop.schedule(now + max(0.0, plan.handover_s), "handover",
+                                   (plan.node_id, plan.preempt, incoming))
+            else:
+                for iid in plan.preempt:
+                    self.rec.add_instance_lifetime(now - self._born.pop(iid, now))
         placed = self._admitted(sn, view, plan.instance_id is None, result)
         dest = {m.request_id: m for m in plan.migrations}
         for req in result.evicted:
-            moved = replace(req, prefilled=False)  # recomputes its KV cache where it lands
-            self.rec.count("migrations")
-            m = dest.get(req.request_id)
-            if m is None or not self._offer(m.to_node, m.to_instance, moved):
-                self._place(moved)
+            self._move_stopped(req, dest.get(req.request_id))
         return placed
+
+    def _move_stopped(self, req: RequestView, move: Migration | None) -> None:
+        """Stop-and-resume: the request recomputes its KV cache where it lands, the plan's
+        destination first."""
+        moved = replace(req, prefilled=False)
+        self.rec.count("migrations")
+        if move is None or not self._offer(move.to_node, move.to_instance, moved):
+            self._place(moved)
+
+    def _begin_migrations(self, moving: tuple[RequestView, ...],
+                          migrations: tuple[Migration, ...]) -> tuple[Incoming, ...]:
+        """A live preemption's migrations begin (the node workers' MIGRATE_BEGIN): each
+        destination the plan validated admits its migrant now, its memory counted but the
+        request not batched until the handover commits it (the destination recomputes its KV
+        cache meanwhile: that compute is not charged to it here). One a destination refuses
+        stays on its victim and moves stop-and-resume at the handover."""
+        dest = {m.request_id: m for m in migrations}
+        out = []
+        for req in moving:
+            move = dest.get(req.request_id)
+            if move is None:
+                continue
+            sn = self.nodes[move.to_node]
+            self._sync_storage(sn, req.model)
+            # as the node workers' MIGRATE_BEGIN: with its tokens so far, its KV cache to
+            # recompute there (`shared.cluster.request_view`: not prefilled)
+            result = sn.sched.admit(replace(req, prefilled=False), move.to_instance,
+                                    self.models[req.model], self.loop.now, self._adapter(req))
+            self._start_ops(sn, result.start_ops)
+            if not result.admission.ok:
+                self.rec.count("migration_refusals")
+                continue
+            inst = sn.sched.node.instance(result.instance_id)
+            held = next(r for r in inst.requests if r.request_id == req.request_id)
+            inst.requests.remove(held)  # admitted (memory counted), not batched before the commit
+            out.append(Incoming(move.to_node, result.instance_id, held))
+        return tuple(out)
+
+    def _on_handover(self, data: tuple[str, tuple[str, ...], tuple[Incoming, ...]]) -> None:
+        """A live preemption's handover is due (the plan's estimate of its migrations): each
+        migrant the destination admitted at the start joins its batch there with the tokens it
+        made on the victim meanwhile (the commit), then the victims are unloaded
+        (`NodeScheduler.finish_handover`); their requests left move stop-and-resume. Waits for
+        a victim's iteration in flight (the node worker's lock)."""
+        sn = self.nodes[data[0]]
+        running = sn.sched.node.running
+        if sn.busy and running is not None and running.instance_id in data[1]:
+            sn.handovers.append(data)  # `_on_iter_done` hands over before the next iteration
+            return
+        self._hand_over(sn, data)
+        self._kick(sn)
+
+    def _hand_over(self, sn: SimNode,
+                   data: tuple[str, tuple[str, ...], tuple[Incoming, ...]]) -> None:
+        _, victims, incoming = data
+        now = self.loop.now
+        on_victims = {r.request_id: r for v in victims
+                      for r in getattr(sn.sched.node.instance(v), "requests", ())}
+        for mig in incoming:
+            dest = self.nodes[mig.node_id]
+            inst = dest.sched.node.instance(mig.instance_id)
+            source = on_victims.get(mig.request.request_id)
+            if inst is None or source is None:  # it finished meanwhile, or the instance went
+                continue
+            inst.requests.append(replace(mig.request, generated=source.generated,
+                                         prefilled=True))
+            self.rec.count("migrations")
+            self._start_ops(sn, sn.sched.cancel(source.request_id, now))
+            self._kick(dest)
+        for victim in victims:
+            left, ops = sn.sched.finish_handover(victim, now)
+            self._start_ops(sn, ops)
+            self.rec.add_instance_lifetime(now - self._born.pop(victim, now))
+            for req in left:
+                self._move_stopped(req, None)
 
     def _offer(self, node_id: str, instance_id: str, view: RequestView) -> bool:
         """A displaced request at the destination the plan validated; False if it refuses now."""
@@ -338,6 +433,9 @@ class SlinferSystem:
             self.cocoserve.iteration_ran(choice.instance_id, seconds, now)
             if sum(self.reqs[rid].late_tokens for rid in choice.request_ids) > late:
                 self.cocoserve.host_violated(node_id)  # module reduction on an SLO violation
+        due, sn.handovers = sn.handovers, []
+        for data in due:
+            self._hand_over(sn, data)
         if finished:
             self._retry_queue()
         self._kick(sn)

@@ -195,7 +195,7 @@ class PipelineStarts:
         - A DRAM holder (`mode.ranges == ()`) holds every layer: the cover exists at once, the
           holder hosting each run this node lacks. The layer here is the first of its
           sub-group's order, with k >= 2 sources not always layer 0 (the core's estimate counts
-          on it: `startup.pipeline_serve_steps`).
+          on it: `startup.plan_pipeline`).
         - Receivers (`mode.helpers`, hosting for each other) are asked what they hold as blocks
           arrive (polled): the ranges come from what each holds *now*, since the checkpoint's
           real blocks, not the core's idealised layout, decide who holds which layers first."""

@@ -1,10 +1,16 @@
 """The placer's part of CoCoServe's module scaling: the core decides
 (`shared.core.module_scaling.plan_module_scaling`), this carries the plans out with the nodes.
 
-Memory pressure is what placement saw: a request that no node could take (QUEUE or DROP) with
-a memory refusal on some node for a new instance is pressure on the node that lacked the least
-(`memory_deficit`). Every `interval_s` the planner runs on the cluster view with the pressure
-seen since (and load spikes from the view itself); each plan runs in its own task:
+The planner gets what the simulator gives it (sim/cocoserve.py), so both decide alike:
+- memory pressure, what placement saw: a request that no node could take (QUEUE or DROP) with
+  a memory refusal on some node for a new instance is pressure on the node that lacked the
+  least (`memory_deficit`);
+- demand: the requests placement would serve only with a new instance or not at all (NEW_INSTANCE,
+  QUEUE, DROP), each passed once (CoCoServe replicates a lone instance of the model first);
+- overloaded hosts: nodes hosting another instance's layers whose own requests got a token late
+  since the last run (their published `late_tokens` count rose).
+Every `interval_s` the planner runs on the cluster view with those (and load spikes from the
+view itself); each plan runs in its own task:
 
     shed / replicate:  HOST_LAYERS to the host (it holds the bytes and the stage's share of
                        its compute, builds the stage, answers its address) -> SHED_LAYERS /
@@ -34,8 +40,10 @@ from typing import TYPE_CHECKING
 
 from shared.cluster import read_nodes
 from shared.core.admission import AdmitReason
+from shared.core.config import CoreConfig
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
                                         memory_deficit, plan_module_scaling)
+from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan
 from shared.core.types import ModelSpec, NodeView, RequestView
 from shared.schemas import CommandKind, ModelRecord, NodeCommand, NodeReply
@@ -51,6 +59,8 @@ PRESSURE_TTL_S = 10.0  # pressure not seen again for this long is forgotten
 # placer's cluster view (a heartbeat behind) still shows the memory that just left.
 RELIEF_COOLDOWN_S = 3.0
 VIEW_WAIT_S = 2.0  # an owner that did not answer: its view is read again after this
+# Placements that are demand for a model's module scaling (the simulator's `CoCoServe.offer`)
+DEMAND = (PlaceAction.NEW_INSTANCE, PlaceAction.QUEUE, PlaceAction.DROP)
 
 
 @dataclass
@@ -75,6 +85,8 @@ class ModuleScaler:
         self.relieved: dict[str, float] = {}  # node -> pressure ignored until then (monotonic)
         self.shed_at: dict[str, float] = {}  # instance -> when its last shed ended (monotonic)
         self.records: deque[ModuleRecord] = deque(maxlen=256)
+        self.demand: dict[str, tuple[RequestView, float]] = {}  # request -> (view, when seen)
+        self.late_seen: dict[str, int] = {}  # node -> its late_tokens at the last run
         self._last = 0.0
         self._failing = False
         self._tasks: set[asyncio.Task] = set()
@@ -85,9 +97,13 @@ class ModuleScaler:
 
     def note(self, plan: PlacementPlan, request: RequestView, model: ModelSpec,
              nodes: list[NodeView]) -> None:
-        """A placement that found no room: the node that lacked the least memory for a new
-        instance is under pressure (the request may fit there once layers moved off)."""
-        if not self.enabled or plan.action not in (PlaceAction.QUEUE, PlaceAction.DROP):
+        """A placement that needs a new instance or found no room is demand for the model; one
+        that found no room also puts the node that lacked the least memory for a new instance
+        under pressure (the request may fit there once layers moved off)."""
+        if not self.enabled or plan.action not in DEMAND:
+            return
+        self.demand[request.request_id] = (request, time.monotonic())
+        if plan.action is PlaceAction.NEW_INSTANCE:
             return
         by_id = {n.node_id: n for n in nodes}
         refused = [by_id[a.node_id] for a in plan.attempts if a.reason is AdmitReason.MEMORY
@@ -115,17 +131,10 @@ class ModuleScaler:
             self._failing = False
 
     async def _plan_and_start(self) -> None:
-        now_m = time.monotonic()
-        self.pressure = {n: v for n, v in self.pressure.items() if now_m - v[1] < PRESSURE_TTL_S}
         nodes = await read_nodes(self.p.redis)
         records = {r.name: r for r in await self.p.registry.list()}
         await self.p._refresh_perf()  # (placement refreshes it only while requests wait)
-        pressures = [MemoryPressure(n, d) for n, (d, _) in self.pressure.items()]
-        self.shed_at = {i: t for i, t in self.shed_at.items()
-                        if now_m - t < self.settings.settle_s}
-        plans = plan_module_scaling(nodes, self.p.perf, time.time(), pressures, self.settings,
-                                    self.p.s.core, frozenset(self.busy),
-                                    stay=frozenset(self.shed_at))
+        plans = self.decide(nodes, self.p.perf, time.time(), self.p.s.core)
         for plan in plans:
             record = records.get(_model_of(nodes, plan))
             if record is None:
@@ -139,6 +148,31 @@ class ModuleScaler:
                                        name=f"{plan.action.value}-{plan.instance_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def decide(self, nodes: list[NodeView], perf: PerfModel, now: float,
+               config: CoreConfig) -> list[ModulePlan]:
+        """The planner on this view with what was noted since the last run (module doc); the
+        demand noted is passed once."""
+        now_m = time.monotonic()
+        self.pressure = {n: v for n, v in self.pressure.items() if now_m - v[1] < PRESSURE_TTL_S}
+        pressures = [MemoryPressure(n, d) for n, (d, _) in self.pressure.items()]
+        demand = [view for view, seen in self.demand.values() if now_m - seen < PRESSURE_TTL_S]
+        self.demand = {}
+        self.shed_at = {i: t for i, t in self.shed_at.items()
+                        if now_m - t < self.settings.settle_s}
+        return plan_module_scaling(nodes, perf, now, pressures, self.settings, config,
+                                   frozenset(self.busy), demand=demand,
+                                   overloaded=self._overloaded(nodes),
+                                   stay=frozenset(self.shed_at))
+
+    def _overloaded(self, nodes: list[NodeView]) -> list[str]:
+        """Hosts of another instance's layers whose own requests got a token late since the last
+        run (what the simulator reports as a host's violation)."""
+        hosts = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
+        out = [n.node_id for n in nodes if n.node_id in hosts
+               and n.late_tokens > self.late_seen.get(n.node_id, n.late_tokens)]
+        self.late_seen = {n.node_id: n.late_tokens for n in nodes}
+        return out
 
     async def _carry(self, plan: ModulePlan, record: ModelRecord) -> ModuleRecord:
         rec = ModuleRecord(plan, time.time())

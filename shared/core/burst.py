@@ -20,6 +20,14 @@ The decision, at a placement that starts a new instance of model M (`place` said
   on a node have just refused this request, and another instance there would share their GPU),
   one per node, in `new_instance_order`'s order where a new instance for a request like this one
   is admitted (`evaluate`), each empty until requests join it.
+- one multicast: the placed instance and the extra ones that receive the model by multicast
+  join one group (the placer sends it to all of them at once), and the schedule the node
+  workers run over that group is what each waits for. So each spot is chosen with the group so
+  far counted as receivers on their way, and once the group is known, every spot is priced
+  again at its position in it (`choose_startup`'s `group`: a later joiner can delay an earlier
+  one by a step) and re-validated; one that no longer passes leaves the group (and the rest
+  are priced again). The placed instance was admitted before the burst was planned: its grace
+  is its arrival in the group without the burst (`BurstPlan.receivers` lists the group).
 
 Behind `CoreConfig.burst_scaleout` (off by default). Pure: views and numbers in, a `BurstPlan`
 out; the simulator and the placer service (services/placer/burst.py, START_INSTANCE to the
@@ -37,7 +45,7 @@ from shared.core.config import CoreConfig
 from shared.core.evaluate import evaluate, node_check, slo_check
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, new_instance_order
-from shared.core.startup import StartupChoice
+from shared.core.startup import StartupChoice, StartupMethod, choose_startup, with_startup
 from shared.core.types import ModelSpec, NodeView, RequestView
 
 
@@ -61,6 +69,9 @@ class BurstSpot:
 class BurstPlan:
     size: BurstSize
     spots: tuple[BurstSpot, ...] = ()  # the extra instances (fewer than asked when nodes lack room)
+    # the multicast's receivers this burst adds to, in joining order: the placed instance's node
+    # (when it receives by multicast), then the spots that do
+    receivers: tuple[str, ...] = ()
 
 
 # Refusals that say an instance has no room for the request's work within the SLO (the shadow
@@ -114,13 +125,80 @@ def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
                 and not any(i.model.name == model.name for i in n.instances)
                 and node_check(n, config) is None
                 and slo_check(perf.get(model.name, n.hardware), request, config) is None]
+    views = _with_placed(nodes, plan, model)
+    spots = _choose_spots(request, model, eligible, views, perf, now, config, size.instances - 1)
+    spots = _priced_in_group(request, model, spots, views, perf, now, config)
+    placed = (plan.node_id,) if _multicasts(plan.startup) else ()
+    return BurstPlan(size, spots, placed + tuple(s.node_id for s in spots
+                                                   if _multicasts(s.startup)))
+
+
+def _multicasts(startup: StartupChoice | None) -> bool:
+    return startup is not None and startup.method is not StartupMethod.TIER
+
+
+def _with_placed(nodes: list[NodeView], plan: PlacementPlan, model: ModelSpec) -> list[NodeView]:
+    """The views with the placed instance's multicast under way (its node may not show it yet:
+    the placer commits it after the burst is planned, or its reply predates the arrival)."""
+    if not _multicasts(plan.startup):
+        return list(nodes)
+    return [with_startup(n, model.name, plan.startup)
+            if n.node_id == plan.node_id and n.storage is not None
+            and model.name not in n.storage.arriving else n for n in nodes]
+
+
+def _choose_spots(request: RequestView, model: ModelSpec, eligible: list[NodeView],
+                  views: list[NodeView], perf: PerfModel, now: float, config: CoreConfig,
+                  want: int) -> list[BurstSpot]:
+    """Up to `want` spots in `new_instance_order`'s order, each priced with the placed instance
+    and the spots before it on their way (it joins the same multicast after them)."""
     spots: list[BurstSpot] = []
-    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes):
-        if len(spots) == size.instances - 1:
+    for first in new_instance_order(request, model, eligible, perf, now, config, views):
+        if len(spots) == want:
             break
+        spot = new_instance_order(request, model, [_original(first.node, eligible)], perf, now,
+                                  config, views)[0]
         if spot.startup_s > config.burst_max_startup_s:
             continue
         adm = evaluate(spot.node, None, request, model, perf, now, config)
         if adm.ok:
             spots.append(BurstSpot(spot.node.node_id, adm, spot.startup))
-    return BurstPlan(size, tuple(spots))
+            views = [spot.node if n.node_id == spot.node.node_id else n for n in views]
+    return spots
+
+
+def _original(node: NodeView, eligible: list[NodeView]) -> NodeView:
+    return next(n for n in eligible if n.node_id == node.node_id)
+
+
+def _priced_in_group(request: RequestView, model: ModelSpec, spots: list[BurstSpot],
+                     views: list[NodeView], perf: PerfModel, now: float,
+                     config: CoreConfig) -> tuple[BurstSpot, ...]:
+    """Each multicast spot priced at its position in the whole group and validated again; a
+    spot that no longer passes leaves (one that now loads from its own tiers leaves the group),
+    and the others are priced again, until the group stays as it is."""
+    ids = {s.node_id for s in spots}
+    base = [n for n in views if n.node_id not in ids]  # the group's receivers before the spots
+    before = [n for n in base if n.storage is not None and model.name in n.storage.arriving]
+    originals = {n.node_id: n for n in views if n.node_id in ids}  # without their own arrival
+    for _ in range(len(spots) + 1):
+        group = [s.node_id for s in spots if _multicasts(s.startup)]
+        priced: list[BurstSpot] = []
+        for spot in spots:
+            if spot.node_id not in group:
+                priced.append(spot)
+                continue
+            node = originals[spot.node_id]
+            position = (len(before) + group.index(spot.node_id), len(before) + len(group))
+            choice = choose_startup(node, model, perf.get(model.name, node.hardware), base,
+                                    config, perf, group=position)
+            adm = evaluate(with_startup(node, model.name, choice), None, request, model, perf,
+                           now, config)
+            if adm.ok:
+                priced.append(BurstSpot(spot.node_id, adm, choice))
+        stable = [p.node_id for p in priced] == [s.node_id for s in spots] and \
+            [p.node_id for p in priced if _multicasts(p.startup)] == group
+        spots = priced
+        if stable:
+            break
+    return tuple(spots)

@@ -32,8 +32,9 @@ class CoreConfig:
     # λScale execute-while-load (§4.3, shared/core/startup.py): a new instance receiving its
     # model by multicast may serve through an execution pipeline (its node runs the head and
     # the layers it holds, a node holding the model runs the rest) until its copy is whole.
-    # Off in the pure core (the simulator models λScale's pipelines itself, sim/scaleout.py);
-    # the services turn it on (SLINFER_ENABLE_PIPELINE), their node workers carry it out.
+    # Off in the pure core; the services turn it on (SLINFER_ENABLE_PIPELINE), their node workers
+    # carry it out. The simulator takes the services' default, but its nodes report no multicast
+    # link (it times λScale's multicasts and pipelines itself, sim/scaleout.py).
     enable_pipeline: bool = False
     # ...and the receivers of one multicast host layers for each other (λScale Algorithm 2,
     # `shared.core.pipeline.receiver_plan`), besides a DRAM holder's stage; the node workers
@@ -50,7 +51,8 @@ class CoreConfig:
     # Preemption by live migration (ServerlessLLM §5): the victims' requests move while they keep
     # decoding and the newcomer waits for the handover; False: stop-and-resume (the victims are
     # unloaded at once, their requests recompute elsewhere). The services default to live
-    # (SLINFER_LIVE_PREEMPTION); the simulator executes preemptions stop-and-resume.
+    # (SLINFER_LIVE_PREEMPTION), and so does the simulator (sim/simulate.py builds the services'
+    # defaults and carries live plans out: sim/slinfer_system.py).
     live_preemption: bool = False
     # Burst scale-out (shared/core/burst.py, λScale §7.5): a placement that starts an instance
     # of a model whose recent arrivals outgrow it starts the instances they need at once, on

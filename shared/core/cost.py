@@ -413,7 +413,7 @@ def helper_bytes(model: ModelSpec, mode: PipelineMode) -> dict[str, int]:
 
 
 def multicast_step_s(model_bytes: int, blocks: int, link_bytes_per_s: float,
-                     step_latency_s: float) -> float:
+                     step_latency_s: float = 0.0) -> float:
     """One step of a multicast of a checkpoint in `blocks` blocks: a block over the link plus
     the step's fixed latency (λScale §4.2)."""
     return model_bytes / blocks / link_bytes_per_s + step_latency_s

@@ -12,7 +12,11 @@ in what order the blocks travel, and which nodes can form execution pipelines me
   the whole plan: one binomial pipeline per sub-group in its order.
 - `execution_pipelines` (Algorithm 2): pipelines take one node from every sub-group that still
   has unassigned nodes (a full model across them), the last sub-group's leftovers one pipeline.
-- `multicast_seconds`: steps x (block bytes / link bandwidth + per-step latency).
+- `whole_steps`: the step after which each node of a k-way plan holds every block, from the
+  schedule itself (memoized): what the core prices an arrival with. `binomial_steps` is λScale's
+  b + ceil(log2 n) - 1, exact for n a power of two and one or two steps short otherwise.
+- `step_seconds`: one step, block bytes / link bandwidth + per-step latency;
+  `multicast_seconds`: the steps until every node holds the model, times that.
 - `cut_blocks`: the model's bytes (the checkpoint's partitions) cut into about `DEFAULT_BLOCKS`
   contiguous blocks, at tensor boundaries where one is near, so each block is one bulk transfer
   (λScale §5's tensor packing: the loader's partitions already are contiguous memory).
@@ -26,8 +30,12 @@ simulator times it.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
+
+# One step's time is a cost: the one formula is the cost model's (every link moves one block).
+from shared.core.cost import multicast_step_s as step_seconds
 
 # λScale §7.6 (Fig. 18): 16 blocks gave the lowest transfer time; fewer make each step longer,
 # more add per-block overhead. The node workers cut a checkpoint into this many by default.
@@ -48,7 +56,8 @@ def dimensions(n: int) -> int:
 
 
 def binomial_steps(n: int, blocks: int) -> int:
-    """λScale's bound for 1 -> n with b blocks: b + ceil(log2 n) - 1 steps (0 for one node)."""
+    """λScale's bound for 1 -> n with b blocks: b + ceil(log2 n) - 1 steps (0 for one node).
+    The schedule meets it for n a power of two only: price arrivals with `whole_steps`."""
     return 0 if n <= 1 else blocks + dimensions(n) - 1
 
 
@@ -184,11 +193,21 @@ def head_first(blocks: list[Block], head_spans: list[tuple[str, int, int]]) -> t
                  if any(f == b.file and s < b.end and b.start < e for f, s, e in head_spans))
 
 
+@functools.lru_cache(maxsize=2048)
+def whole_steps(n: int, k: int, blocks: int) -> tuple[int, ...]:
+    """Per node of `kway_schedule(n, k, blocks)`, the steps after which it holds every block (0
+    for the k sources). Memoized: a placement prices many arrivals over a few group shapes, and
+    the schedule is what the node workers run (the block order, head-first or not, does not
+    change when a node is complete: each step still brings every node at most one block)."""
+    got = arrival_steps(kway_schedule(n, k, blocks))
+    return tuple(max(got[i].values()) + 1 if i in got else 0 for i in range(n))
+
+
 def multicast_seconds(model_bytes: int, blocks: int, n: int, link_bytes_per_s: float,
-                      step_latency_s: float = 0.0) -> float:
-    """1 -> n over the binomial pipeline: each step moves one block per link, in parallel."""
-    steps = binomial_steps(n, blocks)
-    return steps * (model_bytes / blocks / link_bytes_per_s + step_latency_s)
+                      step_latency_s: float = 0.0, k: int = 1) -> float:
+    """k -> n (sources included) until every node holds the model, by the schedule's steps."""
+    steps = max(whole_steps(n, k, blocks)) if n > k else 0
+    return steps * step_seconds(model_bytes, blocks, link_bytes_per_s, step_latency_s)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceSt
                                NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
 
 
+LATE_EPS_S = 1e-9  # a token this close to its deadline is on time (float rounding; the sim's too)
 _RUNS = (InstanceStatus.READY, InstanceStatus.HANDOVER)  # statuses whose instances run iterations
 
 
@@ -416,11 +417,15 @@ class NodeScheduler:
 
     def finish_iteration(self, choice: IterationChoice, now: float,
                          finished: set[str] = frozenset()) -> list[MemOp]:
-        """The iteration ran: credit its tokens, drop finished requests, maybe scale down."""
+        """The iteration ran: credit its tokens (counting those that came after their deadline),
+        drop finished requests, maybe scale down."""
         inst = self._find(choice.instance_id)
         self._idle(now)
         if inst is None:
             return []
+        chosen = set(choice.request_ids)
+        self.node.late_tokens += sum(1 for r in inst.requests
+                                     if r.request_id in chosen and now > r.deadline() + LATE_EPS_S)
         apply_iteration(choice, inst)
         inst.last_active = now
         return self._remove_requests(inst, finished, now)

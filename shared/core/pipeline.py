@@ -10,6 +10,10 @@ instance's layers into a pipeline.
   head, and runs the embeddings, the sampling and every layer it holds) first chooses its own
   runs, the gaps go to the node holding the longest run from the gap's start. None while no
   such cover exists (the pipeline waits for more blocks).
+- `holder_plan`: a receiver whose missing layers a DRAM holder runs (it holds them all): it
+  serves from the first step at which it holds the head and a layer, running the layers it
+  holds then, the holder each gap; its hops follow from which layers its sub-group's order
+  brought first (a middle run: four, the first or last layers: two).
 - `switch_ready`: the head node switches to local execution once it holds every layer.
 - `receiver_plan` (λScale Algorithm 2 among a multicast's destinations): the k-way orders give
   different receivers different parts of the model first, so the receivers of one execution
@@ -26,11 +30,12 @@ The node workers carry the plans out (`services/node/stages.py`: the head's engi
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
 from shared.core.multicast import (Block, arrival_steps, cut_blocks, execution_pipelines,
-                                   kway_schedule, subgroups)
+                                   head_first, kway_schedule, subgroups)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -250,3 +255,48 @@ def _cover(members: tuple[int, ...], node: int, got: dict[int, dict[int, int]], 
             return stages
         worst = max(over, key=lambda m: (over[m], m))
         holdings[worst] = Holding(str(worst), frozenset(), False)
+
+
+@dataclass(frozen=True)
+class HolderPlan:
+    """How receiver `node` of a k -> n multicast serves with a DRAM holder running what it lacks."""
+
+    serve_step: int  # steps after which it holds the head and a layer: it serves
+    stages: tuple[StageRange, ...]  # its own runs (node "head") and the holder's ("holder")
+    hops: int  # activation transfers per iteration until its copy is whole
+
+
+HOLDER = "holder"
+HEAD = "head"
+
+
+def holder_plan(n: int, k: int, node: int, tensors: list[TensorSpan], cut: list[Block],
+                layers: int) -> HolderPlan | None:
+    """Receiver `node` of `kway_schedule(n, k, len(cut), head-first)` heading its instance with
+    a DRAM holder hosting every run it lacks, formed as the node workers form it
+    (services/node/pipeline_mode.py: at the first step it holds the head and a layer, with the
+    layers it holds then). None when it holds every layer by then (nothing to pipeline)."""
+    if not k <= node < n:
+        raise ValueError(f"node {node} is not a receiver of a {k} -> {n} plan")
+    got = arrival_steps(kway_schedule(n, k, len(cut), head_first(cut, head_spans(tensors))))[node]
+    everything = Holding(HOLDER, frozenset(range(layers)), True)
+    for step in sorted(set(got.values())):
+        mine = layers_held(tensors, cut, {b for b, s in got.items() if s <= step}, HEAD)
+        if mine.head and mine.layers:
+            if len(mine.layers) == layers:
+                return None
+            stages = pipeline_stages([mine, everything], layers, head_node=HEAD)
+            return HolderPlan(step + 1, tuple(stages), transfer_hops(stages, HEAD))
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def holder_serve(weight_bytes: int, layers: int, head_bytes: int, blocks: int, n: int,
+                 k: int, node: int | None = None) -> tuple[int, int] | None:
+    """(serve step, hops) of receiver `node` (None: the newest, n - 1) of a k -> n multicast
+    served by a DRAM holder, over the core's layout of the checkpoint (`model_layout`);
+    memoized, since a placement asks for the same few group shapes of one model again and
+    again."""
+    tensors, cut = model_layout(weight_bytes, layers, head_bytes, blocks)
+    plan = holder_plan(n, k, n - 1 if node is None else node, tensors, cut, layers)
+    return None if plan is None else (plan.serve_step, plan.hops)

@@ -6,7 +6,8 @@ model on a node gets its weights, and how long until it can run.
 - **multicast**: nodes that hold the checkpoint in host memory (their DRAM tier) send it to this
   node in blocks over the binomial pipeline (`shared.core.multicast`, λScale §4.2); it lands in
   this node's DRAM tier, which the engine then loads from. Until it is there:
-  setup + `multicast_seconds(n, blocks, group, link)`; then n / b_dram + the engine's start-up.
+  setup + its step in the schedule the node workers run (`multicast.whole_steps`) x the step's
+  time (`cost.multicast_step_s`); then n / b_dram + the engine's start-up.
   With s sources the receivers split into s sub-groups (k-way transfer), each one binomial
   pipeline of its source and its share of the receivers.
 
@@ -19,10 +20,12 @@ burst are estimated as one group, the way the placer then sends them the model: 
   the instance serves before its copy is whole: once this node holds the head (embeddings,
   final norm, LM head: the multicast sends their blocks first, `multicast.head_first`) and one
   layer, a *helper* (a node holding the model in its DRAM tier: a multicast source with room
-  for a stage of the other layers) runs the layers it lacks, and every iteration pays two
-  activation transfers (`cost.pipeline_profile`) until the copy is whole and the node
-  switches to local execution. Until it serves: setup + the multicast steps until this node's
-  first blocks are in (`pipeline_serve_steps`, from the k-way schedule) + the stage's start.
+  for a stage of the other layers) runs the layers it lacks, and every iteration pays the
+  activation transfers between them (`cost.pipeline_profile`) until the copy is whole and
+  the node switches to local execution. Until it serves: setup + the multicast steps until
+  this node holds the head and a layer + the stage's start; it runs the layers it holds then
+  and pays the hops between them and the helper's runs (`pipeline.holder_plan`, over the core's
+  layout of the checkpoint: a receiver whose sub-group brings a middle run first pays four).
   It is chosen when it serves sooner than the whole copy or the node's own tiers would; the
   admission then validates the request against the pipeline's slower profile.
   With `enable_receiver_pipelines` the helpers may also be the other receivers of the burst
@@ -40,17 +43,15 @@ Pure: views and numbers in, a `StartupChoice` out; the placer carries a multicas
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes,  # noqa: F401
                               multicast_step_s, pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.modules import share_spec
-from shared.core.multicast import (arrival_steps, head_first, kway_orders, kway_schedule,
-                                   multicast_seconds)
+from shared.core.multicast import head_first, whole_steps
 from shared.core.perf_model import PerfModel, Profile
-from shared.core.pipeline import head_spans, model_layout, receiver_plan
+from shared.core.pipeline import head_spans, holder_serve, model_layout, receiver_plan
 from shared.core.readiness import arrived_load_s, load_seconds
 from shared.core.types import HostedRange, ModelSpec, NodeView, PipelineMode
 
@@ -85,39 +86,22 @@ def multicast_sources(model: ModelSpec, nodes: list[NodeView], exclude: str = ""
 
 
 def multicast_arrive_s(model_bytes: int, sources: list[NodeView], receiver: NodeView,
-                       receivers: int, config: CoreConfig) -> float:
-    """Seconds until `receivers` nodes (this one among them) hold the model when `sources` send
-    it: the receivers split evenly into one sub-group per source (k-way), each a binomial
-    pipeline over the slowest link among its nodes (every node's link is its own figure)."""
+                       receivers: int, config: CoreConfig, position: int | None = None) -> float:
+    """Seconds until `receiver`, the receiver at `position` (0-based, in joining order; None: the
+    last) of a group of `receivers`, holds the model when `sources` send it: its step in the k-way
+    schedule the node workers run (`multicast.whole_steps`: one binomial pipeline per source and
+    its share of the receivers), each step over the slowest link among the sources and it (every
+    node's link is its own figure)."""
     if not sources or receivers < 1:
         raise ValueError("need a source and a receiver")
+    at = receivers - 1 if position is None else position
+    if not 0 <= at < receivers:
+        raise ValueError(f"position {position} is not one of {receivers} receivers")
     links = [n.storage.multicast_bytes_per_s for n in [*sources, receiver] if n.storage]
-    link = min(links)
-    group = math.ceil(receivers / len(sources)) + 1  # a source and its share of receivers
-    return config.multicast_setup_s + multicast_seconds(
-        model_bytes, config.multicast_blocks, group, link, config.multicast_step_latency_s)
-
-
-def head_blocks(model: ModelSpec, blocks: int) -> int:
-    """Blocks a receiver needs before it can head a pipeline, counted in a head-first order: the
-    head's (its final norm lies apart from the embeddings and the LM head: one more block), then
-    one layer's (one more where the layer straddles a cut)."""
-    block = model.weight_bytes / blocks
-    layer = (model.weight_bytes - model.head_bytes) / model.layers
-    return min(blocks, math.ceil(model.head_bytes / block) + 1 + math.ceil(layer / block) + 1)
-
-
-def pipeline_serve_steps(sources: int, receivers: int, blocks: int, need: int) -> int:
-    """Steps of a k-way multicast (k = `sources`, head-first order) until the newest of
-    `receivers` (node k + receivers - 1 of the plan, the way a burst's nodes join it) holds the
-    first `need` blocks of its sub-group's order."""
-    if sources < 1 or receivers < 1 or not 1 <= need <= blocks:
-        raise ValueError("need a source, a receiver and 1 <= need <= blocks")
-    first = tuple(range(need))  # which blocks does not matter here, only how many go first
-    node = sources + receivers - 1
-    order = kway_orders(blocks, sources, first)[(node - sources) % sources]
-    got = arrival_steps(kway_schedule(sources + receivers, sources, blocks, first))[node]
-    return max(got[b] for b in order[:need]) + 1
+    k = len(sources)
+    steps = whole_steps(k + receivers, k, config.multicast_blocks)[k + at]
+    return config.multicast_setup_s + steps * multicast_step_s(
+        model_bytes, config.multicast_blocks, min(links), config.multicast_step_latency_s)
 
 
 def pipeline_helper(model: ModelSpec, sources: list[NodeView], perf: PerfModel | None = None,
@@ -142,7 +126,8 @@ def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
 
 def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
                   receivers: int, config: CoreConfig,
-                  perf: PerfModel | None = None) -> PipelineMode | None:
+                  perf: PerfModel | None = None, position: int | None = None
+                  ) -> PipelineMode | None:
     """How the new instance would serve through a pipeline (None: it cannot: the model's shape
     is unknown, or no source has room for the stage and the compute for it)."""
     if not _pipelinable(model, config):
@@ -150,13 +135,19 @@ def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: l
     helper = pipeline_helper(model, sources, perf, config)
     if helper is None:
         return None
-    blocks = config.multicast_blocks
+    k = len(sources)
+    at = receivers - 1 if position is None else position
+    plan = holder_serve(model.weight_bytes, model.layers, model.head_bytes,
+                        config.multicast_blocks, k + receivers, k, k + at)
+    if plan is None:
+        return None
+    steps, hops = plan
     link = min(n.storage.multicast_bytes_per_s for n in [*sources, node])
-    steps = pipeline_serve_steps(len(sources), receivers, blocks, head_blocks(model, blocks))
-    step_s = multicast_step_s(model.weight_bytes, blocks, link, config.multicast_step_latency_s)
+    step_s = multicast_step_s(model.weight_bytes, config.multicast_blocks, link,
+                              config.multicast_step_latency_s)
     serve = config.multicast_setup_s + steps * step_s + config.pipeline_setup_s \
         + profile.engine_init_s
-    return PipelineMode(2, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
+    return PipelineMode(hops, config.pipeline_hop_latency_s, link, model.token_bytes, serve,
                         (helper.node_id,))
 
 
@@ -220,11 +211,14 @@ def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
-                   config: CoreConfig, perf: PerfModel | None = None) -> StartupChoice:
+                   config: CoreConfig, perf: PerfModel | None = None,
+                   group: tuple[int, int] | None = None) -> StartupChoice:
     """The soonest of loading from the node's own tiers, receiving the model by multicast from
     the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
     doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
-    loads it (`load_seconds` counts the arrival)."""
+    loads it (`load_seconds` counts the arrival). The node joins the receivers on their way
+    last; `group` = (position, receivers): it is the receiver at that position of a group of
+    that many instead (a burst's instances, priced once the burst's group is known)."""
     tier = load_seconds(node, model, profile)
     keep = StartupChoice(StartupMethod.TIER, tier, tier)
     storage = node.storage
@@ -235,12 +229,13 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: li
     if not sources:
         return keep
     on_way = receivers_in_order(model, nodes, exclude=node.node_id)  # the group it joins
-    receivers = 1 + len(on_way)
-    arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config)
+    position, receivers = group if group is not None else (len(on_way), 1 + len(on_way))
+    arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config, position)
     via = arrived_load_s(model, arrive, storage.bytes_per_s["dram"], profile)
     names = tuple(sorted(n.node_id for n in sources))
-    modes = [plan_pipeline(node, model, profile, sources, receivers, config, perf),
-             plan_receiver_pipeline(node, model, profile, sources, on_way, config, perf)]
+    modes = [plan_pipeline(node, model, profile, sources, receivers, config, perf, position)]
+    if group is None:  # receivers host for the newest only as it joins (`receiver_plan`)
+        modes.append(plan_receiver_pipeline(node, model, profile, sources, on_way, config, perf))
     mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)

@@ -326,6 +326,10 @@ class NodeView:
     # prediction before (`NodeScheduler.hold`, `stage_measured`). Its own iterations are
     # validated as 1 / (1 - load) longer (`evaluate.contended`). 0: it hosts none.
     stage_load: float = 0.0
+    # Tokens its requests got after their Eq. 1 deadline, a running count since it started
+    # (`NodeScheduler.finish_iteration`): the module planner's overloaded hosts are those whose
+    # count rose (the simulator sees the same late tokens itself).
+    late_tokens: int = 0
 
     def instance(self, instance_id: str) -> InstanceView | None:
         return next((i for i in self.instances if i.instance_id == instance_id), None)

@@ -180,3 +180,45 @@ def test_each_extra_instance_carries_its_startup_a_multicast_from_the_placed_one
     assert all(s.startup.method is StartupMethod.MULTICAST and s.startup.sources == ("n4",)
                for s in burst.spots)
     assert plan.startup.sources == ("n4",)
+
+
+def _burst_cluster(spec, perf, nodes: int):
+    """n0 serves m with 3 requests (full for the next), n1.. are empty, the last holds m in its
+    DRAM tier with no room for an instance: every new instance receives m from it."""
+    scheds = [node(f"n{i}", perf=perf, config=ON) for i in range(nodes)]
+    tiers = {"dram": 20 * GB, "registry": 0.5 * GB}
+    for s in scheds:
+        s.node.storage = StorageView(tiers, {}, multicast_bytes_per_s=12.5 * GB)
+    scheds[-1].node.storage.holds["m"] = "dram"
+    scheds[-1].node.memory_bytes = scheds[-1].node.budget_bytes
+    for i in range(3):
+        assert scheds[0].admit(request(f"q{i}"), scheds[0].node.instances[0].instance_id
+                               if i else None, spec, 0.0).admission.ok
+    return scheds
+
+
+def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_schedule():
+    """One multicast feeds the placed instance and the burst's: the k-way schedule over all of
+    them is what the nodes run, so each extra instance's planned arrival (its grace) is its step
+    in that group's schedule, not the schedule it would have alone."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(replace(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=30.0),
+                            engine_init_s=0.2))
+    scheds = _burst_cluster(spec, perf, 6)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5, ttft=3.0)
+    plan = place(new, spec, views, perf, 0.5, ON)
+    assert plan.action is PlaceAction.NEW_INSTANCE
+    assert plan.startup.method is StartupMethod.MULTICAST
+    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    assert len(burst.spots) == 3  # n1..n4 but the plan's node
+    step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
+    group = whole_steps(5, 1, ON.multicast_blocks)  # the holder -> the placed + 3 extra
+    for position, spot in enumerate(burst.spots, start=1):
+        assert spot.startup.method is StartupMethod.MULTICAST
+        assert spot.startup.arrive_s == pytest.approx(ON.multicast_setup_s
+                                                      + group[1 + position] * step), position
+        assert spot.admission.grace_s == pytest.approx(spot.startup.load_s)
+    assert burst.receivers == (plan.node_id, *(s.node_id for s in burst.spots))

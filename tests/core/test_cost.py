@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shared.core.config import CoreConfig
 from shared.core.cost import (contended, contention, kv_for_layers, multicast_step_s,
                               pipeline_helper_loads, round_fits)
-from shared.core.multicast import binomial_steps, multicast_seconds
+from shared.core.multicast import multicast_seconds, whole_steps
 from shared.core.types import Hardware, HostedRange, PipelineMode
 
 from .factories import GB, SPLIT_SPEC, flat_profile, loaded, model, node, perf_for, request
@@ -40,7 +40,7 @@ def test_a_layout_change_keeps_every_block_of_the_pool(kv, before, after):
 def test_a_multicasts_time_is_its_steps_times_one_step(blocks, n, link, latency):
     model_bytes = 8 * GB
     assert multicast_seconds(model_bytes, blocks, n, link, latency) == pytest.approx(
-        binomial_steps(n, blocks) * multicast_step_s(model_bytes, blocks, link, latency))
+        max(whole_steps(n, 1, blocks)) * multicast_step_s(model_bytes, blocks, link, latency))
 
 
 def test_a_helper_takes_the_share_of_the_layers_it_runs():

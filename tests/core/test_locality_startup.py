@@ -11,7 +11,7 @@ import pytest
 
 from shared.core.config import CoreConfig
 from shared.core.evaluate import load_seconds
-from shared.core.multicast import multicast_seconds
+from shared.core.multicast import step_seconds, whole_steps
 from shared.core.placement import PlaceAction, place
 from shared.core.startup import StartupMethod, choose_startup, multicast_arrive_s, with_arrival
 from shared.core.types import Hardware, StorageView
@@ -35,9 +35,10 @@ def gpu(node_id: str, holds: dict[str, str] | None = None, link: float = LINK,
 
 
 def multicast_load(receivers: int, sources: int = 1) -> float:
-    group = -(-receivers // sources) + 1
-    arrive = CFG.multicast_setup_s + multicast_seconds(SPEC.weight_bytes, CFG.multicast_blocks,
-                                                       group, LINK)
+    """The newest receiver's step in the k-way schedule, then its DRAM tier and engine."""
+    steps = whole_steps(sources + receivers, sources, CFG.multicast_blocks)[-1]
+    arrive = CFG.multicast_setup_s + steps * step_seconds(SPEC.weight_bytes, CFG.multicast_blocks,
+                                                          LINK)
     return arrive + SPEC.weight_bytes / TIERS["dram"] + PROFILE.engine_init_s
 
 
@@ -93,8 +94,8 @@ def test_receivers_on_the_way_join_the_group_and_more_sources_split_it():
     # The slowest link among the sources and the receiver sets the pace.
     slow_holder = gpu("g0", {"m": "dram"}, link=LINK / 4)
     arrive = multicast_arrive_s(SPEC.weight_bytes, [slow_holder], fresh, 1, CFG)
-    assert arrive == pytest.approx(CFG.multicast_setup_s + multicast_seconds(
-        SPEC.weight_bytes, CFG.multicast_blocks, 2, LINK / 4))
+    assert arrive == pytest.approx(CFG.multicast_setup_s + 16 * step_seconds(
+        SPEC.weight_bytes, CFG.multicast_blocks, LINK / 4))
 
 
 def test_a_node_the_model_is_already_arriving_at_loads_it_once_it_is_in():

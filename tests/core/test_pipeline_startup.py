@@ -17,8 +17,8 @@ from shared.core.modules import HopCost, instance_profile, pipeline_profile
 from shared.core.multicast import (Block, arrival_steps, binomial_steps, head_first, kway_orders,
                                    kway_schedule)
 from shared.core.placement import PlaceAction, place
-from shared.core.startup import (StartupMethod, choose_startup, head_blocks, pipeline_serve_steps,
-                                 stage_bytes, with_startup)
+from shared.core.pipeline import holder_serve
+from shared.core.startup import StartupMethod, choose_startup, stage_bytes, with_startup
 from shared.core.types import Hardware
 
 from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, node, perf_for, request,
@@ -26,8 +26,8 @@ from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, node, perf_for,
 
 LINK = 12.5 * GB
 CFG = CoreConfig(enable_pipeline=True)
-# The head takes 2 of SPEC's 16 blocks (+1 for the final norm), one layer (0.22 GB) up to 2
-# more: a receiver serves after 5 of its blocks.
+# In the core's layout of SPEC the embeddings fill block 0 and the LM head block 15 (sent first),
+# and block 1 holds layers 0-1: the first receiver serves after 3 steps, running those two.
 SPEC, PROFILE = SPLIT_SPEC, SPLIT_PROFILE
 PERF = perf_for(PROFILE)
 
@@ -52,18 +52,21 @@ def test_head_first_orders_send_the_heads_blocks_first_in_every_subgroup():
 
 
 def test_a_receiver_can_head_a_pipeline_long_before_its_copy_is_whole():
-    assert head_blocks(SPEC, 16) == 5
-    # One source, one receiver: block j arrives in step j; all 16 after 16 steps.
-    assert pipeline_serve_steps(1, 1, 16, 5) == 5
+    def serve(sources: int, receivers: int) -> tuple[int, int]:
+        return holder_serve(SPEC.weight_bytes, SPEC.layers, SPEC.head_bytes, 16,
+                            sources + receivers, sources)
+
+    # One source, one receiver: block j of the head-first order arrives in step j.
+    assert serve(1, 1) == (3, 2)
     for sources, receivers in [(1, 4), (2, 4), (1, 8)]:
-        got = pipeline_serve_steps(sources, receivers, 16, 5)
+        got, _ = serve(sources, receivers)
         whole = max(max(s.values()) for s in arrival_steps(
             kway_schedule(sources + receivers, sources, 16)).values()) + 1
-        assert 5 <= got < whole  # never before its 5 blocks came in, one a step
-    # In a hypercube of 2^d nodes the newest receiver has its first 5 blocks d - 1 steps later
+        assert 3 <= got < whole  # never before its 3 blocks came in, one a step
+    # In a hypercube of 2^d nodes the newest receiver has its first blocks d - 1 steps later
     # (binomial: b + d - 1 steps for all b blocks).
     for d in (1, 2, 3, 4):
-        assert pipeline_serve_steps(1, 2**d - 1, 16, 5) == 5 + binomial_steps(2**d, 16) - 16
+        assert serve(1, 2**d - 1)[0] == 3 + binomial_steps(2**d, 16) - 16
 
 
 def test_a_receiver_serves_through_a_pipeline_sooner_than_its_copy_or_its_tiers():
@@ -74,7 +77,7 @@ def test_a_receiver_serves_through_a_pipeline_sooner_than_its_copy_or_its_tiers(
     assert mode.helpers == ("g0",) and mode.hops == 2 and mode.token_bytes == 8192
     step = 0.5 * GB / LINK
     assert choice.load_s == mode.until == pytest.approx(
-        CFG.multicast_setup_s + 5 * step + CFG.pipeline_setup_s + PROFILE.engine_init_s)
+        CFG.multicast_setup_s + 3 * step + CFG.pipeline_setup_s + PROFILE.engine_init_s)
     # The whole copy still arrives when the multicast says; the switch happens then.
     whole = CFG.multicast_setup_s + 16 * step
     assert choice.arrive_s == pytest.approx(whole)
