@@ -1,6 +1,6 @@
 """Model multicast between node workers (λScale §4.2): a node's endpoint that sends and receives a
 model's checkpoint in blocks over direct TCP connections, following a plan that a coordinator
-(`services.node.multicast_coordinator`) hands out over NATS.
+(`services.placer.multicast`) hands out over NATS.
 
 The wire split: NATS carries the control (request-reply on `multicast_node_subject(node)`: offer,
 prepare, plan, go, abort, finish; events to `multicast_events_subject(transfer)`: a block

@@ -294,7 +294,7 @@ class Placer:
 
     async def _multicast(self, path: str, sources: list[str], dests: list[str],
                          head_first: bool = False) -> None:
-        from services.node.multicast_coordinator import multicast
+        from services.placer.multicast import multicast
 
         try:
             report = await multicast(self.nc, path, sources, dests, timeout_s=MULTICAST_TIMEOUT_S,
