@@ -30,8 +30,8 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from services.placer.port import PlacerPort
 from shared.cluster import read_nodes
 from shared.core.admission import AdmitReason
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
@@ -39,9 +39,6 @@ from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan
 from shared.core.placement import PlaceAction, PlacementPlan
 from shared.core.types import ModelSpec, NodeView, RequestView
 from shared.schemas import CommandKind, ModelRecord, NodeCommand, NodeReply
-
-if TYPE_CHECKING:
-    from services.placer.placer import Placer
 
 log = logging.getLogger("slinfer.placer.modules")
 HOST_TIMEOUT_S = 150.0  # a host's hold may park, then it reads the layers' weights
@@ -66,8 +63,8 @@ class ModuleRecord:
 
 
 class ModuleScaler:
-    def __init__(self, placer: Placer, settings: ModuleSettings, interval_s: float) -> None:
-        self.p = placer
+    def __init__(self, port: PlacerPort, settings: ModuleSettings, interval_s: float) -> None:
+        self.p = port
         self.settings = settings
         self.interval_s = interval_s
         self.pressure: dict[str, tuple[int, float]] = {}  # node -> (deficit, when last seen)
@@ -119,7 +116,7 @@ class ModuleScaler:
         self.pressure = {n: v for n, v in self.pressure.items() if now_m - v[1] < PRESSURE_TTL_S}
         nodes = await read_nodes(self.p.redis)
         records = {r.name: r for r in await self.p.registry.list()}
-        await self.p._refresh_perf()  # (placement refreshes it only while requests wait)
+        await self.p.refresh_perf()  # (placement refreshes it only while requests wait)
         pressures = [MemoryPressure(n, d) for n, (d, _) in self.pressure.items()]
         self.shed_at = {i: t for i, t in self.shed_at.items()
                         if now_m - t < self.settings.settle_s}
@@ -232,7 +229,7 @@ class ModuleScaler:
         return False
 
     async def _ask(self, node_id: str, cmd: NodeCommand, timeout_s: float) -> NodeReply | None:
-        return await self.p._command(node_id, cmd, timeout_s=timeout_s)
+        return await self.p.command(node_id, cmd, timeout_s=timeout_s)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
