@@ -53,7 +53,7 @@ from services.node.engines.torch_engine import TorchEngine  # noqa: E402
 from services.node.loader import CheckpointLoader, LoaderSettings  # noqa: E402
 from services.node.loader.checkpoint_format import default_checkpoint_dir, read_index  # noqa: E402
 from services.node.loader.convert import convert_checkpoint  # noqa: E402
-from services.node.stages import spawn_stage  # noqa: E402
+from services.node.engines.stage_server import spawn_stage  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10_000, ignore_eos=True)

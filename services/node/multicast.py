@@ -469,8 +469,8 @@ class MulticastEndpoint:
     async def _op_holding(self, body: dict) -> dict:
         """What this node can run of `model_path` from its blocks so far (a receiver heading an
         execution pipeline asks the other receivers, λScale Algorithm 2): the decoder layers and
-        whether the head (`stages.holding_of`); every layer once its DRAM tier holds it whole."""
-        from services.node.stages import holding_of
+        whether the head (`weights.holding_of`); every layer once its DRAM tier holds it whole."""
+        from services.node.engines.weights import holding_of
 
         key = _key(body["model_path"])
         with self._lock:
