@@ -3,7 +3,7 @@ moving one decoder layer costs next to reloading a whole instance, and what runn
 another process costs an iteration.
 
 Everything runs on this machine: the instance in this process (torch engine), layer stages as
-separate processes (`services.node.stages`, spawned as a node spawns them), loopback TCP between
+separate processes (`services.node.engines.stage_server`, spawned as a node spawns them), loopback TCP between
 them. Measured, on one model shape:
 
 - layer move: starting a stage process for the last layer (process start + reading that layer's

@@ -45,7 +45,7 @@ class StepSpec:
     """One iteration as the KV cache sees it: which requests, how many tokens each had cached
     before (`starts`, also the first new token's position) and how many it adds (`counts`).
     Prefill and extend carry one request; decode one new token for each of its rows. A stage
-    in another process (services/node/stages.py) gets the same spec with the hidden states."""
+    in another process (stage_server.py) gets the same spec with the hidden states."""
 
     kind: str  # "prefill" | "decode" | "extend"
     request_ids: tuple[str, ...]
