@@ -3,7 +3,7 @@ moving one decoder layer costs next to reloading a whole instance, and what runn
 another process costs an iteration.
 
 Everything runs on this machine: the instance in this process (torch engine), layer stages as
-separate processes (`services.node.stages`, spawned as a node spawns them), loopback TCP between
+separate processes (`services.node.engines.stage_server`, spawned as a node spawns them), loopback TCP between
 them. Measured, on one model shape:
 
 - layer move: starting a stage process for the last layer (process start + reading that layer's
@@ -53,7 +53,7 @@ from services.node.engines.torch_engine import TorchEngine  # noqa: E402
 from services.node.loader import CheckpointLoader, LoaderSettings  # noqa: E402
 from services.node.loader.checkpoint_format import default_checkpoint_dir, read_index  # noqa: E402
 from services.node.loader.convert import convert_checkpoint  # noqa: E402
-from services.node.stages import spawn_stage  # noqa: E402
+from services.node.engines.stage_server import spawn_stage  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10_000, ignore_eos=True)

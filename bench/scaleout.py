@@ -183,7 +183,7 @@ async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) ->
 
     from services.node.loader import read_index
     from services.node.loader.direct_io import drop_page_cache, resident_bytes
-    from services.node.multicast_coordinator import multicast
+    from services.placer.multicast import multicast
     from shared.servers import popen_tied, start_nats
     from shared.subjects import multicast_node_subject
 

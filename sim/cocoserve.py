@@ -48,7 +48,6 @@ moving with shed layers (their transfer time; the bytes are accounted).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from shared.core.busy import BusyMeter
 from shared.core.cost import layer_weight_bytes, layout_replication, run_layer_work
@@ -58,9 +57,8 @@ from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan
 from shared.core.modules import stage_key
 from shared.core.perf_model import PerfModel
 from shared.core.types import InstanceLayout, InstanceStatus, RequestView
+from sim.cluster_port import ClusterPort
 
-if TYPE_CHECKING:
-    from sim.slinfer_system import SlinferSystem
 
 TAKE_MARK = "/take"  # a take's reservation on the owner (services/node/layer_moves.py's)
 TAKE_EVERY_S = 1.0  # the placer's SLINFER_MODULE_SCALING_S default
@@ -82,7 +80,7 @@ class Transfer:
 class CoCoServe:
     """Carries the core's module-scaling plans out in the simulator."""
 
-    def __init__(self, system: SlinferSystem, link_gbps: float, layers: dict[str, int],
+    def __init__(self, system: ClusterPort, link_gbps: float, layers: dict[str, int],
                  hidden: dict[str, int], empty_hosts: bool = False) -> None:
         if not link_gbps > 0:
             raise ValueError("cocoserve link_gbps must be > 0")
@@ -166,9 +164,9 @@ class CoCoServe:
         sn = self.sys.nodes[node_id]
         result = sn.sched.admit(view, instance_id, self.sys.models[view.model], self.sys.loop.now)
         if not result.admission.ok:
-            self.sys._start_ops(sn, result.start_ops)
+            self.sys.start_ops(sn, result.start_ops)
             return False
-        return self.sys._admitted(sn, view, False, result)
+        return self.sys.admitted(sn, view, False, result)
 
     # --- carrying plans out ---------------------------------------------------------------------
     def _carry(self, plan: ModulePlan) -> None:
@@ -199,7 +197,7 @@ class CoCoServe:
                                        node_id)
         if plan.action is ModuleAction.SHED:
             self.sys.rec.count("cocoserve_migrations")
-        self.sys._start_ops(sn, ops)
+        self.sys.start_ops(sn, ops)
 
     def _drop(self, plan: ModulePlan) -> None:
         """The owner stops using the replica at once; the host frees it (an unload)."""
@@ -218,7 +216,7 @@ class CoCoServe:
         if t is not None and t.node:
             hsn = self.sys.nodes[t.node]  # (a take's reservation is on the owner)
         _, ops = hsn.sched.hold(key, 0, self.sys.loop.now)
-        self.sys._start_ops(hsn, ops)
+        self.sys.start_ops(hsn, ops)
 
     def _set_layout(self, sn, instance_id: str, layout: InstanceLayout) -> bool:
         ok, ops = sn.sched.set_layout(instance_id, layout, self.sys.loop.now)
@@ -230,7 +228,7 @@ class CoCoServe:
             self.layouts[instance_id] = layout
         else:
             self.layouts.pop(instance_id, None)
-        self.sys._start_ops(sn, ops)
+        self.sys.start_ops(sn, ops)
         return True
 
     # --- host compute -------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.perf_model import LoraCost, PerfModel
@@ -55,16 +55,16 @@ from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, RequestVi
                                adapter_owner, slo_for_input)
 from sim import profiles as prof
 from sim.baselines import BaselineSystem
+from sim.build import DRAIN_S, Cluster, SimOutcome
+from sim.build import build_system as build_plain
+from sim.config import SimConfig, model_sizes, params_of
 from sim.engine import RunResult, SimRequest, Usage, run
 from sim.metrics import Metrics
 from sim.report import build_report
 from sim.slinfer_system import SimNode, SlinferSystem
 from sim.workload import LengthSampler, build_workload
 
-if TYPE_CHECKING:
-    from sim.simulate import SimConfig, SimOutcome
 
-SERVING = ("shared", "merged")
 
 # Feed-forward width of each simulated shape (the Hugging Face config.json `intermediate_size`);
 # ModelShape does not carry it because nothing but the adapter's size depends on it.
@@ -99,22 +99,6 @@ def lora_cost(rank: int, constant: float | None = None) -> LoraCost:
     return LoraCost([rank], batches, [decode], [MEASURED_DECODE_OVERHEAD[-1][1]], adapters=4)
 
 
-def check_config(cfg: SimConfig) -> None:
-    if cfg.lora_adapters < 1:
-        raise ValueError("lora_adapters must be >= 1")
-    if not 1 <= cfg.lora_backbones <= cfg.lora_adapters:
-        raise ValueError("lora_backbones must be between 1 and lora_adapters")
-    if cfg.lora_rank < 1:
-        raise ValueError("lora_rank must be >= 1")
-    if cfg.lora_serving not in SERVING:
-        raise ValueError(f"lora_serving must be one of {SERVING}, got {cfg.lora_serving!r}")
-    if cfg.lora_serving == "shared" and cfg.system != "slinfer":
-        raise ValueError(f"{cfg.system} loads one full model per function and cannot share a "
-                         "backbone: use lora_serving 'merged' (--lora-serving merged)")
-    if cfg.lora_decode_overhead is not None and cfg.lora_decode_overhead < 0:
-        raise ValueError("lora_decode_overhead must be >= 0")
-
-
 # --- the functions, their adapters and backbones ----------------------------------------------
 @dataclass(frozen=True)
 class LoraLayout:
@@ -126,7 +110,6 @@ class LoraLayout:
 
 
 def layout(cfg: SimConfig) -> LoraLayout:
-    from sim.simulate import model_sizes
     sizes = model_sizes(replace(cfg, lora_adapters=0, models=cfg.lora_backbones))
     backbones = {f"bb{j}-{size}": size for j, size in enumerate(sizes)}
     names = list(backbones)
@@ -254,7 +237,6 @@ def build_requests(cfg: SimConfig, lay: LoraLayout) -> list[SimRequest]:
 
 
 def build_system(cfg: SimConfig, lay: LoraLayout):
-    from sim.simulate import Cluster, build_system as build_plain
     book = prof.ProfileBook(prof.builtin_profiles())
     if cfg.profiles:
         book.override(prof.load_profiles(cfg.profiles))
@@ -317,7 +299,6 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
 
 
 def simulate_lora(cfg: SimConfig, on_progress: Callable[[float], None] | None = None) -> SimOutcome:
-    from sim.simulate import DRAIN_S, SimOutcome, params_of
     lay = layout(cfg)
     system, memory = build_system(cfg, lay)
     requests = build_requests(cfg, lay)

@@ -20,7 +20,7 @@ prediction, as a real node does).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from shared.core.burst import plan_burst
 from shared.core.config import CoreConfig
@@ -32,6 +32,7 @@ from shared.core.consolidation import Migration
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec, NodeView,
                                RequestView)
+from sim.cluster_port import SimNode
 from sim.engine import Event, EventLoop, IterationNoise, Recorder, SimRequest, Usage
 from sim.cocoserve import CoCoServe, node_perf
 from sim.report import ADMIT_PREFIX
@@ -46,22 +47,6 @@ class Incoming:
     node_id: str
     instance_id: str
     request: RequestView
-
-
-@dataclass
-class SimNode:
-    sched: NodeScheduler
-    busy: bool = False  # an iteration is in flight
-    reclaim_at: float | None = None  # a keep-alive check is scheduled for this time
-    checked_at: float = -1.0  # time of the last keep-alive check (to avoid re-checking at once)
-    ops_running: dict[int, MemOp] = field(default_factory=dict)
-    storage: NodeStorage | None = None  # checkpoint tiers (None: the profile's load time)
-    # live preemptions whose handover is due once the victim's iteration in flight ends
-    handovers: list[tuple] = field(default_factory=list)
-
-    @property
-    def node_id(self) -> str:
-        return self.sched.node.node_id
 
 
 class SlinferSystem:
@@ -234,6 +219,13 @@ class SlinferSystem:
         self._sync_storage(sn, view.model)
         result = sn.sched.admit(view, instance_id, self.models[view.model], now, self._adapter(view))
         return self._admitted(sn, view, instance_id is None, result)
+
+    # the ClusterPort (sim/cluster_port.py) that CoCoServe drives this system through
+    def start_ops(self, sn: SimNode, ops) -> None:
+        self._start_ops(sn, ops)
+
+    def admitted(self, sn: SimNode, view: RequestView, cold: bool, result: AdmitResult) -> bool:
+        return self._admitted(sn, view, cold, result)  # (a subclass may refine _admitted)
 
     def _admitted(self, sn: SimNode, view: RequestView, cold: bool, result: AdmitResult) -> bool:
         """Carry out the node's answer, as the node worker does."""

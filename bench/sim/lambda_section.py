@@ -11,8 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from bench.sim.scaleout import (BEGIN_L, END_L, LAMBDA_VARIANTS, SIZES, SPIKES, _f, _mean, _pct,
-                                _ratio, _rows)
+from bench.sim.cells import (BEGIN_L, END_L, LAMBDA_VARIANTS, SIZES, SPIKES, cell, dropped_pct,
+                             mean_of, ratio, rows_under)
 from sim.profiles import SHAPES
 from sim.scaleout import ScaleoutConfig, Shape, plan_times
 
@@ -26,7 +26,7 @@ BEFORE = Path("bench/results/sim/lambda_scale/before_receiver_plan.json")
 
 
 def rows(summary: dict, size: str, system: str, variant: str, group: str = "lambda") -> list[dict]:
-    return _rows(summary, f"{group}/{size}/{system}/{variant}")
+    return rows_under(summary, f"{group}/{size}/{system}/{variant}")
 
 
 def _range(rs: list[dict], key: str) -> str:
@@ -34,7 +34,7 @@ def _range(rs: list[dict], key: str) -> str:
     if len(vals) < 2:
         return ""
     shown = [math.inf if v == "inf" else v for v in vals if isinstance(v, (int, float, str))]
-    return f" [{_f(min(shown))}–{_f(max(shown))}]"
+    return f" [{cell(min(shown))}–{cell(max(shown))}]"
 
 
 def spike_loads(rs: list[dict]) -> dict[str, float]:
@@ -79,20 +79,20 @@ def table_lines(summary: dict, group: str = "lambda") -> list[str]:
                 if not rs:
                     continue
                 vs_base = "-" if variant == "none" else (
-                    f"{_ratio(_mean(base, 'spike_ttft_p50'), _mean(rs, 'spike_ttft_p50'))} / "
-                    f"{_ratio(_mean(base, 'spike_ttft_p90'), _mean(rs, 'spike_ttft_p90'))}")
-                cost = _f(_mean(rs, "gpu_node_seconds"), "{:.0f}")
+                    f"{ratio(mean_of(base, 'spike_ttft_p50'), mean_of(rs, 'spike_ttft_p50'))} / "
+                    f"{ratio(mean_of(base, 'spike_ttft_p90'), mean_of(rs, 'spike_ttft_p90'))}")
+                cost = cell(mean_of(rs, "gpu_node_seconds"), "{:.0f}")
                 if variant != "none":
-                    cost += f" ({_ratio(_mean(rs, 'gpu_node_seconds'), _mean(base, 'gpu_node_seconds'))})"
-                burst = _mean(rs, "burst_instances") if system.endswith("burst") else None
+                    cost += f" ({ratio(mean_of(rs, 'gpu_node_seconds'), mean_of(base, 'gpu_node_seconds'))})"
+                burst = mean_of(rs, "burst_instances") if system.endswith("burst") else None
                 lines.append(
                     f"| {size} | {label} | {LINKS[variant]} | "
-                    f"{_f(_mean(rs, 'slo_attainment'), '{:.3f}')} "
-                    f"({_f(_mean(rs, 'spike_slo_attainment'), '{:.3f}')}) | "
-                    f"{_f(_mean(rs, 'ttft_p50'))} / {_f(_mean(rs, 'ttft_p90'))} / "
-                    f"{_f(_mean(rs, 'ttft_p99'))} | {_pct(rs)}, {_f(_mean(rs, 'spike_ttft_p50'))} / "
-                    f"{_f(_mean(rs, 'spike_ttft_p90'))}{_range(rs, 'spike_ttft_p90')} / "
-                    f"{_f(_mean(rs, 'spike_ttft_p99'))} | {vs_base} | {cost} | "
+                    f"{cell(mean_of(rs, 'slo_attainment'), '{:.3f}')} "
+                    f"({cell(mean_of(rs, 'spike_slo_attainment'), '{:.3f}')}) | "
+                    f"{cell(mean_of(rs, 'ttft_p50'))} / {cell(mean_of(rs, 'ttft_p90'))} / "
+                    f"{cell(mean_of(rs, 'ttft_p99'))} | {dropped_pct(rs)}, {cell(mean_of(rs, 'spike_ttft_p50'))} / "
+                    f"{cell(mean_of(rs, 'spike_ttft_p90'))}{_range(rs, 'spike_ttft_p90')} / "
+                    f"{cell(mean_of(rs, 'spike_ttft_p99'))} | {vs_base} | {cost} | "
                     f"{_spike_loads_cell(rs, variant)} | {'-' if burst is None else f'{burst:.1f}'} |")
     return lines
 
@@ -176,23 +176,23 @@ class _Agg:
         return rows(self.summary, size, system, variant, self.group)
 
     def __call__(self, size: str, system: str, variant: str, key: str) -> float | None:
-        return _mean(self.rows(size, system, variant), key)
+        return mean_of(self.rows(size, system, variant), key)
 
     def loads(self, size: str, system: str, variant: str) -> dict[str, float]:
         return spike_loads(self.rows(size, system, variant))
 
     def dropped(self, size: str, system: str, variant: str) -> str:
-        return _pct(self.rows(size, system, variant))
+        return dropped_pct(self.rows(size, system, variant))
 
 
 def _x(a, b) -> str:
     """a / b as a factor ("n/a" when either is missing or infinite)."""
-    return _ratio(a, b)
+    return ratio(a, b)
 
 
 def _each(m: _Agg, size: str, system: str, variant: str, key: str, fmt: str = "{:.2f}") -> str:
     """The metric of every seed, in seed order ("a / b / c")."""
-    return " / ".join(_f(r.get(key), fmt) for r in m.rows(size, system, variant))
+    return " / ".join(cell(r.get(key), fmt) for r in m.rows(size, system, variant))
 
 
 def findings(summary: dict) -> list[str]:
@@ -279,12 +279,12 @@ def _burst_finding(m: _Agg) -> str:
         f"{_each(m, '7b', 'slinfer', '100', p90)} s without (400 Gb/s: "
         f"{_each(m, '7b', 'slinfer+burst', '400', p90)} against "
         f"{_each(m, '7b', 'slinfer', '400', p90)}), SLO attainment "
-        f"{_f(m('7b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
-        f"{_f(m('7b', 'slinfer', '100', 'slo_attainment'), '{:.3f}')} (7B) and "
-        f"{_f(m('13b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
-        f"{_f(m('13b', 'slinfer', '100', 'slo_attainment'), '{:.3f}')} (13B), GPU node-seconds "
-        f"{_f(m('7b', 'slinfer+burst', '100', 'gpu_node_seconds'), '{:.0f}')} against "
-        f"{_f(m('7b', 'slinfer', '100', 'gpu_node_seconds'), '{:.0f}')} (7B). A seed's ~11 s tail "
+        f"{cell(m('7b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
+        f"{cell(m('7b', 'slinfer', '100', 'slo_attainment'), '{:.3f}')} (7B) and "
+        f"{cell(m('13b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
+        f"{cell(m('13b', 'slinfer', '100', 'slo_attainment'), '{:.3f}')} (13B), GPU node-seconds "
+        f"{cell(m('7b', 'slinfer+burst', '100', 'gpu_node_seconds'), '{:.0f}')} against "
+        f"{cell(m('7b', 'slinfer', '100', 'gpu_node_seconds'), '{:.0f}')} (7B). A seed's ~11 s tail "
         "comes and goes between rows that differ in nothing a spike should feel (the per-seed "
         "lists): SLINFER's placements diverge early in a run, and one spike then meets a "
         "crowded cluster. Burst scale-out is "
@@ -313,8 +313,8 @@ def _ewl_finding(m: _Agg, fast: _Agg) -> str:
         f"with it, {_each(m, '7b', 'slinfer+burst', '100-no-ewl', p90)} s without; drops "
         f"{m.dropped('7b', 'slinfer+burst', '100')} against "
         f"{m.dropped('7b', 'slinfer+burst', '100-no-ewl')}; SLO attainment "
-        f"{_f(m('7b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
-        f"{_f(m('7b', 'slinfer+burst', '100-no-ewl', 'slo_attainment'), '{:.3f}')}. At 13B no "
+        f"{cell(m('7b', 'slinfer+burst', '100', 'slo_attainment'), '{:.3f}')} against "
+        f"{cell(m('7b', 'slinfer+burst', '100-no-ewl', 'slo_attainment'), '{:.3f}')}. At 13B no "
         f"gain (drops {m.dropped('13b', 'slinfer+burst', '100')} with, "
         f"{m.dropped('13b', 'slinfer+burst', '100-no-ewl')} without; sllm's 13B rows alike "
         "either way).")
@@ -324,8 +324,8 @@ def _ewl_finding(m: _Agg, fast: _Agg) -> str:
             f"{fast.loads('7b', 'slinfer', '100')['pipeline']:.0f} spike loads serve in a "
             f"pipeline without burst scale-out, {fast.loads('7b', 'slinfer+burst', '100')['pipeline']:.0f} "
             "with it, and EWL off moves the spikes' median TTFT "
-            f"{_f(fast('7b', 'slinfer+burst', '100', 'spike_ttft_p50'))} → "
-            f"{_f(fast('7b', 'slinfer+burst', '100-no-ewl', 'spike_ttft_p50'))} s and their drops "
+            f"{cell(fast('7b', 'slinfer+burst', '100', 'spike_ttft_p50'))} → "
+            f"{cell(fast('7b', 'slinfer+burst', '100-no-ewl', 'spike_ttft_p50'))} s and their drops "
             f"{fast.dropped('7b', 'slinfer+burst', '100')} → "
             f"{fast.dropped('7b', 'slinfer+burst', '100-no-ewl')}.")
     return text

@@ -10,7 +10,7 @@ written when the request ends."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -20,8 +20,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shared import telemetry as tm
 from shared.schemas import InferenceRequest
 
-if TYPE_CHECKING:
-    from services.gateway.generation import Generation
+
+class GenerationResult(Protocol):
+    """What the observer reads of a finished generation (`generation.Generation` has it): the
+    observer sits below the generation, which calls it, so it names only these fields."""
+
+    completion_tokens: int
+    finish_reason: str | None  # None: it ended without output, see `failure`
+    failure: str | None
+    failure_detail: str | None
+
 
 _tracer = trace.get_tracer("slinfer.gateway")
 
@@ -144,7 +152,7 @@ class RequestObserver:
         request's time to first token."""
         self._first = at
 
-    def finished(self, gen: Generation, node_headers: dict[str, str] | None,
+    def finished(self, gen: GenerationResult, node_headers: dict[str, str] | None,
                  prefill_s: float | None) -> None:
         end = time.monotonic()
         duration = end - self.started

@@ -1,6 +1,6 @@
 """Model multicast between node workers (λScale §4.2): a node's endpoint that sends and receives a
 model's checkpoint in blocks over direct TCP connections, following a plan that a coordinator
-(`services.node.multicast_coordinator`) hands out over NATS.
+(`services.placer.multicast`) hands out over NATS.
 
 The wire split: NATS carries the control (request-reply on `multicast_node_subject(node)`: offer,
 prepare, plan, go, abort, finish; events to `multicast_events_subject(transfer)`: a block
@@ -469,8 +469,8 @@ class MulticastEndpoint:
     async def _op_holding(self, body: dict) -> dict:
         """What this node can run of `model_path` from its blocks so far (a receiver heading an
         execution pipeline asks the other receivers, λScale Algorithm 2): the decoder layers and
-        whether the head (`stages.holding_of`); every layer once its DRAM tier holds it whole."""
-        from services.node.stages import holding_of
+        whether the head (`weights.holding_of`); every layer once its DRAM tier holds it whole."""
+        from services.node.engines.weights import holding_of
 
         key = _key(body["model_path"])
         with self._lock:

@@ -10,10 +10,10 @@ built, as a LOAD memory op that the reservation station starts once it fits, so 
 through the published view, the placers) sees them like an instance's.
 
 Where the weights come from, fastest first:
-- `tensors=`: a dict name -> tensor given by the caller (e.g. `stages.held_tensors` of a
+- `tensors=`: a dict name -> tensor given by the caller (e.g. `weights.held_tensors` of a
   partly received multicast); only the range's tensors are used, no copy on CPU;
 - the node's DRAM tier, when it holds the model's converted checkpoint (views, no copy);
-- the model's files: the range's tensors only (`stages.read_tensors`).
+- the model's files: the range's tensors only (`weights.read_tensors`).
 
 A hosted range is released on command (`release`), when its owner instance is gone from the
 cluster view (`orphans`), or when the node stops (`close`).
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from services.node.loader import CheckpointLoader
-    from services.node.stages import StageServer
+    from services.node.engines.stage_server import StageServer
 
 log = logging.getLogger("slinfer.stage_host")
 STAGE_KEY_MARK = "/layers/"
@@ -171,7 +171,7 @@ class StageHost:
             raise
 
     def _make(self, order: StageOrder) -> HostedStage:
-        from services.node.stages import LayerStage, StageServer
+        from services.node.engines.stage_server import LayerStage, StageServer
 
         started = time.perf_counter()
         tensors, source = self._weights(order)

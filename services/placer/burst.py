@@ -16,18 +16,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from services.placer.commands import with_startup
+from services.placer.port import PlacerPort
+from services.placer.scaleout import ScaleOut
 from shared.cluster import model_spec, request_view
 from shared.core.burst import BurstPlan, plan_burst
 from shared.core.config import CoreConfig
 from shared.core.placement import PlacementPlan
 from shared.core.types import NodeView
 from shared.schemas import CommandKind, InferenceRequest, ModelRecord, NodeCommand
-
-if TYPE_CHECKING:
-    from services.placer.placer import Placer
 
 log = logging.getLogger("slinfer.placer.burst")
 
@@ -45,9 +45,12 @@ class BurstRecord:
 
 
 class BurstStarter:
-    def __init__(self, placer: Placer, config: CoreConfig) -> None:
-        self.p = placer
+    def __init__(self, port: PlacerPort, config: CoreConfig, scaleout: ScaleOut,
+                 queued: Callable[[str, str], int]) -> None:
+        self.p = port
         self.config = config
+        self.scaleout = scaleout  # the instances it starts join this turn's multicasts
+        self.queued = queued  # (model, request id) -> the model's other requests in the queue
         self._arrivals: dict[str, deque[float]] = {}  # model -> arrival times within the window
         self.records: deque[BurstRecord] = deque(maxlen=256)  # newest last
 
@@ -77,8 +80,7 @@ class BurstStarter:
         now = time.time()
         seen = self._arrivals.get(req.model, deque())
         self._forget_old(seen, now)
-        queued = sum(1 for q in self.p.queue.values()
-                     if q.request.model == req.model and q.request.request_id != req.request_id)
+        queued = self.queued(req.model, req.request_id)
         burst = plan_burst(plan, request_view(req), model_spec(record), nodes, self.p.perf, now,
                            self.config, seen, queued)
         if not burst.spots:
@@ -91,18 +93,18 @@ class BurstStarter:
         for spot in burst.spots:
             cmd = NodeCommand(CommandKind.START_INSTANCE, request=req, model=record)
             if spot.startup is not None:
-                cmd = self.p.with_startup(cmd, spot.startup)
-            reply = await self.p._command(spot.node_id, cmd)
+                cmd = with_startup(cmd, spot.startup)
+            reply = await self.p.command(spot.node_id, cmd)
             if reply is not None and reply.accepted:
                 started.append(spot.node_id)
                 if spot.startup is not None:
-                    nodes = self.p.join_multicast(record, spot.startup, spot.node_id, nodes)
+                    nodes = self.scaleout.join(record, spot.startup, spot.node_id, nodes)
             else:
                 log.info("burst: %s refused an instance of %s: %s", spot.node_id, record.name,
                          reply.reason if reply else "no reply")
             if reply is not None and reply.node is not None:  # fresher: the rest of the turn sees it
                 nodes = [reply.node if n.node_id == spot.node_id else n for n in nodes]
-        self.p.decisions["burst_instance"] = self.p.decisions.get("burst_instance", 0) + len(started)
+        self.p.count("burst_instance", len(started))
         self.records.append(BurstRecord(record.name, req.request_id,
                                         tuple(s.node_id for s in burst.spots), tuple(started),
                                         burst.size.instances, burst.size.demand))

@@ -36,8 +36,8 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from services.placer.port import PlacerPort
 from shared.cluster import read_nodes
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
@@ -47,9 +47,6 @@ from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan
 from shared.core.types import ModelSpec, NodeView, RequestView
 from shared.schemas import CommandKind, ModelRecord, NodeCommand, NodeReply
-
-if TYPE_CHECKING:
-    from services.placer.placer import Placer
 
 log = logging.getLogger("slinfer.placer.modules")
 HOST_TIMEOUT_S = 150.0  # a host's hold may park, then it reads the layers' weights
@@ -76,8 +73,8 @@ class ModuleRecord:
 
 
 class ModuleScaler:
-    def __init__(self, placer: Placer, settings: ModuleSettings, interval_s: float) -> None:
-        self.p = placer
+    def __init__(self, port: PlacerPort, settings: ModuleSettings, interval_s: float) -> None:
+        self.p = port
         self.settings = settings
         self.interval_s = interval_s
         self.pressure: dict[str, tuple[int, float]] = {}  # node -> (deficit, when last seen)
@@ -133,7 +130,7 @@ class ModuleScaler:
     async def _plan_and_start(self) -> None:
         nodes = await read_nodes(self.p.redis)
         records = {r.name: r for r in await self.p.registry.list()}
-        await self.p._refresh_perf()  # (placement refreshes it only while requests wait)
+        await self.p.refresh_perf()  # (placement refreshes it only while requests wait)
         plans = self.decide(nodes, self.p.perf, time.time(), self.p.s.core)
         for plan in plans:
             record = records.get(_model_of(nodes, plan))
@@ -266,7 +263,7 @@ class ModuleScaler:
         return False
 
     async def _ask(self, node_id: str, cmd: NodeCommand, timeout_s: float) -> NodeReply | None:
-        return await self.p._command(node_id, cmd, timeout_s=timeout_s)
+        return await self.p.command(node_id, cmd, timeout_s=timeout_s)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

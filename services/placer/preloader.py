@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
-
+from services.placer.port import PlacerPort
 from shared import wire
 from shared.cluster import read_nodes
 from shared.core.lora import Artifact, CallRates, plan_cluster_preload
+from shared.core.perf_model import PerfModel
 from shared.core.node_scheduler import ADAPTER_LOAD_BYTES_PER_S
 from shared.core.types import NodeView
 from shared.schemas import InferenceRequest, ModelRecord, PreloadPlan
 from shared.subjects import preload_subject
-
-if TYPE_CHECKING:
-    from services.placer.placer import Placer
 
 log = logging.getLogger("slinfer.placer.preload")
 VALID_INTERVALS = 3  # a node follows a plan for this many intervals (two may be lost)
 
 
 class ClusterPreloader:
-    def __init__(self, placer: Placer, interval_s: float) -> None:
-        self.p = placer
+    def __init__(self, port: PlacerPort, interval_s: float) -> None:
+        self.p = port
         self.interval_s = interval_s
         self.rates = CallRates()
         self.sent: dict[str, PreloadPlan] = {}  # node -> the last plan sent to it (tests, logs)
@@ -68,7 +65,7 @@ class ClusterPreloader:
         now = time.time()
         nodes = [n for n in await read_nodes(self.p.redis) if not n.draining]
         records = {r.name: r for r in await self.p.registry.list()}
-        backbones, adapters = artifacts(called, records, self.rates, nodes, self.p, now)
+        backbones, adapters = artifacts(called, records, self.rates, nodes, self.p.perf, now)
         plans = plan_cluster_preload(nodes, backbones, adapters)
         valid_s = VALID_INTERVALS * self.interval_s
         for node_id, chosen in plans.items():
@@ -79,7 +76,7 @@ class ClusterPreloader:
 
 
 def artifacts(called: list[str], records: dict[str, ModelRecord], rates: CallRates,
-              nodes: list[NodeView], placer: Placer, now: float) -> tuple[list[Artifact], list[Artifact]]:
+              nodes: list[NodeView], perf: PerfModel, now: float) -> tuple[list[Artifact], list[Artifact]]:
     """The called torch-engine backbones and their called adapters, with cluster-wide rates.
     A backbone is worth its profiled cold load (the time a DRAM-tier copy saves, as the nodes
     weigh it); an adapter its bytes at the engine's adapter load rate."""
@@ -90,7 +87,7 @@ def artifacts(called: list[str], records: dict[str, ModelRecord], rates: CallRat
         if record is None or record.engine != "torch":
             continue
         if record.base_model is None:
-            load_s = max((p.load_s for k in kinds if (p := placer.perf.get(name, k)) is not None),
+            load_s = max((p.load_s for k in kinds if (p := perf.get(name, k)) is not None),
                          default=0.0)
             backbones.append(Artifact(name, record.weight_bytes, load_s, rates.rate(name, now)))
         elif record.base_model in records:

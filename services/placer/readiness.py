@@ -22,10 +22,11 @@ import enum
 import time
 from dataclasses import dataclass, replace
 
-from typing import TYPE_CHECKING
-
 from redis.asyncio import Redis
 
+from services.placer.intake import Pending, RequestIntake
+from services.placer.port import PlacerPort
+from services.placer.tracing import decision_span
 from shared.cluster import request_view
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, NodeView
@@ -33,9 +34,6 @@ from shared.model_state import (FAILED, NOT_READY, ModelState, ModelStatus, get_
                                 lifecycle_error)
 from shared.registry import display_name
 from shared.schemas import FinishReason, ModelRecord
-
-if TYPE_CHECKING:
-    from services.placer.placer import Pending, Placer
 
 STATUS_TTL_S = 0.25  # a queued request is re-judged every few tens of ms: read Redis less often
 _WAITING = (ModelState.CONVERTING, ModelState.PROFILING)
@@ -115,15 +113,16 @@ class ReadinessGate:
         return status
 
 
-async def hold_or_fail(placer: Placer, p: Pending, ready: Readiness) -> None:
+async def hold_or_fail(port: PlacerPort, intake: RequestIntake, p: Pending,
+                       ready: Readiness) -> None:
     """Carry out a WAIT or FAIL verdict for a queued request (the placer's call site is one
     line): WAIT keeps it queued (its claim is renewed like any queued request's) until its
     TTFT deadline; FAIL, or WAIT past that deadline, answers it with the verdict's message."""
     if ready.refresh:
-        placer._perf_at = 0.0  # the profile is in Redis: read the profiles at the next turn
+        port.reread_perf()  # the profile is in Redis: read the profiles at the next turn
     late = time.time() > request_view(p.request).deadline()
     if ready.verdict is Verdict.WAIT and not late:
         return
-    placer.decisions["not_ready"] = placer.decisions.get("not_ready", 0) + 1
-    with placer._span(p, None):
-        await placer._fail(p, FinishReason.ERROR, ready.message)
+    port.count("not_ready")
+    with decision_span(p, None):
+        await intake.fail(p, FinishReason.ERROR, ready.message)

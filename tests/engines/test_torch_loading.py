@@ -11,7 +11,8 @@ import torch
 
 from services.node.engines import create_engine
 from services.node.engines.base import SamplingParams
-from services.node.engines.torch_engine import TorchEngine, _Workspace, plan_groups
+from services.node.engines.torch_engine import TorchEngine
+from services.node.engines.torch_kernel import Workspace, plan_groups
 from services.node.loader import CheckpointLoader, LoaderSettings, convert_checkpoint
 from shared.modelgen import ensure_model
 
@@ -134,7 +135,7 @@ def test_decode_in_several_gather_groups_matches_each_alone(make_engine):
     must still produce exactly the tokens each request produces alone."""
     engine = make_engine()
     alone = [run_alone(engine, f"a{i}", ids, 12) for i, ids in enumerate(PROMPTS)]
-    engine._workspace = _Workspace(engine.cache, 6 * 2 * engine.cache.layer_block_bytes)
+    engine._workspace = Workspace(engine.cache, 6 * 2 * engine.cache.layer_block_bytes)
     out = {}
     for i, ids in enumerate(PROMPTS):
         engine.add_request(f"b{i}", ids, GREEDY)

@@ -98,7 +98,7 @@ async def _run(own_servers, small_model, burst: bool) -> Outcome:
         runner = asyncio.create_task(placer.run(stop))
         # The turn that placed them is over once it started its multicast.
         await until(lambda: placer.decisions.get("new_instance", 0) >= 2 and not placer.queue
-                    and (placer._multicasts or placer.multicast_reports),
+                    and (placer.scaleout.running or placer.multicast_reports),
                     what="the first two requests placed")
         started = 2 + sum(len(b.started) for b in placer.bursts.records)
 
@@ -112,7 +112,7 @@ async def _run(own_servers, small_model, burst: bool) -> Outcome:
                 for _ in range(2)]
         await until(lambda: all(r in finals for r in early + late), timeout_s=240,
                     what="the four requests")
-        await until(lambda: not placer._multicasts, timeout_s=60, what="the multicasts' reports")
+        await until(lambda: not placer.scaleout.running, timeout_s=60, what="the multicasts' reports")
         return Outcome(early, late, finals, placer, {n: list(w.loads) for n, w in workers.items()})
     finally:
         await shut_down(stop, runner, workers.values(), nc, redis)

@@ -154,7 +154,7 @@ async def test_a_node_whose_multicast_never_starts_loads_from_its_tiers(
         assert reply.accepted, reply.reason
         assert reply.node.storage.arriving.get("small") is not None
         # The placer's multicast finds no source that can offer it.
-        await placer._multicast(record.path, ["no-such-node"], ["fb-d1"])
+        await placer.scaleout.multicast(record.path, ["no-such-node"], ["fb-d1"])
         assert not placer.multicast_reports
         await until(lambda: req.request_id in finals, timeout_s=120, what="the request")
         assert finals[req.request_id].error is None

@@ -114,7 +114,7 @@ async def test_a_receiver_serves_through_stages_another_receiver_hosts_from_its_
             assert finals[rid].error is None, finals[rid].error
             assert finals[rid].output_token_ids == reference, rid
         assert {finals[r].node_id for r in early} == set(RECEIVERS)
-        await until(lambda: not placer._multicasts, timeout_s=60, what="the multicast's report")
+        await until(lambda: not placer.scaleout.running, timeout_s=60, what="the multicast's report")
         (report,) = placer.multicast_reports  # one k-way multicast fed both receivers
         assert report.ok and sorted(report.sources) == SOURCES
         first, second = [d.node for d in report.destinations]

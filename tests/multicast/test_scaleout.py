@@ -21,7 +21,7 @@ from collections import Counter
 
 import pytest
 
-from services.node.multicast_coordinator import multicast
+from services.placer.multicast import multicast
 from shared.core.multicast import binomial_schedule, binomial_steps, kway_schedule
 from shared.subjects import multicast_events_subject
 

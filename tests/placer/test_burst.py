@@ -32,7 +32,7 @@ def test_burst_scale_out_is_off_unless_asked_for_and_its_knobs_are_checked():
 
 
 def test_the_arrivals_record_keeps_the_window_of_new_requests_per_model():
-    starter = BurstStarter(placer=None, config=CoreConfig(burst_scaleout=True, burst_window_s=1.0))
+    starter = BurstStarter(None, CoreConfig(burst_scaleout=True, burst_window_s=1.0), None, None)
     for i, at in enumerate([0.0, 0.5, 1.2, 1.4]):
         starter.note(_req(f"a{i}"), at)
     starter.note(_req("b0", model="other"), 1.4)
@@ -41,6 +41,6 @@ def test_the_arrivals_record_keeps_the_window_of_new_requests_per_model():
     assert list(seen) == [0.5, 1.2, 1.4]  # 0.0 fell out of the window at 1.2
     assert recent_rate(seen, 1.4, 1.0) == 3.0  # per second, over (0.4, 1.4]
     assert list(starter._arrivals["other"]) == [1.4]
-    off = BurstStarter(placer=None, config=CoreConfig())
+    off = BurstStarter(None, CoreConfig(), None, None)
     off.note(_req("c0"), 0.0)
     assert not off._arrivals  # nothing kept while burst scale-out is off

@@ -1,5 +1,5 @@
 """Fixtures of the layer-stage tests: the tiny demo model (4 layers), a converted copy of it, and
-stage processes started as the node starts them (`services.node.stages.spawn_stage`)."""
+stage processes started as the node starts them (`services.node.engines.stage_server.spawn_stage`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from services.node.engines.base import SamplingParams
 from services.node.loader.convert import convert_checkpoint
-from services.node.stages import StageProcess, spawn_stage
+from services.node.engines.stage_server import StageProcess, spawn_stage
 from shared.modelgen import ensure_demo_model
 
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.node.engines.torch_engine import TorchEngine
-from services.node.stages import StageClient
+from services.node.engines.stage_client import StageClient
 
 from .conftest import generate
 

@@ -12,7 +12,8 @@ import torch
 from services.node.engines.torch_engine import TorchEngine
 from services.node.loader.checkpoint_format import default_checkpoint_dir, read_index
 from services.node.loader.loader import HostCheckpoint
-from services.node.stages import StageClient, held_tensors, holding_of
+from services.node.engines.stage_client import StageClient
+from services.node.engines.weights import held_tensors, holding_of
 from shared.core.multicast import cut_blocks
 from shared.core.pipeline import (TensorSpan, layer_index, layers_held, pipeline_stages,
                                   remote_ranges, switch_ready)

@@ -10,7 +10,9 @@ import torch
 
 from services.node.engines.torch_engine import TorchEngine
 from services.node.stage_host import ORPHAN_GRACE_S, StageHost, is_stage_key, parse_stage_key
-from services.node.stages import StageClient, StageError, layer_of, read_tensors
+from services.node.engines.stage_client import StageClient
+from services.node.engines.stage_wire import StageError
+from services.node.engines.weights import layer_of, read_tensors
 from shared.core.modules import stage_key
 
 from .conftest import generate

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from services.node.engines.base import KVCacheFull, SamplingParams
-from services.node.engines.torch_engine import StepSpec, TorchEngine
-from services.node.stages import StageClient, StageError, layer_of, read_tensors
+from services.node.engines.stage_client import StageClient
+from services.node.engines.stage_wire import StageError
+from services.node.engines.torch_engine import TorchEngine
+from services.node.engines.torch_kernel import StepSpec
+from services.node.engines.weights import layer_of, read_tensors
 
 from .conftest import GREEDY, PROMPTS, generate
 
@@ -137,7 +140,7 @@ def test_an_in_process_stage_serves_the_loaders_host_copy(tiny_converted, engine
     """A node that holds the checkpoint in host memory (its DRAM tier, or blocks received by
     multicast) serves layers from a thread, viewing those bytes."""
     from services.node.loader import CheckpointLoader, LoaderSettings
-    from services.node.stages import LayerStage, StageServer
+    from services.node.engines.stage_server import LayerStage, StageServer
 
     loader = CheckpointLoader(LoaderSettings(dram_bytes_per_s=1e10))
     try:

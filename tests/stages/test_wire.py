@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from services.node.engines.kv_cache import PagedKVCache
-from services.node.engines.torch_engine import StepSpec
-from services.node.stages import export_kv, import_kv, layer_of, recv_message, send_message
+from services.node.engines.stage_wire import export_kv, import_kv, recv_message, send_message
+from services.node.engines.torch_kernel import StepSpec
+from services.node.engines.weights import layer_of
 
 
 def test_message_round_trip_keeps_bytes_dtypes_and_shapes():

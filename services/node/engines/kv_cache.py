@@ -140,7 +140,7 @@ class PagedKVCache:
     def set_length(self, request_id: str, length: int) -> None:
         self.lengths[request_id] = length
 
-    # -- layers (a split instance's layers move between processes, services/node/stages.py) --
+    # -- layers (a split instance's layers move between processes, split.py) --------------
 
     def add_layers(self, count: int) -> list[int]:
         """`count` more layers' pools, empty, sized like the others; returns their indices.
