@@ -23,6 +23,7 @@ from shared.cluster import model_spec, save_profile
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware
+from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
 from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeReply)
 from shared.subjects import REQUEST_SUBJECT
@@ -72,6 +73,8 @@ async def test_unregistered_model_fails_with_a_clear_error(servers, conns):
         await _idle(nc)
     assert final.finish_reason is FinishReason.ERROR and "'not-there' is not registered" in final.error
     assert node.commands == []
+    # The answer is kept too, for a gateway that missed the message (shared/outcomes.py).
+    assert await read_outcome(redis, req.request_id, req.attempt) == final
     await node.stop()
 
 
