@@ -164,6 +164,23 @@ class ChatBody(_Common):
     max_completion_tokens: JSONInt | None = _doc(minimum=1)
 
 
+class TokenizeBody(_Lenient):
+    """vLLM's POST /tokenize: a completion's `prompt` or a chat's `messages` (one of them)."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: BOS where the model wants one, as completions
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Lenient):
+    """vLLM's POST /detokenize."""
+
+    model: str
+    tokens: list[JSONInt] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+
+
 # value is acceptable (neutral) -> True
 _NEUTRAL = {
     "n": lambda v: v in (None, 1),
@@ -350,7 +367,7 @@ def completion_input(body: CompletionBody) -> CompletionInput:
     return CompletionInput(text=None, token_ids=list(prompt))
 
 
-def chat_input(body: ChatBody) -> ChatInput:
+def chat_input(body: ChatBody | TokenizeBody) -> ChatInput:
     if not body.messages:
         raise invalid_request("'messages' must contain at least one message.", param="messages",
                               code="empty_messages")
