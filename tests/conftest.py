@@ -10,6 +10,7 @@ servers (`shared.servers.popen_tied`: PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,8 @@ from tests.servers import running
 # says (`-m "not integration"` then leaves out exactly those). Tests that start servers or engines
 # without a fixture carry the marker themselves.
 REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack", "traced_stack",
-                           "make_engine", "hf_model", "engine", "profile", "connections"})
+                           "make_engine", "hf_model", "engine", "profile", "connections",
+                           "real_model_dir"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
@@ -61,3 +63,13 @@ def own_servers(tmp_path) -> Iterator[tuple[str, str]]:
     with running(start_nats, tmp_path / "nats") as nats, \
             running(start_redis, tmp_path / "redis") as redis:
         yield nats.url, redis.url
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The default real model (SmolLM2-135M-Instruct), downloaded and converted once into the
+    user's cache (SLINFER_CACHE_DIR, else ~/.cache/slinfer), not per test session: a few hundred
+    MB that every later run reuses."""
+    from shared.default_model import cache_dir, ensure_default_model
+
+    return ensure_default_model(cache_dir())

@@ -3,7 +3,7 @@
 Two layers:
 - stand-in services (a tiny HTTP gateway, sleeping placer/nodes, one that ignores SIGTERM, one
   that forks a grandchild) exercise the launcher's process handling on real nats/redis servers;
-- the real stack (gateway, placer, node, demo model) end to end, once those modules exist.
+- the real stack (gateway, placer, node, the random demo model) end to end.
 
 "No process behind" is checked by scanning /proc for any live process whose command line or
 environment mentions the run's data directory (every child gets SLINFER_DATA_DIR; nats and redis
@@ -228,6 +228,27 @@ def test_rejects_zero_nodes(capsys) -> None:
     with pytest.raises(SystemExit):
         launcher.parse_args(["--nodes", "0"])
     assert "--nodes must be >= 1" in capsys.readouterr().err
+
+
+def test_the_default_model_is_the_real_smollm2(real_model_dir) -> None:
+    """With neither --model-dir nor --random-model, `slinfer up` serves the real model, from
+    the data directory's models/ (the fixture converted it there once: nothing is redone)."""
+    from shared.default_model import NAME
+
+    opts = launcher.parse_args(["--data-dir", str(real_model_dir.parents[1])])
+    assert launcher.resolve_model(opts) == (NAME, real_model_dir)
+    opts = launcher.parse_args(["--data-dir", str(real_model_dir.parents[1]),
+                                "--model-name", "smol"])
+    assert launcher.resolve_model(opts) == ("smol", real_model_dir)
+
+
+def test_random_model_is_the_tiny_demo_and_excludes_model_dir(tmp_path, capsys) -> None:
+    opts = launcher.parse_args(["--data-dir", str(tmp_path), "--random-model"])
+    assert launcher.resolve_model(opts) == ("tiny-llama", tmp_path / "models" / "tiny-llama")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--random-model", "--model-dir", str(tmp_path)])
+    assert "give one" in capsys.readouterr().err
 
 
 def test_backoff_doubles_caps_resets_after_a_healthy_run_and_gives_up() -> None:
@@ -520,7 +541,10 @@ def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
     env = dict(os.environ)
     env.pop("SLINFER_API_KEYS", None)
-    proc = start_up(["--port", str(port), "--data-dir", str(data_dir)], out, env, driver=False)
+    # The random demo: its build and profile take seconds where the default real model's
+    # conversion and profile take minutes (tests/engines/test_real_model.py runs that one).
+    proc = start_up(["--port", str(port), "--data-dir", str(data_dir), "--random-model"], out,
+                    env, driver=False)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: get_json(f"{base}/health") is not None, 420, proc, out, "/health")

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway import admin_routes, drain_routes, errors, openai_routes
+from services.gateway import admin_routes, drain_routes, errors, openai_routes, token_routes
 from services.gateway import openapi_docs as docs
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
@@ -32,7 +32,8 @@ from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
 from services.gateway.watchdog import WatchdogConfig
-from services.gateway.validation import ChatBody, CompletionBody
+from services.gateway.validation import (ChatBody, CompletionBody, DetokenizeBody,
+                                         TokenizeBody)
 from shared import telemetry as tm
 from shared.bus import ensure_streams
 from shared.redis_client import open_redis
@@ -92,6 +93,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(token_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(drain_routes.router)
 
@@ -129,6 +131,7 @@ def _publish_schema(app: FastAPI) -> None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             app.openapi_schema = docs.finish_schema(schema, {
                 "ChatBody": ChatBody, "CompletionBody": CompletionBody,
+                "TokenizeBody": TokenizeBody, "DetokenizeBody": DetokenizeBody,
                 "RegisterModel": admin_routes.RegisterModel})
         return app.openapi_schema
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -15,11 +16,14 @@ from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENC
 from services.gateway.responses import ChatFormat, CompletionFormat
 from services.gateway.stream import respond
 from services.gateway.validation import (
+    IGNORED_FIELDS_HEADER,
     ChatBody,
     CompletionBody,
     chat_input,
     chat_max_tokens,
     completion_input,
+    ignored_fields,
+    ignored_fields_header,
     parse_body,
     sampling_params,
 )
@@ -27,6 +31,8 @@ from shared.registry import display_name, strip_owner
 from shared.schemas import ModelRecord
 
 router = APIRouter()
+log = logging.getLogger("slinfer.gateway")
+LOGGED_NAMES = 32  # a log line names this many ignored fields at most
 
 
 def model_object(record: ModelRecord) -> dict[str, Any]:
@@ -59,7 +65,9 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
     gen = await service.start(prepared, request_id, tenant, "text_completion")
     fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
                            continuous_usage=params.continuous_usage)
-    return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)
+    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+                             params.include_usage)
+    return name_ignored_fields(response, body, request_id)
 
 
 @router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body("ChatBody"),
@@ -72,4 +80,19 @@ async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, servi
     gen = await service.start(prepared, request_id, tenant, "chat")
     fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
                      continuous_usage=params.continuous_usage)
-    return await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream, params.include_usage)
+    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+                             params.include_usage)
+    return name_ignored_fields(response, body, request_id)
+
+
+def name_ignored_fields(response: Response, body: ChatBody | CompletionBody,
+                        request_id: str) -> Response:
+    """Fields the request carried that slinfer does not know were ignored: say so in the log
+    and in a response header, so a client that meant one of them can find out why it did
+    nothing. A stream's headers go out with its first byte, after this."""
+    names = ignored_fields(body)
+    if names:
+        log.info("request %s: ignored unknown fields %s%s", request_id, names[:LOGGED_NAMES],
+                 f" (+{len(names) - LOGGED_NAMES} more)" if len(names) > LOGGED_NAMES else "")
+        response.headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(names)
+    return response

@@ -194,6 +194,21 @@ class InstanceList(BaseModel):
     data: list[InstanceRow]
 
 
+class Tokenized(BaseModel):
+    count: int  # len(tokens)
+    max_model_len: int  # the model's context, prompt and completion together
+    tokens: list[int]
+    token_strs: list[str] | None  # each token's vocabulary entry, when asked for
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
+
+
 def _ok(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"model": model, "description": description}
 
@@ -216,6 +231,9 @@ RECORD_LIST = _ok(RegisteredList, "The models the caller may see.")
 DELETED = _ok(Deleted, "The model was deleted.")
 NODE_LIST = _ok(NodeList, "The live nodes, with the instances the caller may see.")
 INSTANCE_LIST = _ok(InstanceList, "The instances the caller may see.")
+TOKENIZED = _ok(Tokenized, "The token ids the model would be given for this prompt.")
+DETOKENIZED = _ok(Detokenized, "The text of the token ids.")
+VERSION = _ok(Version, "slinfer's version.")
 
 
 def finish_schema(schema: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:

@@ -113,8 +113,9 @@ class GatewayService:
                 f"This model's maximum context length is {context} tokens; your prompt has "
                 f"{prompt_len} tokens, leaving no room for a completion.", param=param,
                 code="context_length_exceeded")
-        if requested is None:
-            return min(self.settings.default_max_tokens, context - prompt_len)
+        if requested is None:  # the rest of the context, or less where the operator says so
+            cap = self.settings.default_max_tokens
+            return context - prompt_len if cap is None else min(cap, context - prompt_len)
         if prompt_len + requested > context:
             raise errors.invalid_request(
                 f"This model's maximum context length is {context} tokens. However, you requested "

@@ -51,7 +51,10 @@ class GatewaySettings:
     api_keys: Mapping[str, str] = field(default_factory=dict, hash=False, repr=False)
     max_body_bytes: int = 1 << 20  # request bodies above this get 413 before being read
     request_timeout_s: float = 300.0  # submission to final token; then cancel and 504
-    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
+    # When a request names no max_tokens: None lets it run to the end of the model's context,
+    # as OpenAI and vLLM do (clients such as LangChain and OpenWebUI send none and expect the
+    # whole answer); a number caps it (still within the context).
+    default_max_tokens: int | None = None
     # Operator keys: the admin rights (public models, any model, metrics). With no keys at all
     # (no auth), the local caller is the operator.
     operator_keys: frozenset[str] = field(default_factory=frozenset, hash=False, repr=False)
@@ -87,7 +90,7 @@ class GatewaySettings:
             raise ValueError(f"{ENV_MAX_BODY} must be at least 1024, got {self.max_body_bytes}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"{ENV_TIMEOUT} must be > 0, got {self.request_timeout_s}")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"{ENV_DEFAULT_MAX_TOKENS} must be >= 1, got {self.default_max_tokens}")
         for key, tenant in self.api_keys.items():
             if not key or not tenant:

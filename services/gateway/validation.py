@@ -1,15 +1,20 @@
 """OpenAI request bodies: strict schemas, then the checks a schema cannot express.
 
-Parsing is strict (a string is not a number, `true` is not 1) and unknown keys are refused, the
-way the OpenAI API answers. Parameters the OpenAI API has but slinfer does not implement are
-declared, so the error can name them instead of calling them unknown. The checks that need the
-model (context length, vocabulary) live with the tokenizer, in `openai_routes.py`.
+Parsing is strict (a string is not a number, `true` is not 1). Keys slinfer does not know are
+ignored, not refused: real clients send their own (OpenWebUI's `num_ctx`, vLLM's
+`chat_template_kwargs`, a message's `id`, stream options newer than ours), and refusing them broke
+those clients where vLLM, after its users' reports, stopped refusing them too. `ignored_fields`
+names them, for a log line and a response header. Parameters the OpenAI API has but slinfer does
+not implement are declared, so a value slinfer cannot honour is a 400 naming it, never silently
+dropped. The checks that need the model (context length, vocabulary) live with the tokenizer, in
+`openai_routes.py`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from urllib.parse import quote
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -18,6 +23,9 @@ from services.gateway.errors import invalid_request, validation_error
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+IGNORED_FIELDS_HEADER = "x-slinfer-ignored-fields"
+HEADER_MAX_CHARS = 512  # the header names the first ignored fields that fit, then a count
+NAME_MAX_CHARS = 64  # one name's share of it (names are the client's, of any length)
 
 
 def _integral(value: Any) -> Any:
@@ -44,7 +52,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Strict):
+class _Lenient(BaseModel):
+    """Strict about the fields it declares; other keys are kept aside (`model_extra`) to be
+    named by `ignored_fields`, and nothing reads them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
@@ -60,7 +75,7 @@ def _neutral(*values: Any) -> Any:
     return _doc(enum=[None, *values])
 
 
-class _Common(_Strict):
+class _Common(_Lenient):
     model: str
     max_tokens: JSONInt | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0, maximum=2)
@@ -126,15 +141,15 @@ def _not_null(schema: dict[str, Any]) -> None:
     schema.pop("default", None)
 
 
-class TextPart(_Strict):
+class TextPart(_Lenient):
     model_config = ConfigDict(strict=True, extra="allow",  # image_url etc., refused below
                               json_schema_extra=_require("text"))
     type: str = Field(json_schema_extra={"enum": ["text"]})  # the only kind supported
     text: str | None = Field(None, json_schema_extra=_not_null)
 
 
-class ChatMessage(_Strict):
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_require("content"))
+class ChatMessage(_Lenient):
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_require("content"))
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, json_schema_extra=_not_null)
     name: str | None = None
@@ -147,6 +162,23 @@ class ChatMessage(_Strict):
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: JSONInt | None = _doc(minimum=1)
+
+
+class TokenizeBody(_Lenient):
+    """vLLM's POST /tokenize: a completion's `prompt` or a chat's `messages` (one of them)."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: BOS where the model wants one, as completions
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Lenient):
+    """vLLM's POST /detokenize."""
+
+    model: str
+    tokens: list[JSONInt] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
 
 
 # value is acceptable (neutral) -> True
@@ -217,6 +249,37 @@ def parse_body(cls: type[B], raw: bytes) -> B:
         return cls.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(list(exc.errors(include_url=False))) from None
+
+
+def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
+    """The keys of `body` that no field declares, by their path in the request (`num_ctx`,
+    `messages[0].id`, `stream_options.include_obfuscation`): the body's own, then its fields'."""
+    names = [where + key for key in (body.model_extra or {})]
+    for field_name in type(body).model_fields:
+        value = getattr(body, field_name)
+        path = where + field_name
+        if isinstance(value, BaseModel):
+            names += ignored_fields(value, path + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    names += ignored_fields(item, f"{path}[{i}].")
+    return names
+
+
+def ignored_fields_header(names: list[str]) -> str:
+    """The header's value: the names percent-encoded (a client's key can hold anything, a line
+    break included, and must not become a header of its own), as many as fit, then a count."""
+    shown: list[str] = []
+    used = 0
+    for name in names:
+        encoded = quote(name, safe="._-[]")[:NAME_MAX_CHARS]
+        if used + len(encoded) + 2 > HEADER_MAX_CHARS:
+            break
+        shown.append(encoded)
+        used += len(encoded) + 2
+    rest = len(names) - len(shown)
+    return ", ".join(shown + ([f"+{rest} more"] if rest else []))
 
 
 def reject_unsupported(body: _Common) -> None:
@@ -304,7 +367,7 @@ def completion_input(body: CompletionBody) -> CompletionInput:
     return CompletionInput(text=None, token_ids=list(prompt))
 
 
-def chat_input(body: ChatBody) -> ChatInput:
+def chat_input(body: ChatBody | TokenizeBody) -> ChatInput:
     if not body.messages:
         raise invalid_request("'messages' must contain at least one message.", param="messages",
                               code="empty_messages")

@@ -13,6 +13,7 @@ from services.gateway.settings import GatewaySettings, parse_api_keys
 def test_defaults():
     s = GatewaySettings.from_env({})
     assert (s.host, s.port, s.auth_enabled, s.max_body_bytes) == ("127.0.0.1", 8000, False, 1 << 20)
+    assert s.default_max_tokens is None  # a request without max_tokens: the rest of the context
 
 
 def test_parses_everything():

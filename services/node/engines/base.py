@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -28,6 +31,18 @@ class SamplingParams:
     # The LoRA adapter (its name on the engine, see load_adapter) the request runs through;
     # None = the plain base model. Only engines that serve adapters (torch) accept one.
     adapter: str | None = None
+    # OpenAI's logprobs / top_logprobs: None = none; k = each new token's log-probability and
+    # the k most likely tokens' (0..MAX_TOP_LOGPROBS). Only engines with `serves_logprobs`.
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One new token's log-probabilities, from the model's own next-token distribution (before
+    the request's penalties, temperature and top-k/top-p: vLLM's default, raw log-probs)."""
+
+    logprob: float  # the chosen token's
+    top: tuple[tuple[int, float], ...] = ()  # the k most likely (id, logprob), likeliest first
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,7 @@ class StepResult:
     """Tokens produced by one iteration, by request id (one token per request)."""
 
     tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
 
 
 class KVCacheFull(RuntimeError):
@@ -136,6 +152,13 @@ class RequestBook:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if params.top_k < 0 or params.min_tokens < 0 or not params.repetition_penalty > 0:
             raise ValueError("top_k and min_tokens must be >= 0 and repetition_penalty > 0")
+        if params.logprobs is not None:
+            if not getattr(self, "serves_logprobs", False):
+                raise ValueError(f"logprobs are not served by the {getattr(self, 'name', '')} "
+                                 "engine")
+            if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs (top_logprobs) must be in 0..{MAX_TOP_LOGPROBS}, "
+                                 f"got {params.logprobs}")
         if params.adapter is not None and params.adapter not in getattr(self, "adapters", {}):
             raise ValueError(f"LoRA adapter {params.adapter!r} is not loaded on this "
                              f"{getattr(self, 'name', '')} engine")

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from ..loader import CheckpointLoader, LoaderSettings
-from .base import KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult
+from .base import (KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult,
+                   TokenLogprobs)
 from .kv_cache import PagedKVCache
 from .lora import LoraAdapter, LoraBatch, group_by_adapter, read_adapter
 from .split import Split
@@ -59,6 +60,7 @@ class _Request:
 
 class TorchEngine(RequestBook):
     name = "torch"
+    serves_logprobs = True  # StepResult.logprobs for requests with params.logprobs
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
@@ -371,13 +373,13 @@ class TorchEngine(RequestBook):
             ids = torch.tensor([request.tokens], device=self.device)
             positions = torch.arange(n, device=self.device)[None]
             logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
-            token = self._sample(logits[:, -1], [request])[0]
+            (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             abort_step(cache, spec)
             raise
         finish_step(cache, spec)
         self._append(request, token, computed=n)
-        return StepResult({request_id: token})
+        return StepResult({request_id: token}, logprobs)
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
@@ -402,14 +404,14 @@ class TorchEngine(RequestBook):
             positions = torch.tensor(lengths, device=self.device)[:, None]
             lora = LoraBatch.of_rows([r.adapter for r in requests])
             logits = self._forward(ids, positions, spec, lora)
-            tokens = self._sample(logits[:, -1], requests)
+            tokens, logprobs = self._pick(logits[:, -1], request_ids, requests)
         except BaseException:
             abort_step(cache, spec)
             raise
         finish_step(cache, spec)
         for request, n, token in zip(requests, lengths, tokens):
             self._append(request, token, computed=n + 1)
-        return StepResult(dict(zip(request_ids, tokens)))
+        return StepResult(dict(zip(request_ids, tokens)), logprobs)
 
     @torch.inference_mode()
     def extend(self, request_id: str, token_ids: list[int]) -> StepResult:
@@ -432,7 +434,7 @@ class TorchEngine(RequestBook):
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(n, n + m, device=self.device)[None]
             logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
-            token = self._sample(logits[:, -1], [request])[0]
+            (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             request.tokens = old
             abort_step(cache, spec)
@@ -440,7 +442,7 @@ class TorchEngine(RequestBook):
         finish_step(cache, spec)
         request.generated += m - (len(old) - n)
         self._append(request, token, computed=n + m)
-        return StepResult({request_id: token})
+        return StepResult({request_id: token}, logprobs)
 
     # -- model ---------------------------------------------------------------------------------
 
@@ -463,6 +465,12 @@ class TorchEngine(RequestBook):
         return self.model.lm_head(base.norm(hidden[:, -1:]))
 
     # -- sampling ------------------------------------------------------------------------------
+
+    def _pick(self, logits: torch.Tensor, request_ids: list[str], requests: list[_Request]
+              ) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """The next tokens, and the log-probabilities of those whose requests asked for them."""
+        tokens = self._sample(logits, requests)
+        return tokens, _token_logprobs(logits, request_ids, requests, tokens)
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> list[int]:
         """One token per row of logits [batch, vocab]: the requests' logit processors first
@@ -515,6 +523,27 @@ class TorchEngine(RequestBook):
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _token_logprobs(logits: torch.Tensor, request_ids: list[str], requests: list[_Request],
+                    tokens: list[int]) -> dict[str, TokenLogprobs]:
+    """The rows whose requests ask for logprobs: log_softmax of the raw logits (the model's
+    distribution, before the request's processors and temperature, which `_sample` applies to a
+    copy), the chosen token's entry and the k largest."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = torch.tensor([[tokens[i]] for i in rows], device=logprobs.device)
+    picked = logprobs.gather(1, chosen)[:, 0].tolist()
+    k = max(requests[i].params.logprobs or 0 for i in rows)
+    top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_v, top_i = top_v.tolist(), top_i.long().tolist()
+    out = {}
+    for j, i in enumerate(rows):
+        n = requests[i].params.logprobs or 0
+        out[request_ids[i]] = TokenLogprobs(picked[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
+    return out
 
 
 def _process_logits(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""`slinfer up`'s default model on the real stack (gateway, placer, node worker as processes),
+asked the way applications ask: the plain openai client with no max_tokens, and a field the
+gateway does not know (OpenWebUI's num_ctx)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.profiler.measure import ProfilePlan
+from services.stack import Stack, running_stack
+from shared.default_model import NAME
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# The profile only has to let the placer admit one request at a time: a small one keeps the
+# start short (the real model's full profile takes minutes on two cores).
+PLAN = ProfilePlan(max_len=128, max_batch=2, repeats=1, warmup=1, passes=1, lora_ranks=())
+
+
+@pytest.fixture(scope="module")
+def real_stack(tmp_path_factory, real_model_dir: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("real-stack"), real_model_dir, plan=PLAN,
+                       model=NAME) as stack:
+        yield stack
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_a_chat_without_max_tokens_answers_and_stops_by_itself(real_stack):
+    raw = _client(real_stack).chat.completions.with_raw_response.create(
+        model=NAME, messages=QUESTION, temperature=0, extra_body={"num_ctx": 4096})
+    assert raw.headers["x-slinfer-ignored-fields"] == "num_ctx"
+    resp = raw.parse()
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content, choice.message.content
+    assert choice.finish_reason == "stop"  # EOS, not a 256-token cut
+    assert resp.usage.completion_tokens < 64
+
+
+def test_a_streamed_answer(real_stack):
+    chunks = list(_client(real_stack).chat.completions.create(
+        model=NAME, messages=QUESTION, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    assert "Paris" in text and finish == ["stop"], (text, finish)

@@ -1,0 +1,72 @@
+"""Log-probabilities on the torch engine (OpenAI's logprobs / top_logprobs): the sampled token's
+and the k most likely, from the model's own distribution, checked against Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.node.engines.base import SamplingParams
+
+PROMPT = "Return the value of the attribute."
+
+
+def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's next-token logits after `ids`."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def test_greedy_logprobs_and_top_match_hf(make_engine, hf_model, tokenizer):
+    engine = make_engine()
+    ids = tokenizer(PROMPT)["input_ids"]
+    engine.add_request("r", ids, SamplingParams(max_tokens=8, logprobs=3))
+    step = engine.prefill("r")
+    seq = list(ids)
+    for _ in range(6):
+        token, got = step.tokens["r"], step.logprobs["r"]
+        expected = hf_logprobs(hf_model, seq)
+        assert got.logprob == pytest.approx(expected[token].item(), abs=1e-3)
+        top_v, top_i = expected.topk(3)
+        assert [t for t, _ in got.top] == top_i.tolist()
+        assert [v for _, v in got.top] == pytest.approx(top_v.tolist(), abs=1e-3)
+        assert got.top[0][0] == token  # greedy picks the most likely
+        seq.append(token)
+        step = engine.decode(["r"])
+
+
+def test_logprobs_of_a_sampled_token_are_the_models_not_the_samplers(make_engine, hf_model,
+                                                                     tokenizer):
+    """Temperature and penalties shape the draw, not the reported distribution (vLLM's default
+    raw log-probabilities)."""
+    engine = make_engine()
+    ids = tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(max_tokens=4, temperature=1.7, top_k=5, seed=3,
+                            repetition_penalty=1.3, logprobs=0)
+    engine.add_request("r", ids, params)
+    step = engine.prefill("r")
+    token, got = step.tokens["r"], step.logprobs["r"]
+    assert got.top == ()
+    assert got.logprob == pytest.approx(hf_logprobs(hf_model, ids)[token].item(), abs=1e-3)
+
+
+def test_only_requests_that_ask_get_logprobs_in_a_batch(make_engine, tokenizer):
+    engine = make_engine()
+    ids = tokenizer(PROMPT)["input_ids"]
+    engine.add_request("plain", ids, SamplingParams(max_tokens=8))
+    engine.add_request("asks", ids, SamplingParams(max_tokens=8, logprobs=2))
+    assert engine.prefill("plain").logprobs == {}
+    alone = engine.prefill("asks").logprobs["asks"]
+    assert len(alone.top) == 2
+    step = engine.decode(["plain", "asks"])
+    assert set(step.logprobs) == {"asks"}
+    assert step.tokens["plain"] == step.tokens["asks"]  # same prompt, both greedy
+
+
+@pytest.mark.parametrize("k", [-1, 21])
+def test_top_logprobs_beyond_openais_range_are_refused(make_engine, tokenizer, k):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request("r", tokenizer(PROMPT)["input_ids"],
+                           SamplingParams(max_tokens=4, logprobs=k))
