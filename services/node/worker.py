@@ -39,8 +39,8 @@ from services.node.tiers import ModelNames, model_key, storage_view
 from shared import telemetry as tm
 from shared import wire
 from shared.bus import ensure_streams
-from services.node.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
-                                     engine_refusal, next_step)
+from shared.core.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
+                                   engine_refusal, next_step)
 from shared.cluster import (load_perf, model_spec, publish_node, read_nodes, remove_calibration,
                             remove_node, request_view, save_calibration)
 from shared.core.calibration import DECODE, PREFILL, Calibrator
