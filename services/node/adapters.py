@@ -26,7 +26,8 @@ class Adapters:
         self.rt, self.book, self.requests = rt, book, requests
         self.records: dict[str, ModelRecord] = {}  # adapters by registry id
 
-    async def spec(self, req: InferenceRequest, record: ModelRecord) -> AdapterSpec | None | NodeReply:
+    async def spec(self, req: InferenceRequest,
+                   record: ModelRecord) -> AdapterSpec | None | NodeReply:
         """The request's adapter for the core (None: the plain backbone), or the refusal."""
         if req.adapter is None:
             return None

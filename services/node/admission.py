@@ -58,10 +58,7 @@ class Admission:
                                               time.time())
         if expected and not result.admission.ok:
             self.rt.arriving.pop(record.name, None)  # refused: the placer sends it no multicast
-        if result.admission.ok:
-            self.memops.expect_load(result.instance_id, record)
-            self.rt.records[result.instance_id] = record
-        self.rt.start_ops(result.start_ops)
+        self.memops.carry_out(result, record, cold=True)
         self.rt.wake.set()
         return NodeReply(result.admission.ok, result.admission.reason.value, result.instance_id)
 
@@ -128,7 +125,8 @@ class Admission:
         the plan validated it (each destination recomputes its migrants in turn); then the
         victims are unloaded. A request whose migration was refused or failed goes stop-and-
         resume: back to the request stream with its tokens and the plan's destination."""
-        moves = [self.source.migrate_out(rid, targets[rid].node_id, targets[rid].instance_id or None)
+        moves = [self.source.migrate_out(rid, targets[rid].node_id,
+                                         targets[rid].instance_id or None)
                  for rid in moving if rid in targets]
         for outcome in await asyncio.gather(*moves, return_exceptions=True):
             if isinstance(outcome, BaseException):
@@ -178,21 +176,18 @@ class Admission:
         if cmd.multicast_s is None or cmd.instance_id is not None or self.rt.multicast is None \
                 or record.name in self.rt.arriving:
             return False
-        self.rt.arriving[record.name] = Arrival(record.path, time.time() + max(0.0, cmd.multicast_s),
-                                                time.monotonic(), cmd.pipeline)
+        expected_at = time.time() + max(0.0, cmd.multicast_s)
+        self.rt.arriving[record.name] = Arrival(record.path, expected_at, time.monotonic(),
+                                                cmd.pipeline)
         self.rt.refresh_storage()
         return True
 
     def _commit(self, req: InferenceRequest, record: ModelRecord, result: AdmitResult,
                 cold: bool) -> NodeReply:
         """Carry out what the core admitted: the request becomes ours, its memory ops start."""
-        if result.admission.ok and cold:
-            self.memops.expect_load(result.instance_id, record)
-        self.rt.start_ops(result.start_ops)
-        if not result.admission.ok:
+        if not self.memops.carry_out(result, record, cold):
             return NodeReply(False, result.admission.reason.value)
         iid = result.instance_id
-        self.rt.records[iid] = record
         req = replace(req, grace_s=result.admission.grace_s, target_node=None, target_instance=None)
         live = self.requests.adopt(req, iid, req.resumed_token_ids, cold=cold)
         if self.rt.loaded(iid):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import replace
 
 from nats.aio.msg import Msg
@@ -85,7 +84,7 @@ class CommandIntake:
         except Exception as exc:
             context = self.rt.obs.use_command(command) if command is not None else \
                 self.rt.obs.use(cmd.request_id or (cmd.request.request_id if cmd.request else ""))
-            with context or nullcontext():  # the log line carries the trace
+            with context:  # the log line carries the trace
                 log.exception("%s of %s failed", cmd.kind.value, _subject(cmd))
             if (cleanup := self.cleanups.get(cmd.kind)) is not None:
                 cleanup(cmd)

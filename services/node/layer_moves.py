@@ -122,8 +122,8 @@ class LayerMoves:
                   for r in i.layout.runs if r.node_id == me}
         # λScale's execution pipelines (ewl's pipeline mode) use stages hosted here too.
         in_use |= {a for n in nodes for i in n.instances
-                   if (p := getattr(i, "pipeline", None)) is not None and me in p.helpers
-                   for a in getattr(p, "stages", ())}
+                   if i.pipeline is not None and me in i.pipeline.helpers
+                   for a in i.pipeline.stages}
         for key in self.host.orphans(in_use, time.time()):
             log.info("releasing %s: no instance uses it", key)
             self._hold(key, 0)

@@ -27,6 +27,7 @@ from services.node.runtime import NodeRuntime
 from shared import wire
 from shared.core.evaluate import load_seconds
 from shared.core.memory import MemOp, MemOpKind
+from shared.core.node_scheduler import AdmitResult
 from shared.cluster import model_spec
 from shared.core.types import adapter_owner
 from shared.schemas import FinishReason, MemOpCompletion, ModelRecord
@@ -77,7 +78,8 @@ class MemOps:
         except Exception as exc:
             # NATS is down: the reservation station must not wait forever for this completion
             # (the instance would stay LOADING). Apply it here; the stream misses this one record.
-            log.warning("memory-op completion %s not published (%r): applied locally", op.op_id, exc)
+            log.warning("memory-op completion %s not published (%r): applied locally",
+                        op.op_id, exc)
             await self.done(done)
 
     def run(self, op: MemOp) -> None:
@@ -90,7 +92,8 @@ class MemOps:
             return
         record = self.rt.records[op.instance_id]
         inst = self.rt.sched.node.instance(op.instance_id)  # a split instance holds its share
-        kv_bytes = max(0, op.bytes_after - (inst.model.weight_bytes if inst else record.weight_bytes))
+        weights = inst.model.weight_bytes if inst else record.weight_bytes
+        kv_bytes = max(0, op.bytes_after - weights)
         if op.kind is MemOpKind.LOAD:
             self.rt.engines[op.instance_id] = self._load(op.instance_id, record, kv_bytes)
         elif op.kind is MemOpKind.SCALE:  # (a pipelined engine's pool is its layers' share)
@@ -135,15 +138,25 @@ class MemOps:
         if arrival is None or self.rt.multicast is None:
             return
         expected = max(0.0, arrival.expected_at - time.time())
-        outcome = self.rt.multicast.wait_for_model(
-            arrival.model_path, arrival.since,
-            max(ARRIVAL_MIN_WAIT_S, ARRIVAL_PATIENCE * (time.monotonic() - arrival.since + expected)))
+        patience = ARRIVAL_PATIENCE * (time.monotonic() - arrival.since + expected)
+        outcome = self.rt.multicast.wait_for_model(arrival.model_path, arrival.since,
+                                                   max(ARRIVAL_MIN_WAIT_S, patience))
         if self.rt.arriving.get(record.name) is arrival:
             del self.rt.arriving[record.name]
         if not outcome:
             log.warning("node %s: %s did not arrive by multicast (%s); loading it from the tiers",
                         self.rt.s.node_id, record.name, "transfer failed" if outcome is False
                         else "no transfer ended in time")
+
+    def carry_out(self, result: AdmitResult, record: ModelRecord, cold: bool) -> bool:
+        """What the core's admission started: a cold start's load expected (`cold`), its memory
+        ops running, the instance's model known here. True when it admitted."""
+        if result.admission.ok and cold:
+            self.expect_load(result.instance_id, record)
+        self.rt.start_ops(result.start_ops)
+        if result.admission.ok:
+            self.rt.records[result.instance_id] = record
+        return result.admission.ok
 
     def expect_load(self, instance_id: str, record: ModelRecord) -> None:
         """A cold start admitted: what the core expects of its load, from the view it decided

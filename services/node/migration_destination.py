@@ -63,13 +63,9 @@ class MigrationDestination:
         sched = self.rt.sched
         result = sched.admit(request_view(req), cmd.instance_id, model_spec(record), time.time(),
                              adapter)
-        if result.admission.ok and cmd.instance_id is None:
-            self.memops.expect_load(result.instance_id, record)
-        self.rt.start_ops(result.start_ops)
-        if not result.admission.ok:
+        if not self.memops.carry_out(result, record, cold=cmd.instance_id is None):
             return NodeReply(False, result.admission.reason.value)
         iid = result.instance_id
-        self.rt.records[iid] = record
         view = sched.park(iid, rid)  # admitted (memory counted), but not to be batched yet
         incoming = Incoming(replace(req, grace_s=result.admission.grace_s, target_node=None,
                                     target_instance=None), iid, view, list(req.resumed_token_ids))
@@ -97,11 +93,13 @@ class MigrationDestination:
         if incoming is None or incoming.pending is None:
             return NodeReply(False, "not_migrating")
         if seq != len(incoming.known):
-            return NodeReply(False, f"out_of_step: have {len(incoming.known)} tokens, got seq {seq}")
+            return NodeReply(False, f"out_of_step: have {len(incoming.known)} tokens, "
+                                    f"got seq {seq}")
         if not tokens:
             return incoming
         async with self.rt.iter_lock:  # one pass over the new tokens only (LIVE_ENGINES extend)
-            step = await asyncio.to_thread(self.rt.engines[incoming.instance_id].extend, rid, tokens)
+            engine = self.rt.engines[incoming.instance_id]
+            step = await asyncio.to_thread(engine.extend, rid, tokens)
         incoming.known.extend(tokens)
         incoming.pending = step.tokens[rid]
         return incoming

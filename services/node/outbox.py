@@ -37,9 +37,10 @@ class Outbox:
         """Best effort (core NATS): a message lost while NATS is down is recovered by the
         gateway from the final message, or by asking this node (STATUS)."""
         try:
+            trace = self.obs.message_headers(message.request_id, message.finished) \
+                if headers else None
             await self.nc.publish(token_subject(message.request_id), wire.encode(message),
-                                  headers=self.obs.message_headers(message.request_id, message.finished)
-                                  if headers else None)
+                                  headers=trace)
         except Exception as exc:
             log.warning("token message for %s not sent: %r", message.request_id, exc)
 
@@ -67,7 +68,8 @@ class Outbox:
 
     async def command(self, node_id: str, cmd: NodeCommand, timeout: float) -> NodeReply:
         """A command to another node; raises when it does not answer."""
-        msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd), timeout=timeout)
+        msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd),
+                                    timeout=timeout)
         return wire.decode(NodeReply, msg.data)
 
     async def query(self, subject: str, payload: bytes, timeout: float) -> bytes:

@@ -54,7 +54,8 @@ class NodeRuntime:
         self.obs = obs
         self.outbox = Outbox(nc, settings.node_id, obs)
         self.sched: NodeScheduler = new_node(settings.node_id, Hardware(settings.hardware),
-                                             settings.memory_bytes, PerfModel(), config=settings.core,
+                                             settings.memory_bytes, PerfModel(),
+                                             config=settings.core,
                                              matrix_accel=settings.matrix_accel)
         node = self.sched.node  # what the placer and the admin API see of this node's hardware
         node.hardware_name, node.cores = settings.hardware_name, settings.cores

@@ -37,7 +37,7 @@ from redis.asyncio import Redis
 
 from services.node.adapters import Adapters
 from services.node.admission import Admission
-from services.node.book import Incoming, Live, Past, RequestBook
+from services.node.book import Incoming, Live, RequestBook
 from services.node.cluster_sync import ClusterSync
 from services.node.engines.base import Engine
 from services.node.intake import CommandIntake
@@ -61,8 +61,6 @@ from shared.core.migration import MigrationLog, MigrationPolicy
 from shared.core.node_scheduler import NodeScheduler
 from shared.schemas import CommandKind, FinishReason, ModelRecord, NodeReply
 from shared.subjects import CANCEL_SUBJECT, memop_subject, node_command_subject
-
-__all__ = ["Arrival", "Incoming", "IterationRecord", "Live", "LoadRecord", "NodeWorker", "Past"]
 
 log = logging.getLogger("slinfer.node")
 MEMOP_HEARTBEAT_S = 1.0  # the memory-op consumer's idle heartbeat: re-created ~2 s after a restart
