@@ -97,7 +97,7 @@ async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_c
     # knowingly optimistic. This node's bound is set well above the slowdown instead.
     slowdown = (stale_prefill + SlowEngine.prefill_sleep_s) / stale_prefill
     bound = 4 * max(slowdown, SlowEngine.decode_sleep_s / profile.decode_s(1, PROMPT))
-    learner.worker.calibrator = Calibrator(CalibrationConfig(max_factor=bound))
+    learner.worker.rt.calibrator = Calibrator(CalibrationConfig(max_factor=bound))
     await learner.worker.start()
     try:
         for _ in range(10):  # one request at a time: the node sees prefills and decodes
