@@ -246,7 +246,7 @@ async def run(shape: str, prompts: list[int], after: int, repeats: int, cold: bo
 async def _reset_b(b: NodeWorker) -> None:
     """Unload B's instances, so the next migration loads the model again (a cold destination)."""
     ops = b.sched.preempt([i.instance_id for i in b.sched.node.instances], time.time())[1]
-    b._start_ops(ops)
+    b.rt.start_ops(ops)
     deadline = time.monotonic() + 60
     while b.sched.node.instances and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

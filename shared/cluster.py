@@ -26,7 +26,7 @@ log = logging.getLogger("slinfer.cluster")
 # Tokens per KV block of each engine's paged cache (the torch engine's DEFAULT_BLOCK_SIZE).
 ENGINE_KV_BLOCK_TOKENS = {"torch": 16, "openvino": 32, "vllm": 16}
 TIERED_ENGINES = frozenset({"torch", "auto"})  # load through the node's loader ("auto": torch)
-# Engines a running request can migrate live on (services/node/migration.py: LIVE_ENGINES).
+# Engines a running request can migrate live on (shared/core/migration.py: LIVE_ENGINES).
 LIVE_MIGRATION_ENGINES = frozenset({"torch", "auto"})
 
 

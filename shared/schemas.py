@@ -121,7 +121,7 @@ class CommandKind(str, enum.Enum):
     # What the node knows of `request_id`: the reply's `reason` is a RequestState value; a
     # finished request's final message is in `final` (the gateway may have missed it).
     STATUS = "status"
-    # Live migration (token-based, multi-round; services/node/migration.py). To the source:
+    # Live migration (token-based, multi-round; shared/core/migration.py). To the source:
     # move `migrations[*].request_id` live to that node/instance (it keeps the request if that fails).
     MIGRATE = "migrate"
     # Source -> destination: `request` carries the tokens so far (resumed_token_ids); the

@@ -15,7 +15,7 @@ async def shut_down(stop: asyncio.Event, runner: asyncio.Task | None, workers, n
     if placer is not None:
         await placer.modules.stop()
     for worker in workers:
-        if not worker._stopping:
+        if not worker.stopped:
             await worker.stop()
     await nc.close()
     await redis.aclose()

@@ -2,7 +2,7 @@
 
 The node marks itself draining (its view says so, and placers send it no new work), then moves
 each of its requests live to another node (token-based multi-round migration, see
-services/node/migration.py). A request no other node takes finishes where it is: a drain never
+shared/core/migration.py). A request no other node takes finishes where it is: a drain never
 loses a request. The reply comes once the node has started draining, not when it is empty.
 """
 

@@ -36,10 +36,10 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from nats.aio.msg import Msg
-
+from services.node.engines.base import MovesLayers
+from services.node.pipeline_mode import PipelineStarts
+from services.node.runtime import NodeRuntime
 from services.node.stage_host import StageHost, is_stage_key
 from shared.cluster import read_nodes
 from shared.core.busy import BusyMeter
@@ -47,9 +47,6 @@ from shared.core.cost import kv_for_layers, layout_spec
 from shared.core.modules import stage_key
 from shared.core.types import InstanceLayout, InstanceStatus, LayerRun
 from shared.schemas import CommandKind, NodeCommand, NodeReply
-
-if TYPE_CHECKING:
-    from services.node.worker import NodeWorker
 
 log = logging.getLogger("slinfer.node.layers")
 LAYER_KINDS = frozenset({CommandKind.HOST_LAYERS, CommandKind.RELEASE_LAYERS,
@@ -61,29 +58,22 @@ OPS_WAIT_S = 10.0  # a move waits this long for the instance's memory ops to end
 
 
 class LayerMoves:
-    def __init__(self, worker: NodeWorker) -> None:
-        self.w = worker
-        s = worker.s
+    def __init__(self, rt: NodeRuntime, pipelines: PipelineStarts) -> None:
+        self.rt, self.pipelines = rt, pipelines
+        s = rt.s
         self.host = StageHost(None, bind_host=s.multicast_host,
                               advertise_host=s.multicast_advertise_host, device=s.device)
         self._tended = 0.0
         self._drift_logged: set[str] = set()
-        # Instances whose engine is changing its layers now: their memory ops wait (an engine's
-        # K/V pool must not be resized while its layers' K/V moves).
-        self.moving: set[str] = set()
         # Stage key -> (its meter, the forward seconds and the time it was last sampled at), for
         # the stages hosted with a load (moved layers).
         self.meters: dict[str, tuple[BusyMeter, float, float]] = {}
         self._counted: set[str] = set()  # stage keys hosted with a load
 
-    # -- the worker's hooks --------------------------------------------------------------------
+    # -- the node's hooks ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self.host.loader = self.w.loader  # made in NodeWorker.start
-
-    def command(self, msg: Msg, cmd: NodeCommand) -> None:
-        """Answered from its own task: a build reads weights, a move waits for the iteration."""
-        self.w._spawn(self._answer(msg, cmd), f"{cmd.kind.value}-{cmd.instance_id}")
+        self.host.loader = self.rt.loader  # made in NodeWorker.start
 
     def owns_op(self, key: str) -> bool:
         return is_stage_key(key) or key.endswith(TAKE_MARK)
@@ -93,33 +83,13 @@ class LayerMoves:
         if is_stage_key(key):
             self.host.run_op(kind, key)
 
-    async def before_op(self, instance_id: str) -> None:
-        """(Before a memory op runs) Wait while the instance's layers are moving."""
-        while instance_id in self.moving:
-            await asyncio.sleep(0.005)
-
-    async def _changing(self, iid: str, change, *args) -> Exception | None:
-        """Run an engine's layer change between two iterations, with no memory op of the
-        instance running meanwhile; the exception it raised, if any."""
-        async with self.w._iter_lock:
-            if any(op.instance_id == iid for op in self.w.sched.ledger.running()):
-                return RuntimeError("busy: a memory op of the instance is running")
-            self.moving.add(iid)
-            try:
-                await asyncio.to_thread(change, *args)
-            except Exception as exc:  # the engine changed nothing it could not keep
-                return exc
-            finally:
-                self.moving.discard(iid)
-        return None
-
     async def close(self) -> None:
         await asyncio.to_thread(self.host.close)
 
     def measure(self, now: float) -> None:
         """(Heartbeat) Sample the forward seconds of the stages hosted with a load; once a
         stage is measured for a window its measured share replaces the planned one."""
-        window = self.w.s.core.busy_window_s
+        window = self.rt.s.core.busy_window_s
         for key in list(self.meters.keys() | self._counted):
             hosted = self.host.get(key)
             if hosted is None or key not in self._counted:
@@ -133,7 +103,7 @@ class LayerMoves:
             meter = meter.observe(last_t, now, busy_s=spent - last_s)
             self.meters[key] = (meter, spent, now)
             if meter.observed_s(now) >= meter.window_s:
-                self.w.sched.stage_measured(key, meter.fraction(now))
+                self.rt.sched.stage_measured(key, meter.fraction(now))
 
     def measured(self, key: str, now: float) -> float | None:
         """The stage's measured share of this node's compute so far (None: not measured)."""
@@ -147,18 +117,18 @@ class LayerMoves:
         if not self.host.hosted or time.monotonic() - self._tended < TEND_EVERY_S:
             return
         self._tended = time.monotonic()
-        nodes = await read_nodes(self.w.redis)
-        me = self.w.s.node_id
+        nodes = await read_nodes(self.rt.redis)
+        me = self.rt.s.node_id
         in_use = {r.address for n in nodes for i in n.instances if i.layout is not None
                   for r in i.layout.runs if r.node_id == me}
         # λScale's execution pipelines (ewl's pipeline mode) use stages hosted here too.
         in_use |= {a for n in nodes for i in n.instances
-                   if (p := getattr(i, "pipeline", None)) is not None and me in p.helpers
-                   for a in getattr(p, "stages", ())}
+                   if i.pipeline is not None and me in i.pipeline.helpers
+                   for a in i.pipeline.stages}
         for key in self.host.orphans(in_use, time.time()):
             log.info("releasing %s: no instance uses it", key)
             self._hold(key, 0)
-        ledger = self.w.sched.ledger
+        ledger = self.rt.sched.ledger
         copies = self._own_copies()
         for key, hosted in list(self.host.hosted.items()):
             counted = hosted.order.own_copy and hosted.order.model_path in copies
@@ -176,18 +146,10 @@ class LayerMoves:
     def _own_copies(self) -> set[str]:
         """The models whose weights an instance on this node counts in the ledger (a stage on
         the node's own copy of one of them holds its K/V only)."""
-        return {self.w.records[i.instance_id].path for i in self.w.sched.node.instances
-                if i.instance_id in self.w.records}
+        return {self.rt.records[i.instance_id].path for i in self.rt.sched.node.instances
+                if i.instance_id in self.rt.records}
 
-    # -- answering -----------------------------------------------------------------------------
-
-    async def _answer(self, msg: Msg, cmd: NodeCommand) -> None:
-        try:
-            reply = await self.handle(cmd)
-        except Exception as exc:  # one bad command must not take the node down
-            log.exception("%s of %s failed", cmd.kind.value, cmd.instance_id)
-            reply = NodeReply(False, f"error: {exc}", cmd.instance_id)
-        await self.w._respond(msg, replace(reply, node=self.w._view()))
+    # -- answering (services/node/intake.py calls this from its own task) ----------------------
 
     async def handle(self, cmd: NodeCommand) -> NodeReply:
         if cmd.instance_id is None or cmd.layer_start < 0 or \
@@ -204,7 +166,7 @@ class LayerMoves:
         record = cmd.model
         if record is None or cmd.stage_node is None or cmd.stage_bytes <= 0:
             return NodeReply(False, "bad_command: host_layers needs the model, owner and bytes")
-        if self.w.draining:
+        if self.rt.draining:
             return NodeReply(False, "draining")
         if record.layers and cmd.layer_end > record.layers:
             return NodeReply(False, f"bad_command: {record.name} has {record.layers} layers")
@@ -212,12 +174,12 @@ class LayerMoves:
         hosted = self.host.get(key)
         if hosted is not None:  # a repeated command: the stage it built
             return NodeReply(True, "hosting", cmd.instance_id, stage_address=hosted.address,
-                             stage_bytes=self.w.sched.ledger.target(key))
+                             stage_bytes=self.rt.sched.ledger.target(key))
         if self.host.owns(key):
             return NodeReply(False, "busy: being built")
         tensors, own_copy = None, cmd.pipeline is not None and bool(cmd.pipeline.ranges)
         if own_copy:  # a receiver hosting from its own copy (services/node/pipeline_mode.py)
-            tensors, why = await self.w.pipelines.host_from_own_copy(cmd)
+            tensors, why = await self.pipelines.host_from_own_copy(cmd)
             if why is not None:
                 return NodeReply(False, why, cmd.instance_id)
         self.host.expect(key, record.path, cmd.layer_start, cmd.layer_end, cmd.instance_id,
@@ -237,7 +199,7 @@ class LayerMoves:
 
     async def _release(self, cmd: NodeCommand) -> NodeReply:
         key = stage_key(cmd.instance_id, cmd.layer_start, cmd.layer_end)
-        if not self.host.owns(key) and not self.w.sched.ledger.target(key):
+        if not self.host.owns(key) and not self.rt.sched.ledger.target(key):
             return NodeReply(True, "not_here", cmd.instance_id)
         self._hold(key, 0)
         return NodeReply(True, "released", cmd.instance_id)
@@ -249,17 +211,17 @@ class LayerMoves:
             self._counted.discard(key)
         elif load:
             self._counted.add(key)
-        ok, ops = self.w.sched.hold(key, nbytes, time.time(), load)
-        self.w._start_ops(ops)
-        self.w.wake.set()
+        ok, ops = self.rt.sched.hold(key, nbytes, time.time(), load)
+        self.rt.start_ops(ops)
+        self.rt.wake.set()
         return ok
 
     async def _settled(self, key: str) -> bool:
         """Until the hold's op completed (through the reservation-station stream); False when
         it was still parked or running after HOLD_TIMEOUT_S."""
         deadline = time.monotonic() + HOLD_TIMEOUT_S
-        while self.w.sched.ledger.busy(key):
-            if time.monotonic() > deadline or self.w._stopping:
+        while self.rt.sched.ledger.busy(key):
+            if time.monotonic() > deadline or self.rt.stopping:
                 return False
             await asyncio.sleep(0.01)
         return True
@@ -271,16 +233,16 @@ class LayerMoves:
         while), or the refusal."""
         iid = cmd.instance_id
         deadline = time.monotonic() + OPS_WAIT_S
-        while self.w.sched.ledger.busy(iid) and time.monotonic() < deadline:
+        while self.rt.sched.ledger.busy(iid) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        inst = self.w.sched.node.instance(iid)
+        inst = self.rt.sched.node.instance(iid)
         if inst is None:
             return NodeReply(False, "instance_gone", iid)
-        if inst.status is not InstanceStatus.READY or not self.w._loaded(iid) or \
-                self.w.sched.ledger.busy(iid):
+        if inst.status is not InstanceStatus.READY or not self.rt.loaded(iid) or \
+                self.rt.sched.ledger.busy(iid):
             return NodeReply(False, "busy: not ready", iid)
-        engine = self.w.engines[iid]
-        if not hasattr(engine, "shed_layers"):
+        engine = self.rt.engines[iid]
+        if not isinstance(engine, MovesLayers):
             return NodeReply(False, f"engine: the {engine.name} engine keeps its layers", iid)
         full = inst.layout.model if inst.layout is not None else inst.model
         if full.layers <= 1:
@@ -307,13 +269,13 @@ class LayerMoves:
             return NodeReply(False, "bad_command: an instance keeps a layer here", inst.instance_id)
         action = engine.replicate_layers if replica else engine.shed_layers
         started = time.perf_counter()
-        failed = await self._changing(inst.instance_id, action, cmd.stage_address)
+        failed = await self.rt.changing(inst.instance_id, action, cmd.stage_address)
         if failed is not None:
             log.warning("%s of %s to %s failed: %r", cmd.kind.value, inst.instance_id,
                         cmd.stage_address, failed)
             return NodeReply(False, f"engine: {failed}", inst.instance_id)
-        ok, ops = self.w.sched.set_layout(inst.instance_id, layout, time.time())
-        self.w._start_ops(ops)
+        ok, ops = self.rt.sched.set_layout(inst.instance_id, layout, time.time())
+        self.rt.start_ops(ops)
         log.info("%s: layers %d:%d of %s %s %s on %s in %.3f s", cmd.kind.value, cmd.layer_start,
                  cmd.layer_end, inst.instance_id, "replicated at" if replica else "moved to",
                  cmd.stage_address, cmd.stage_node, time.perf_counter() - started)
@@ -329,13 +291,13 @@ class LayerMoves:
                     and r.address == cmd.stage_address), None)
         if run is None:
             return NodeReply(False, "not_here: no such replica", inst.instance_id)
-        failed = await self._changing(inst.instance_id, engine.drop_replica, run.address)
+        failed = await self.rt.changing(inst.instance_id, engine.drop_replica, run.address)
         if failed is not None:
             return NodeReply(False, f"engine: {failed}", inst.instance_id)
-        ok, ops = self.w.sched.set_layout(
+        ok, ops = self.rt.sched.set_layout(
             inst.instance_id, replace(layout, runs=tuple(r for r in layout.runs if r != run)),
             time.time())
-        self.w._start_ops(ops)
+        self.rt.start_ops(ops)
         return NodeReply(ok, "dropped", inst.instance_id)
 
     async def _take(self, cmd: NodeCommand) -> NodeReply:
@@ -354,20 +316,20 @@ class LayerMoves:
         after = replace(layout, runs=tuple(r for r in layout.runs if r != run))
         spec = layout_spec(after) if after.runs else layout.model
         kv = kv_for_layers(inst.kv_bytes, layout.local_layers(), after.local_layers())
-        need = spec.weight_bytes + kv - self.w.sched.ledger.target(inst.instance_id)
+        need = spec.weight_bytes + kv - self.rt.sched.ledger.target(inst.instance_id)
         key = f"{inst.instance_id}{TAKE_MARK}"
         if not self._hold(key, need):
             return NodeReply(False, "memory", inst.instance_id)
         try:
             if not await self._settled(key):
                 return NodeReply(False, "memory_parked", inst.instance_id)
-            failed = await self._changing(inst.instance_id, engine.take_layers, run.start,
+            failed = await self.rt.changing(inst.instance_id, engine.take_layers, run.start,
                                           run.end)
             if failed is not None:
                 return NodeReply(False, f"engine: {failed}", inst.instance_id)
             self._hold(key, 0)  # the reservation becomes the instance's own bytes
-            ok, ops = self.w.sched.set_layout(inst.instance_id, after, time.time())
-            self.w._start_ops(ops)
+            ok, ops = self.rt.sched.set_layout(inst.instance_id, after, time.time())
+            self.rt.start_ops(ops)
         finally:
             self._hold(key, 0)
         return NodeReply(ok, "taken", inst.instance_id)

@@ -44,192 +44,23 @@ import logging
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 import weakref
-import zlib
-from dataclasses import dataclass, field
 
 import torch
 
 from services.node.loader import CheckpointLoader, LoaderSettings
-from services.node.loader.checkpoint_format import CheckpointIndex
-from services.node.loader.direct_io import writable_view
 from services.node.loader.loader import HostCheckpoint
-from shared.core.multicast import DEFAULT_BLOCKS, cut_blocks
+from services.node.multicast_transfer import (FRAME, HELLO, MAX_HELLO, Epoch, Manifest,
+                                              MulticastError, TransferState, build_manifest,
+                                              recv_exact, recv_into, send_bytes, tune)
+from shared.core.multicast import DEFAULT_BLOCKS
 from shared.subjects import multicast_events_subject, multicast_node_subject
 
 log = logging.getLogger("slinfer.multicast")
-
-HELLO = struct.Struct("!I")  # length of the JSON hello that opens a connection
-FRAME = struct.Struct("!IQ")  # block index, byte count; the block's bytes follow
-MAX_HELLO = 4096
-PACE_CHUNK = 1 << 20  # bytes per send when a rate limit paces the sender
 DEFAULT_TTL_S = 3600.0  # a transfer whose coordinator sent no ttl_s is forgotten after this
-
-
-class MulticastError(RuntimeError):
-    """A multicast step that cannot go on (bad manifest, checksum mismatch, unknown transfer)."""
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    index: int
-    file: str  # partition file
-    start: int  # byte range [start, end) in that partition
-    end: int
-    crc_start: int  # running CRC-32 of the partition up to `start`
-    crc_end: int  # ... and up to `end` (the last block's is the index's CRC of the partition)
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a receiver needs to know before the bytes come: the checkpoint's index and the
-    blocks (ranges and checksums)."""
-
-    model_path: str  # the model as the loader names it (its key comes from the index)
-    index: CheckpointIndex
-    blocks: tuple[BlockInfo, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(b.size for b in self.blocks)
-
-    def to_wire(self) -> dict:
-        return {"model_path": self.model_path, "index": self.index.to_json(),
-                "blocks": [[b.index, b.file, b.start, b.end, b.crc_start, b.crc_end]
-                           for b in self.blocks]}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> Manifest:
-        return cls(body["model_path"], CheckpointIndex.from_json(body["index"]),
-                   tuple(BlockInfo(*b) for b in body["blocks"]))
-
-    def problems(self) -> list[str]:
-        """Inconsistencies (empty: the blocks tile every partition in order and their CRC chain
-        runs from 0 to the index's CRC of each partition)."""
-        out = []
-        by_file: dict[str, list[BlockInfo]] = {}
-        for i, b in enumerate(self.blocks):
-            if b.index != i:
-                out.append(f"block {i} is numbered {b.index}")
-            by_file.setdefault(b.file, []).append(b)
-        for part in self.index.partitions:
-            blocks = by_file.pop(part.file, [])
-            position, crc = 0, 0
-            for b in blocks:
-                if b.start != position or b.crc_start != crc or b.end <= b.start:
-                    out.append(f"block {b.index} does not follow on in {part.file}")
-                position, crc = b.end, b.crc_end
-            if position != part.size or crc != part.crc32:
-                out.append(f"the blocks of {part.file} end at {position} with CRC {crc:#010x}, "
-                           f"the index says {part.size} with {part.crc32:#010x}")
-        out += [f"blocks name {f}, which is no partition of the index" for f in by_file]
-        return out
-
-
-def build_manifest(host: HostCheckpoint, model_path: str, blocks: int = DEFAULT_BLOCKS
-                   ) -> Manifest:
-    """Cut the checkpoint into about `blocks` blocks and checksum them in one pass over the
-    host memory; raises MulticastError when that memory does not match the index's CRCs."""
-    index = host.index
-    starts: dict[str, list[int]] = {}
-    for t in index.tensors:
-        starts.setdefault(t.file, []).append(t.offset)
-    cut = cut_blocks([(p.file, p.size) for p in index.partitions], starts, blocks,
-                     index.alignment)
-    views = {f: writable_view(buf) for f, buf in host.buffers.items()}
-    crc: dict[str, int] = {}
-    out = []
-    for b in cut:
-        begin = crc.get(b.file, 0)
-        crc[b.file] = zlib.crc32(views[b.file][b.start:b.end], begin)
-        out.append(BlockInfo(b.index, b.file, b.start, b.end, begin, crc[b.file]))
-    for part in index.partitions:
-        if crc.get(part.file, 0) != part.crc32:
-            raise MulticastError(f"{model_path}: {part.file} in memory has CRC "
-                                 f"{crc.get(part.file, 0):#010x}, the index says {part.crc32:#010x}")
-    return Manifest(model_path, index, tuple(out))
-
-
-# -- one node's part of a multicast --------------------------------------------------------------
-
-
-@dataclass
-class _Epoch:
-    """One plan of a transfer on this node: the first (the binomial pipeline) or a repair."""
-
-    number: int
-    addresses: dict[str, tuple[str, int]]  # node -> its endpoint's TCP address
-    sends: list[tuple[int, str, int]]  # (step, destination node, block), in step order
-    receives: dict[str, set[int]]  # sender node -> blocks it sends here
-    rate_bytes_per_s: float | None = None  # pace each sending connection (None: unpaced)
-    stopping: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sockets: list[socket.socket] = field(default_factory=list)
-    threads: list[threading.Thread] = field(default_factory=list)
-    connected: set[str] = field(default_factory=set)  # senders that have connected
-
-    def adopt(self, sock: socket.socket, thread: threading.Thread | None = None) -> bool:
-        """Track a socket (and the thread serving it) so a stop can shut it (and join the
-        thread); False (socket closed) when stopping."""
-        with self.lock:
-            if self.stopping.is_set():
-                sock.close()
-                return False
-            self.sockets.append(sock)
-            if thread is not None:
-                self.threads.append(thread)
-            return True
-
-    def spawn(self, target, *args, name: str) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self.lock:
-            if self.stopping.is_set():
-                return
-            self.threads.append(thread)
-        thread.start()
-
-
-class _Transfer:
-    """A model on its way through this node: the buffers, the blocks verified so far."""
-
-    def __init__(self, transfer_id: str, manifest: Manifest, host: HostCheckpoint,
-                 have: set[int]) -> None:
-        self.id = transfer_id
-        self.manifest = manifest
-        self.host = host
-        self.views = {f: writable_view(buf) for f, buf in host.buffers.items()}
-        self.cond = threading.Condition()
-        self.have = set(have)
-        self.epoch: _Epoch | None = None
-        self.registered = False
-        self.receiving = not have  # this node is a destination (a source starts with all)
-        self.outcome_told = False
-
-    @property
-    def complete(self) -> bool:
-        return len(self.have) == len(self.manifest.blocks)
-
-    def wait_for(self, block: int, stopping: threading.Event) -> bool:
-        with self.cond:
-            while block not in self.have and not stopping.is_set():
-                self.cond.wait(0.5)
-            return block in self.have
-
-    def add(self, block: int) -> bool:
-        """Count a verified block; True when it made the model complete."""
-        with self.cond:
-            fresh = block not in self.have
-            self.have.add(block)
-            self.cond.notify_all()
-            return fresh and self.complete
 
 
 class MulticastEndpoint:
@@ -250,7 +81,7 @@ class MulticastEndpoint:
         self.connect_timeout_s = connect_timeout_s
         self.rate_bytes_per_s = rate_bytes_per_s  # per sending connection; None: unpaced
         self.address: tuple[str, int] | None = None
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, TransferState] = {}
         # (model, blocks) -> (the host checkpoint it was made of, its manifest)
         self._manifests: dict[tuple[str, int], tuple[weakref.ref, Manifest]] = {}
         self._lock = threading.Lock()
@@ -355,7 +186,7 @@ class MulticastEndpoint:
                 return t.manifest, t.host, frozenset(t.have)
         return None
 
-    def _ended(self, t: _Transfer) -> None:
+    def _ended(self, t: TransferState) -> None:
         """A transfer this node received by is over (complete or not): tell `wait_for_model`."""
         if t.outcome_told:
             return
@@ -394,7 +225,7 @@ class MulticastEndpoint:
         model_path = body["model_path"]
         blocks = int(body.get("blocks", DEFAULT_BLOCKS))
         host, manifest = await asyncio.to_thread(self._source, model_path, blocks)
-        self._register(_Transfer(body["transfer"], manifest, host,
+        self._register(TransferState(body["transfer"], manifest, host,
                                  set(range(len(manifest.blocks)))), body.get("ttl_s"))
         return {"address": list(self.address), "manifest": manifest.to_wire()}
 
@@ -416,7 +247,7 @@ class MulticastEndpoint:
             raise MulticastError("bad manifest: " + "; ".join(problems[:3]))
         host = await asyncio.to_thread(self.loader.empty_host_checkpoint, manifest.index,
                                        manifest.model_path)
-        self._register(_Transfer(body["transfer"], manifest, host, set()), body.get("ttl_s"))
+        self._register(TransferState(body["transfer"], manifest, host, set()), body.get("ttl_s"))
         return {"address": list(self.address)}
 
     async def _op_plan(self, body: dict) -> dict:
@@ -427,7 +258,7 @@ class MulticastEndpoint:
         for _, src, block in body["receives"]:
             receives.setdefault(src, set()).add(block)
         rate = body.get("rate_bytes_per_s") or self.rate_bytes_per_s
-        t.epoch = _Epoch(int(body["epoch"]),
+        t.epoch = Epoch(int(body["epoch"]),
                          {n: (a[0], int(a[1])) for n, a in body["addresses"].items()},
                          sorted((s, d, b) for s, d, b in body["sends"]), receives,
                          float(rate) if rate else None)
@@ -517,7 +348,7 @@ class MulticastEndpoint:
             self._manifests.clear()
         return {"dropped": dropped}
 
-    def _register(self, t: _Transfer, ttl_s: float | None) -> None:
+    def _register(self, t: TransferState, ttl_s: float | None) -> None:
         """Track the transfer until its finish, or for `ttl_s` at most (default
         DEFAULT_TTL_S): a coordinator that died must not leave its buffers here for good."""
         with self._lock:
@@ -540,14 +371,14 @@ class MulticastEndpoint:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _transfer(self, transfer_id: str) -> _Transfer:
+    def _transfer(self, transfer_id: str) -> TransferState:
         with self._lock:
             t = self._transfers.get(transfer_id)
         if t is None:
             raise MulticastError(f"no transfer {transfer_id} on {self.node_id}")
         return t
 
-    def _emit(self, t: _Transfer, ep: _Epoch, kind: str, **fields) -> None:
+    def _emit(self, t: TransferState, ep: Epoch, kind: str, **fields) -> None:
         """An event to the coordinator (from any thread)."""
         body = {"kind": kind, "node": self.node_id, "epoch": ep.number, **fields}
         subject = multicast_events_subject(t.id)
@@ -555,12 +386,12 @@ class MulticastEndpoint:
             asyncio.run_coroutine_threadsafe(self.nc.publish(subject, json.dumps(body).encode()),
                                              self._loop)
 
-    def _suspect(self, t: _Transfer, ep: _Epoch, peer: str, reason: str) -> None:
+    def _suspect(self, t: TransferState, ep: Epoch, peer: str, reason: str) -> None:
         if not ep.stopping.is_set():
             log.warning("multicast %s epoch %d on %s: %s", t.id, ep.number, self.node_id, reason)
             self._emit(t, ep, "suspect", peer=peer, reason=reason)
 
-    def _stop_epoch(self, t: _Transfer) -> None:
+    def _stop_epoch(self, t: TransferState) -> None:
         ep = t.epoch
         if ep is None:
             return
@@ -593,10 +424,10 @@ class MulticastEndpoint:
         """A sender's connection: hello, then the blocks the plan has it send here."""
         try:
             sock.settimeout(self.connect_timeout_s)  # the hello follows the connect at once
-            (n,) = HELLO.unpack(_recv_exact(sock, HELLO.size))
+            (n,) = HELLO.unpack(recv_exact(sock, HELLO.size))
             if n > MAX_HELLO:
                 raise MulticastError(f"hello of {n} bytes")
-            hello = json.loads(_recv_exact(sock, n))
+            hello = json.loads(recv_exact(sock, n))
             sock.settimeout(None)
             t = self._transfer(hello["transfer"])
         except (OSError, ValueError, KeyError, MulticastError) as exc:
@@ -613,13 +444,13 @@ class MulticastEndpoint:
             ep.connected.add(src)
         self._receive(t, ep, src, sock)
 
-    def _receive(self, t: _Transfer, ep: _Epoch, src: str, sock: socket.socket) -> None:
+    def _receive(self, t: TransferState, ep: Epoch, src: str, sock: socket.socket) -> None:
         expected = set(ep.receives.get(src, ()))
         total, got = len(expected), 0
         try:
-            _tune(sock)
+            tune(sock)
             while expected:
-                header = _recv_exact(sock, FRAME.size, eof_ok=True)
+                header = recv_exact(sock, FRAME.size, eof_ok=True)
                 began = time.perf_counter()
                 if header is None:
                     raise ConnectionError(f"connection from {src} closed after {got} of "
@@ -633,7 +464,7 @@ class MulticastEndpoint:
                     raise MulticastError(f"{src} sent {nbytes} bytes for block {index} of "
                                          f"{block.size}")
                 view = t.views[block.file][block.start:block.end]
-                if _recv_into(sock, view, block.crc_start) != block.crc_end:
+                if recv_into(sock, view, block.crc_start) != block.crc_end:
                     raise MulticastError(f"block {index} from {src} failed its checksum")
                 with self._lock:
                     self._rx_bytes += block.size
@@ -651,7 +482,7 @@ class MulticastEndpoint:
         finally:
             sock.close()
 
-    def _watch_connections(self, t: _Transfer, ep: _Epoch) -> None:
+    def _watch_connections(self, t: TransferState, ep: Epoch) -> None:
         """Every sender of this epoch must connect within connect_timeout_s of the go."""
         if ep.stopping.wait(self.connect_timeout_s):
             return
@@ -661,7 +492,7 @@ class MulticastEndpoint:
             self._suspect(t, ep, src, f"{src} did not connect to {self.node_id} within "
                                       f"{self.connect_timeout_s:g} s")
 
-    def _send_loop(self, t: _Transfer, ep: _Epoch) -> None:
+    def _send_loop(self, t: TransferState, ep: Epoch) -> None:
         conns: dict[str, socket.socket] = {}
         dead: set[str] = set()
         try:
@@ -681,7 +512,7 @@ class MulticastEndpoint:
                 block = t.manifest.blocks[index]
                 try:
                     conns[dst].sendall(FRAME.pack(index, block.size))
-                    clock = _send_bytes(conns[dst], t.views[block.file][block.start:block.end],
+                    clock = send_bytes(conns[dst], t.views[block.file][block.start:block.end],
                                         ep.rate_bytes_per_s, clock)
                 except OSError as exc:
                     dead.add(dst)
@@ -693,13 +524,13 @@ class MulticastEndpoint:
             if not ep.stopping.is_set():
                 self._emit(t, ep, "sent", failed=sorted(dead))
 
-    def _connect(self, t: _Transfer, ep: _Epoch, dst: str) -> socket.socket:
+    def _connect(self, t: TransferState, ep: Epoch, dst: str) -> socket.socket:
         if dst not in ep.addresses:
             raise MulticastError("no address")
         sock = socket.create_connection(ep.addresses[dst], timeout=self.connect_timeout_s)
         if not ep.adopt(sock):
             raise MulticastError("stopped")
-        _tune(sock)
+        tune(sock)
         hello = json.dumps({"transfer": t.id, "epoch": ep.number, "src": self.node_id}).encode()
         sock.sendall(HELLO.pack(len(hello)) + hello)
         sock.settimeout(None)
@@ -709,55 +540,6 @@ class MulticastEndpoint:
 
 def _key(model_path: str) -> str:
     return str(os.path.normpath(str(model_path)))
-
-
-def _send_bytes(sock: socket.socket, view: memoryview, rate: float | None, clock: float
-                ) -> float:
-    """Send the block; with a rate, in chunks no faster than it (`clock`: when the pacing allows
-    the next byte, carried from block to block)."""
-    if not rate:
-        sock.sendall(view)
-        return clock
-    for at in range(0, len(view), PACE_CHUNK):
-        chunk = view[at:at + PACE_CHUNK]
-        clock = max(clock, time.perf_counter() - 0.05) + len(chunk) / rate
-        delay = clock - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        sock.sendall(chunk)
-    return clock
-
-def _tune(sock: socket.socket) -> None:
-    # Buffer sizes stay with the kernel's autotuning (setting them turns it off; on this
-    # machine's loopback a fixed 4 MiB was no faster).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if eof_ok and got == 0:
-                return None
-            raise ConnectionError(f"connection closed {got} bytes into a {n}-byte message")
-        got += k
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, view: memoryview, crc: int) -> int:
-    """Fill `view` from the socket; returns the CRC-32 of its bytes continued from `crc`
-    (computed piece by piece as they land, while they are still in the cache)."""
-    got = 0
-    while got < len(view):
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"connection closed {got} bytes into a {len(view)}-byte block")
-        crc = zlib.crc32(view[got:got + k], crc)
-        got += k
-    return crc
 
 
 # -- the endpoint as its own process ---------------------------------------------------------------

@@ -37,7 +37,8 @@ from shared.core.memory import MemOp
 from shared.schemas import InferenceRequest, MemOpCompletion
 
 if TYPE_CHECKING:
-    from services.node.worker import LoadRecord, NodeWorker
+    from services.node.load_record import LoadRecord
+    from shared.core.node_scheduler import NodeScheduler
 
 log = logging.getLogger("slinfer.node")
 _tracer = trace.get_tracer("slinfer.node")
@@ -231,8 +232,8 @@ class NodeObserver:
         self._server = None
 
     # --- lifecycle and gauges ---------------------------------------------------------------
-    async def start(self, worker: NodeWorker, metrics_port: int) -> None:
-        self.sample(worker)
+    async def start(self, metrics_port: int) -> None:
+        """Serve the gauges (`sample` them first) and, with a port, Prometheus metrics."""
         tm.register_node_gauges(self.tel.meter("slinfer.node"),
                                 {"slinfer.node_id": self.node_id, "slinfer.hardware": self.hardware},
                                 lambda: self._stats)
@@ -248,20 +249,20 @@ class NodeObserver:
             spans.end("error", 0, "node shutting down")
         self.requests.clear()
 
-    def sample(self, worker: NodeWorker) -> None:
+    def sample(self, sched: NodeScheduler, requests: int, iterations: int) -> None:
         """Snapshot the node for the gauges (on the event loop; readers may be other threads)."""
         now = time.monotonic()
-        self._samples.append((now, worker.iterations))
+        self._samples.append((now, iterations))
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
         t0, n0 = self._samples[0]
-        rate = (worker.iterations - n0) / (now - t0) if now > t0 else 0.0
-        node, ledger = worker.sched.node, worker.sched.ledger
+        rate = (iterations - n0) / (now - t0) if now > t0 else 0.0
+        node, ledger = sched.node, sched.ledger
         self._stats = tm.NodeStats(
             memory_capacity=node.memory_bytes, memory_budget=ledger.budget,
             memory_pessimistic=ledger.pessimistic, kv_allocated=sum(i.kv_bytes for i in node.instances),
             parked_ops=len(ledger.parked()), running_ops=len(ledger.running()),
-            instances=len(node.instances), requests=len(worker.live), iterations=worker.iterations,
+            instances=len(node.instances), requests=requests, iterations=iterations,
             iterations_per_s=rate)
 
     # --- commands ---------------------------------------------------------------------------

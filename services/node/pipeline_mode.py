@@ -51,17 +51,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-from services.node.stages import held_tensors, holding_of
-from shared import wire
+from services.node.runtime import NodeRuntime
+from services.node.engines.weights import held_tensors, holding_of
 from shared.core.pipeline import Holding, StageRange, pipeline_stages, transfer_hops
 from shared.core.types import HostedRange, PipelineMode
 from shared.schemas import CommandKind, ModelRecord, NodeCommand, NodeReply
-from shared.subjects import multicast_node_subject, node_command_subject
-
-if TYPE_CHECKING:
-    from services.node.worker import NodeWorker
+from shared.subjects import multicast_node_subject
 
 log = logging.getLogger("slinfer.node.pipeline")
 # A pipeline waits for its first blocks at most this many times the time its whole copy should
@@ -113,10 +109,10 @@ class Pipelined:
 
 
 class PipelineStarts:
-    """The node worker's part of execute-while-load (module doc)."""
+    """The node's part of execute-while-load (module doc)."""
 
-    def __init__(self, worker: NodeWorker) -> None:
-        self.w = worker
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
         self.serving: dict[str, Pipelined] = {}  # instance id -> its pipeline, until the switch
         self.history: list[Pipelined] = []  # every pipeline formed here (tests, benchmarks)
         self._lock = threading.Lock()
@@ -130,16 +126,16 @@ class PipelineStarts:
 
     def load(self, instance_id: str, record: ModelRecord, kv_bytes: int):
         """The instance's engine serving through a pipeline, or None (load it the ordinary way)."""
-        inst = self.w.sched.node.instance(instance_id)
+        inst = self.rt.sched.node.instance(instance_id)
         mode = inst.pipeline if inst is not None else None
-        if mode is None or self.w.multicast is None or not mode.helpers or record.layers < 2 \
+        if mode is None or self.rt.multicast is None or not mode.helpers or record.layers < 2 \
                 or self.loop is None:
             return None
         try:
             return self._form(instance_id, record, kv_bytes, mode)
         except Exception as exc:  # the ordinary load still works: the copy is on its way
             log.warning("node %s: %s cannot serve through a pipeline (%r); waiting for its copy",
-                        self.w.s.node_id, instance_id, exc)
+                        self.rt.s.node_id, instance_id, exc)
             self._run_alone(instance_id)
             return None
 
@@ -172,13 +168,13 @@ class PipelineStarts:
         with self._lock:
             self.serving[instance_id] = pipe
             self.history.append(pipe)
-        log.info("node %s: %s serves through a pipeline: %d layers here, %s", self.w.s.node_id,
+        log.info("node %s: %s serves through a pipeline: %d layers here, %s", self.rt.s.node_id,
                  instance_id, len(pipe.local),
                  ", ".join(f"{s.start}-{s.end - 1} on {s.helper}" for s in remote))
         # One parseable line of the formation's timings (bench/scaleout.py --ewl reads it: the
         # core's `pipeline_setup_s` + engine start is what blocks -> serving took here).
         log.info("pipeline timings %s", json.dumps({
-            "instance": instance_id, "node": self.w.s.node_id, "local_layers": len(pipe.local),
+            "instance": instance_id, "node": self.rt.s.node_id, "local_layers": len(pipe.local),
             "remote": [[s.helper, s.start, s.end] for s in remote],
             "receivers": bool(mode.ranges),
             "wait_blocks_s": round(blocks_at - started, 4),
@@ -201,7 +197,7 @@ class PipelineStarts:
           real blocks, not the core's idealised layout, decide who holds which layers first."""
         everything = Holding(mode.helpers[0], frozenset(range(record.layers)), True)
         while True:
-            got = self.w.multicast.wait_blocks(record.path, _heads, deadline - time.time())
+            got = self.rt.multicast.wait_blocks(record.path, _heads, deadline - time.time())
             if got is None:
                 return None
             manifest, host, have = got
@@ -209,7 +205,7 @@ class PipelineStarts:
                 return host, []
             others = [self._holding(h, record) for h in mode.helpers] if mode.ranges \
                 else [everything]
-            runs = _remote_runs(manifest, have, self.w.s.node_id, others, record.layers)
+            runs = _remote_runs(manifest, have, self.rt.s.node_id, others, record.layers)
             if runs is not None:
                 return host, runs
             if time.time() > deadline:
@@ -219,11 +215,11 @@ class PipelineStarts:
     def _holding(self, node: str, record: ModelRecord) -> Holding:
         """What another receiver can run of the model now (its endpoint's `holding`)."""
         try:
-            msg = self._call(self.w.nc.request(
+            data = self._call(self.rt.outbox.query(
                 multicast_node_subject(node),
                 json.dumps({"op": "holding", "model_path": record.path}).encode(), timeout=5.0),
                 wait_s=6.0)
-            body = json.loads(msg.data)
+            body = json.loads(data)
         except Exception as exc:  # it may come back at the next poll
             log.debug("receiver %s did not say what it holds: %r", node, exc)
             return Holding(node, frozenset(), False)
@@ -235,10 +231,10 @@ class PipelineStarts:
         """The core's view of the instance names its stages (the helpers keep them while an
         instance's view uses them) and the hops it really pays (the core validates its requests
         with them); for receivers, the ranges they really run."""
-        inst = self.w.sched.node.instance(instance_id)
+        inst = self.rt.sched.node.instance(instance_id)
         if inst is None or inst.pipeline is None:
             return
-        me = self.w.s.node_id
+        me = self.rt.s.node_id
         runs = [StageRange(s.helper, s.start, s.end) for s in pipe.stages]
         runs += [StageRange(me, i, i + 1) for i in sorted(pipe.local)]
         mode = replace(inst.pipeline, stages=tuple(s.address for s in pipe.stages),
@@ -246,7 +242,7 @@ class PipelineStarts:
         if mode.ranges:
             mode = replace(mode, helpers=pipe.helpers, ranges=tuple(
                 HostedRange(s.helper, s.start, s.end) for s in pipe.stages))
-        inst.pipeline = mode
+        self.rt.sched.set_pipeline(instance_id, mode)
 
     def _host(self, stage: RemoteStage, instance_id: str, record: ModelRecord, kv_bytes: int,
               mode: PipelineMode) -> str:
@@ -260,7 +256,7 @@ class PipelineStarts:
         weights = 0 if mode.ranges else (record.weight_bytes - record.head_bytes) * count // layers
         cmd = NodeCommand(CommandKind.HOST_LAYERS, instance_id=instance_id, model=record,
                           layer_start=stage.start, layer_end=stage.end,
-                          stage_node=self.w.s.node_id, stage_bytes=max(1, weights + kv),
+                          stage_node=self.rt.s.node_id, stage_bytes=max(1, weights + kv),
                           # its share of the helper's compute (`cost.pipeline_helper_loads`)
                           stage_load=count / max(1, layers),
                           pipeline=mode if mode.ranges else None)
@@ -275,9 +271,9 @@ class PipelineStarts:
 
         # The pool of the local layers only, in as many blocks as the whole instance's: the
         # stages mirror it, and the switch adds the other layers' pools (the ledger's kv_bytes).
-        engine = TorchEngine(record.path, device=self.w.s.device,
+        engine = TorchEngine(record.path, device=self.rt.s.device,
                              kv_capacity_bytes=kv_bytes * len(pipe.local) // record.layers,
-                             loader=self.w.loader, remote_layers=[s.address for s in pipe.stages],
+                             loader=self.rt.loader, remote_layers=[s.address for s in pipe.stages],
                              weights=weights)
         engine.load()
         engine.load_info["tier"] = "pipeline"  # the node's LoadRecord says how it started
@@ -293,11 +289,11 @@ class PipelineStarts:
         path = cmd.model.path
         if self._in_dram(path):
             return None, None
-        if self.w.multicast is None:
+        if self.rt.multicast is None:
             return None, "not_here: no multicast endpoint to receive the model by"
         want = frozenset(range(cmd.layer_start, cmd.layer_end))
         got = await asyncio.to_thread(
-            self.w.multicast.wait_blocks, path,
+            self.rt.multicast.wait_blocks, path,
             lambda m, have: want <= holding_of(m.index, list(m.blocks), set(have)).layers,
             OWN_COPY_WAIT_S)
         if got is None:  # no transfer under way: it may have completed meanwhile
@@ -308,7 +304,7 @@ class PipelineStarts:
 
     def _in_dram(self, path: str) -> bool:
         try:
-            return self.w.loader is not None and self.w.loader.tier_of(path) == "dram"
+            return self.rt.loader is not None and self.rt.loader.tier_of(path) == "dram"
         except Exception:  # noqa: BLE001 - not a converted checkpoint here
             return False
 
@@ -317,18 +313,18 @@ class PipelineStarts:
     async def _switch_when_whole(self, pipe: Pipelined) -> None:
         """Wait for the transfer to end (also when the instance went first: the node's view
         says the model is arriving until then), then switch if the copy is whole."""
-        arrival = self.w.arriving.get(pipe.record.name)
+        arrival = self.rt.arriving.get(pipe.record.name)
         since = arrival.since if arrival is not None else 0.0
         whole = None
-        while whole is None and not self.w._stopping:
-            whole = await asyncio.to_thread(self.w.multicast.wait_for_model, pipe.record.path,
+        while whole is None and not self.rt.stopping:
+            whole = await asyncio.to_thread(self.rt.multicast.wait_for_model, pipe.record.path,
                                             since, 5.0)
-        if arrival is not None and self.w.arriving.get(pipe.record.name) is arrival:
-            self.w.arriving.pop(pipe.record.name, None)  # the transfer is over
+        if arrival is not None and self.rt.arriving.get(pipe.record.name) is arrival:
+            self.rt.arriving.pop(pipe.record.name, None)  # the transfer is over
         if not whole:
             if whole is False and pipe.instance_id in self.serving:
                 log.warning("node %s: %s's copy did not arrive whole; it goes on serving "
-                            "through its pipeline", self.w.s.node_id, pipe.instance_id)
+                            "through its pipeline", self.rt.s.node_id, pipe.instance_id)
             return
         pipe.events["whole"] = time.time()
         if pipe.instance_id not in self.serving:
@@ -337,17 +333,17 @@ class PipelineStarts:
             await self._switch(pipe)
         except Exception as exc:
             log.warning("node %s: %s's switch to local execution failed (%r); it goes on "
-                        "serving through its pipeline", self.w.s.node_id, pipe.instance_id, exc)
+                        "serving through its pipeline", self.rt.s.node_id, pipe.instance_id, exc)
 
     async def _switch(self, pipe: Pipelined) -> None:
         """Take every remote range back between two iterations with no memory op of the
-        instance running (`LayerMoves._changing`: a K/V resize waits meanwhile, and then sizes
+        instance running (`NodeRuntime.changing`: a K/V resize waits meanwhile, and then sizes
         the pool of every layer); retried while one runs."""
         rest = Holding("", frozenset(range(pipe.layers)) - pipe.local, False)
         tensors = held_tensors(pipe.host, rest)
 
         def take() -> None:
-            engine = self.w.engines.get(pipe.instance_id)
+            engine = self.rt.engines.get(pipe.instance_id)
             if engine is None or pipe.instance_id not in self.serving:
                 raise LookupError("unloaded")
             for stage in pipe.stages:  # each stage whole (stages.Split.take)
@@ -356,7 +352,7 @@ class PipelineStarts:
                 self.serving.pop(pipe.instance_id, None)
 
         for _ in range(SWITCH_TRIES):
-            error = await self.w.layers._changing(pipe.instance_id, take)
+            error = await self.rt.changing(pipe.instance_id, take)
             if not (isinstance(error, RuntimeError) and str(error).startswith("busy")):
                 break
             await asyncio.sleep(0.05)
@@ -366,11 +362,11 @@ class PipelineStarts:
             raise error
         self._run_alone(pipe.instance_id)
         pipe.events["switched"] = time.time()
-        log.info("node %s: %s runs alone now (layers %s taken back from %s)", self.w.s.node_id,
+        log.info("node %s: %s runs alone now (layers %s taken back from %s)", self.rt.s.node_id,
                  pipe.instance_id, ", ".join(f"{s.start}-{s.end - 1}" for s in pipe.stages),
                  ",".join(pipe.helpers))
         log.info("pipeline timings %s", json.dumps({
-            "instance": pipe.instance_id, "node": self.w.s.node_id,
+            "instance": pipe.instance_id, "node": self.rt.s.node_id,
             "switch_s": round(pipe.events["switched"] - pipe.events["whole"], 4)}))
         await self._release_async(pipe)
 
@@ -393,9 +389,7 @@ class PipelineStarts:
 
     def _run_alone(self, instance_id: str) -> None:
         """The core's view: the instance runs all its layers here (validated without hops)."""
-        inst = self.w.sched.node.instance(instance_id)
-        if inst is not None:
-            inst.pipeline = None
+        self.rt.sched.set_pipeline(instance_id, None)
 
     def _release(self, pipe: Pipelined) -> None:
         self._call(self._release_async(pipe), wait_s=30.0)
@@ -410,7 +404,7 @@ class PipelineStarts:
     async def _release_stage(self, instance_id: str, stage: RemoteStage) -> None:
         cmd = NodeCommand(CommandKind.RELEASE_LAYERS, instance_id=instance_id,
                           layer_start=stage.start, layer_end=stage.end,
-                          stage_node=self.w.s.node_id)
+                          stage_node=self.rt.s.node_id)
         try:
             reply = await self._ask(stage.helper, cmd)
             if not reply.accepted:
@@ -421,9 +415,7 @@ class PipelineStarts:
                         instance_id, exc)
 
     async def _ask(self, node: str, cmd: NodeCommand) -> NodeReply:
-        msg = await self.w.nc.request(node_command_subject(node), wire.encode(cmd),
-                                      timeout=HELPER_TIMEOUT_S)
-        return wire.decode(NodeReply, msg.data)
+        return await self.rt.outbox.command(node, cmd, HELPER_TIMEOUT_S)
 
     def _call(self, coro, wait_s: float | None = None):
         """Run `coro` on the worker's event loop from a worker thread; wait for its result

@@ -216,7 +216,7 @@ class Placer:
         """A request displaced by a stop-and-resume preemption (or whose live migration failed)
         goes first to the node and instance the plan validated for it (§VIII-A: preempted
         requests are moved, not queued). Only if that node refuses now is it placed afresh. True
-        if it was placed. (A live preemption's node moves them itself: services/node/migration.py.)"""
+        if it was placed. (A live preemption's node moves them itself: shared/core/migration.py.)"""
         req = p.request
         plan = PlacementPlan(PlaceAction.ROUTE, req.target_node, req.target_instance)
         p.request = replace(req, target_node=None, target_instance=None)  # one offer only

@@ -54,7 +54,7 @@ PROGRESS_EVERY_S = 1.0  # state updates at most this often
 # `ready` is reported as soon as the profile is stored: nothing reads `ready` before the profile
 # is in Redis, a placer that sees `ready` without the profile re-reads the profiles
 # (services/placer/readiness.py), and a node asked to start a model it has no profile of re-reads
-# them before it refuses (services/node/worker.py, _admission_inputs).
+# them before it refuses (services/node/cluster_sync.py, learn_model).
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ and memory models.
   a running instance there sheds the fewest layers that free the deficit (`layers_to_shed`) to
   a node of its kind with that much free memory (`plan_layer_move`), instead of the request
   waiting for an eviction or queueing. The instance keeps its requests; its K/V of the moved
-  layers goes with them (services/node/stages.py's `Split.shed`).
+  layers goes with them (services/node/engines/split.py's `Split.shed`).
 - A load spike (an instance whose decode step with its batch breaks the batch's TPOT SLO, as
   its profile with its layout predicts) while another node of its kind runs nothing: replicate
   the layers Algorithm 1 (`scale_up`) picks onto that node, if the modelled step gets faster.

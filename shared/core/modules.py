@@ -23,7 +23,7 @@ ledger (the core sees such an instance as an ordinary one with its own profile a
 in `shared.core.cost` (re-exported here):
 
 - `HopCost`: one transfer of activations between two processes of the instance (a latency plus
-  the tokens' hidden states over the link), as `services/node/stages.py` measures it.
+  the tokens' hidden states over the link), as `services/node/engines/split.py` measures it.
 - `pipeline_profile`: an instance whose layers run in a chain of processes (λScale's execution
   pipeline, or CoCoServe after migrating layers): every iteration computes the same layers as the
   local one plus `hops` transfers of its tokens' activations.

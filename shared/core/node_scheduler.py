@@ -46,7 +46,8 @@ from shared.core.readiness import (handover_ready_at, load_seconds, memop_timeli
                                    new_instance_view)
 from shared.core.readiness import op_owner as _owner_id
 from shared.core.types import (AdapterSpec, Hardware, InstanceLayout, InstanceStatus, InstanceView, ModelSpec,
-                               NodeView, RequestView, RunningIteration, adapter_key, adapter_owner)
+                               NodeView, PipelineMode, RequestView, RunningIteration, adapter_key,
+                               adapter_owner)
 
 
 LATE_EPS_S = 1e-9  # a token this close to its deadline is on time (float rounding; the sim's too)
@@ -609,6 +610,46 @@ class NodeScheduler:
         inst.model, inst.kv_bytes, inst.layout = spec, kv, layout
         self._sync(now)
         return True, ops
+
+    # --- requests held out of the batches (live migration) ------------------------------------
+    def park(self, instance_id: str, request_id: str) -> RequestView | None:
+        """Take a request out of its instance's batches, its memory still counted: a live
+        migration's destination before the commit, or its source while the commit is asked.
+        The request's view (None: not on that instance), for `unpark` or `commit_parked`."""
+        inst = self._find(instance_id)
+        view = next((r for r in inst.requests if r.request_id == request_id), None) \
+            if inst is not None else None
+        if view is not None:
+            inst.requests.remove(view)
+        return view
+
+    def unpark(self, instance_id: str, view: RequestView) -> bool:
+        """A parked request goes back into its instance's batches as it was (False: the
+        instance is gone)."""
+        inst = self._find(instance_id)
+        if inst is None:
+            return False
+        inst.requests.append(view)
+        return True
+
+    def commit_parked(self, instance_id: str, view: RequestView, generated: int,
+                      now: float) -> bool:
+        """A migrated request joins its instance's batches, prefilled, with `generated` output
+        tokens (its KV computed here); False: the instance is gone."""
+        inst = self._find(instance_id)
+        if inst is None:
+            return False
+        view.generated, view.prefilled = generated, True
+        inst.requests.append(view)
+        inst.last_active = now
+        return True
+
+    def set_pipeline(self, instance_id: str, mode: PipelineMode | None) -> None:
+        """The instance serves through the pipeline `mode` as it really formed (None: it runs
+        every layer here); shadow validation then prices its requests with those hops."""
+        inst = self._find(instance_id)
+        if inst is not None and (mode is None or inst.pipeline is not None):
+            inst.pipeline = mode
 
     # --- views and helpers ------------------------------------------------------------------
     def view(self) -> NodeView:

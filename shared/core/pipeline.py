@@ -24,7 +24,7 @@ instance's layers into a pipeline.
   is whole. `model_layout` is the byte layout the plan assumes when the checkpoint's own is
   not at hand (the core's `ModelSpec`, the simulator's shapes).
 
-The node workers carry the plans out (`services/node/stages.py`: the head's engine with
+The node workers carry the plans out (`services/node/engines/split.py`: the head's engine with
 `remote_layers`, `take_layers` at the switch); the simulator times them.
 """
 

@@ -37,7 +37,7 @@ burst are estimated as one group, the way the placer then sends them the model: 
   two pipelines is chosen.
 
 Pure: views and numbers in, a `StartupChoice` out; the placer carries a multicast choice out
-(`services/placer`), the node waits for the arrival before its load (`services/node/worker.py`).
+(`services/placer`), the node waits for the arrival before its load (`services/node/memops.py`).
 """
 
 from __future__ import annotations

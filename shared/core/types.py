@@ -62,7 +62,7 @@ class ModelSpec:
     tiered: bool = True
     # Its engine can take a running request's tokens so far (extend) and continue exactly: live
     # migration moves its requests. False (OpenVINO, vLLM): a preemption moves them
-    # stop-and-resume (services/node/migration.py says why).
+    # stop-and-resume (shared/core/migration.py says why).
     live_migration: bool = True
     # Module-level scaling (CoCoServe, shared/core/modules.py): decoder layers, the bytes of
     # what is not a decoder layer (embeddings, final norm, head) and one token's hidden state

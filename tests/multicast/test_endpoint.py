@@ -13,7 +13,8 @@ import socket
 import pytest
 
 from services.node.loader import CheckpointLoader, LoaderSettings
-from services.node.multicast import FRAME, HELLO, MulticastEndpoint, build_manifest
+from services.node.multicast import MulticastEndpoint
+from services.node.multicast_transfer import FRAME, HELLO, build_manifest
 from services.node.loader.direct_io import writable_view
 from shared.subjects import multicast_events_subject
 

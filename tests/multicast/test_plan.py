@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from services.node.loader import CheckpointLoader, LoaderSettings
 from services.node.loader.checkpoint_format import read_index
-from services.node.multicast import Manifest, MulticastError, build_manifest
+from services.node.multicast_transfer import Manifest, MulticastError, build_manifest
 from shared.core.multicast import (DEFAULT_BLOCKS, Block, binomial_schedule, binomial_steps,
                                    cut_blocks, kway_orders, kway_schedule, repair_schedule,
                                    steps_of, subgroups)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import services.node.worker as worker_module
+import services.node.memops as memops_module
 from services.node.engines import create_engine
 from shared.cluster import load_calibration, load_perf, remove_calibration, save_calibration
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, Calibrator
@@ -54,7 +54,7 @@ class SlowEngine:
 
 @pytest.fixture
 def slow_engines(monkeypatch):
-    monkeypatch.setattr(worker_module, "create_engine",
+    monkeypatch.setattr(memops_module, "create_engine",
                         lambda *a, **kw: SlowEngine(create_engine(*a, **kw)))
 
 
@@ -97,7 +97,7 @@ async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_c
     # knowingly optimistic. This node's bound is set well above the slowdown instead.
     slowdown = (stale_prefill + SlowEngine.prefill_sleep_s) / stale_prefill
     bound = 4 * max(slowdown, SlowEngine.decode_sleep_s / profile.decode_s(1, PROMPT))
-    learner.worker.calibrator = Calibrator(CalibrationConfig(max_factor=bound))
+    learner.worker.rt.calibrator = Calibrator(CalibrationConfig(max_factor=bound))
     await learner.worker.start()
     try:
         for _ in range(10):  # one request at a time: the node sees prefills and decodes
@@ -113,7 +113,7 @@ async def test_a_calibrating_node_learns_a_slow_engine_and_admits_only_what_it_c
         assert published.prefill_s(PROMPT) > 2 * stale_prefill  # what the placer now decides with
         assert "calibrated online" in published.source
         # The heartbeat confirms the correction with when the node last ran the model.
-        await until(lambda: learner.worker._published_seen.get("alpha")
+        await until(lambda: learner.worker.sync.published_seen.get("alpha")
                     == learner.worker.calibrator.seen("alpha"), 10.0, "the confirmation")
 
         admitted, refused = await _burst(learner, "alpha", ttft)

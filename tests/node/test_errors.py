@@ -120,7 +120,7 @@ async def test_an_engine_out_of_kv_blocks_hands_back_the_request_with_most_headr
         await until(lambda: all(len(h.tokens[r.request_id]) >= 2 for r in (urgent, relaxed)),
                      what="both requests to decode")
         engine = h.worker.engines[h.instances["alpha"]]
-        async with h.worker._iter_lock:  # between two iterations: the pool shrinks to what is held
+        async with h.worker.rt.iter_lock:  # between two iterations: the pool shrinks to what is held
             engine.resize_kv(engine.memory().kv_used_bytes)
         await until(lambda: requeued.of(relaxed.request_id), what="the victim's hand-back")
         (back,) = requeued.of(relaxed.request_id)
@@ -308,8 +308,8 @@ async def test_a_prompt_the_engine_rejects_during_a_cold_start_harms_no_other_re
     nc, redis = connections
     h = Harness(nc, redis, model_dir, 512 * MiB, "err-vocab-cold")
     # A slow disk: the load waits until both requests are admitted (they wait for the instance).
-    loading, run_op = __import__("threading").Event(), h.worker._run_op
-    h.worker._run_op = lambda op: (loading.wait(30), run_op(op))[1]
+    loading, run_op = __import__("threading").Event(), h.worker.memops.run
+    h.worker.memops.run = lambda op: (loading.wait(30), run_op(op))[1]
     await h.worker.start()
     try:
         bad = _out_of_vocabulary(h, "alpha")

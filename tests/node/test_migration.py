@@ -20,8 +20,8 @@ from functools import cache
 import httpx
 import pytest
 
-from services.node.migration import (MigrationPolicy, Next, choose_destination, engine_refusal,
-                                     next_step)
+from shared.core.migration import (MigrationPolicy, Next, choose_destination, engine_refusal,
+                                   next_step)
 from services.gateway.settings import GatewaySettings
 from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
@@ -226,7 +226,7 @@ async def test_a_drain_under_load_loses_no_request(connections, model_dir, nats_
         assert moved, [m.reason for m in a.worker.migrations]
         for m in moved:
             assert _sources(a, m.request_id) == ["drain-a", "drain-b"]
-        assert a.worker._view().draining
+        assert a.worker.rt.view().draining
     finally:
         gateway.stop()
         stop.set()

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-import services.node.worker as worker_module
+import services.node.memops as memops_module
 from services.node.engines import create_engine
 
 from services.placer.placer import Placer
@@ -169,7 +169,7 @@ async def test_a_preempted_victim_is_unloaded_between_its_iterations(connections
                                                                     monkeypatch):
     """Stop-and-resume preemption unloads the victim only once its running iteration is over: an
     engine freed under a running step fails it (its model is gone mid-forward)."""
-    monkeypatch.setattr(worker_module, "create_engine",
+    monkeypatch.setattr(memops_module, "create_engine",
                         lambda *a, **kw: _WatchedEngine(create_engine(*a, **kw)))
     _WatchedEngine.torn = []
     nc, redis = connections

@@ -80,7 +80,7 @@ async def test_the_first_node_of_a_kind_queues_its_profiling(own_servers):
     second = NodeWorker(_settings("g-2", "gpu", nats_url, redis_url), nc, redis)
     try:
         await first.start()
-        assert first._joined
+        assert first.sync.joined
         queued = []
         for msg in await jobs.fetch(batch=10, timeout=10):
             queued.append(wire.decode(ProfileJob, msg.data))
@@ -102,7 +102,7 @@ async def test_the_first_node_of_a_kind_queues_its_profiling(own_servers):
 
         # Another node of the kind: every job is queued (and taken) already; none again.
         await second.start()
-        assert second._joined
+        assert second.sync.joined
         assert (await js.stream_info(JOB_STREAM)).state.messages == 0
         assert (await get_status(redis, "on-cpu")).kind("gpu").reason == "queued: a gpu node joined"
     finally:

@@ -256,7 +256,7 @@ async def test_an_unloaded_model_comes_back_from_the_dram_tier(own_servers, conv
         await runner
         if later is not None:
             await later.stop()
-        if not worker._stopping:
+        if not worker.stopped:
             await worker.stop()
         await nc.close()
         await redis.aclose()

@@ -181,7 +181,7 @@ def test_node_loads_are_exported_by_tier():
     the tier that served it, bytes per tier; an engine reading its own files is tier `engine`,
     a failed load is counted apart (tier `unknown`: the loader never said) and moves no bytes."""
     from services.node.observe import NodeObserver
-    from services.node.worker import LoadRecord
+    from services.node.load_record import LoadRecord
 
     tel = tm.local("node")
     obs = NodeObserver(tel, "n0", "cpu")

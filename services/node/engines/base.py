@@ -180,3 +180,51 @@ class RequestBook:
 
     def num_tokens(self, request_id: str) -> int:
         return len(self._request(request_id).tokens)
+
+
+# -- capabilities beyond the protocol: an engine declares them by implementing these ------------
+# The node asks `isinstance(engine, ServesAdapters)` (and so on) instead of probing for methods,
+# so what an engine can do is written in one place and a type checker sees it.
+
+
+@runtime_checkable
+class ServesAdapters(Protocol):
+    """Runs requests through LoRA adapters loaded beside the base weights (torch)."""
+
+    adapters: dict  # the adapters loaded now, by name
+
+    def load_adapter(self, name: str, path) -> int:
+        """Load the adapter at `path` under `name`; its bytes."""
+
+    def unload_adapter(self, name: str) -> None: ...
+
+
+@runtime_checkable
+class MovesLayers(Protocol):
+    """Its decoder layers can run on a stage elsewhere and come back with their K/V (CoCoServe's
+    module scaling, λScale's execution pipelines: torch)."""
+
+    def shed_layers(self, address: str) -> None: ...
+
+    def replicate_layers(self, address: str) -> None: ...
+
+    def drop_replica(self, address: str) -> None: ...
+
+    def take_layers(self, start: int, end: int, tensors=None) -> None: ...
+
+
+@runtime_checkable
+class ReportsLoad(Protocol):
+    """Says how its last load went: tier, seconds, bytes (the node's load records)."""
+
+    load_info: dict
+
+
+def has_adapter(engine: Engine | None, adapter: str | None) -> bool:
+    """The request's adapter (None: the base model) is loaded on `engine`."""
+    return adapter is None or (isinstance(engine, ServesAdapters) and adapter in engine.adapters)
+
+
+def load_info(engine: Engine) -> dict:
+    """What the engine reported of its load ({}: it reports nothing)."""
+    return (engine.load_info or {}) if isinstance(engine, ReportsLoad) else {}

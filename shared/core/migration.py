@@ -12,7 +12,8 @@ A request R moves from a source node A to a destination B while A keeps decoding
 
 Any refusal or failure before B accepts the commit leaves R where it was: A keeps decoding it
 (before the commit) or puts it back in its batch (a refused commit). Time is passed in; the
-worker only carries out these decisions.
+node's migration parts (services/node/migration_source.py, migration_destination.py) only
+carry out these decisions.
 """
 
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""Every NATS message the node sends, in one place: token messages to the gateways, replies to
+commands, commands to other nodes, requests handed back to the request stream, memory-op
+completions to the reservation-station stream, and queries to other nodes' multicast endpoints.
+
+Token messages are best effort (core NATS: a lost one is recovered by the gateway from the final
+message, or by asking the node). A request handed back must not be lost: a failed publish is
+retried in the background until the request's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.node.observe import NodeObserver
+from shared import wire
+from shared.cluster import decode_reply, encode_reply
+from shared.schemas import InferenceRequest, MemOpCompletion, NodeCommand, NodeReply, TokenMessage
+from shared.subjects import REQUEST_SUBJECT, memop_subject, node_command_subject, token_subject
+
+log = logging.getLogger("slinfer.node")
+
+
+class Outbox:
+    def __init__(self, nc: NATS, node_id: str, obs: NodeObserver) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self.node_id = node_id
+        self.obs = obs
+        self.closed = False  # the node is stopping: background retries give up
+        self._retries: set[asyncio.Task] = set()
+
+    # --- to the gateways ----------------------------------------------------------------------
+    async def token(self, message: TokenMessage, headers: bool = True) -> None:
+        """Best effort (core NATS): a message lost while NATS is down is recovered by the
+        gateway from the final message, or by asking this node (STATUS)."""
+        try:
+            trace = self.obs.message_headers(message.request_id, message.finished) \
+                if headers else None
+            await self.nc.publish(token_subject(message.request_id), wire.encode(message),
+                                  headers=trace)
+        except Exception as exc:
+            log.warning("token message for %s not sent: %r", message.request_id, exc)
+
+    async def announce(self, req: InferenceRequest) -> None:
+        """An empty token message that tells the gateway which node holds the request now (its
+        watchdog asks that node if the stream goes quiet). No trace headers: those ride the
+        request's token messages as `observe` counts them."""
+        await self.token(TokenMessage(req.request_id, len(req.resumed_token_ids), [],
+                                      node_id=self.node_id, attempt=req.attempt), headers=False)
+
+    # --- commands -------------------------------------------------------------------------------
+    async def respond(self, msg: Msg, reply: NodeReply) -> None:
+        try:
+            await msg.respond(encode_reply(reply))  # its view as a snapshot
+        except Exception as exc:  # NATS gone: the asker times out and asks again
+            log.warning("could not answer a command: %r", exc)
+
+    async def ask(self, node_id: str, cmd: NodeCommand, timeout: float) -> NodeReply | None:
+        """A command to another node; None if it did not answer in time."""
+        try:
+            return await self.command(node_id, cmd, timeout)
+        except Exception as exc:
+            log.warning("%s to %s: no answer (%r)", cmd.kind.value, node_id, exc)
+            return None
+
+    async def command(self, node_id: str, cmd: NodeCommand, timeout: float) -> NodeReply:
+        """A command to another node; raises when it does not answer."""
+        msg = await self.nc.request(node_command_subject(node_id), wire.encode(cmd),
+                                    timeout=timeout)
+        return decode_reply(msg.data, time.time())  # its view on our clock
+
+    async def query(self, subject: str, payload: bytes, timeout: float) -> bytes:
+        """A request on `subject` (another node's multicast endpoint); its answer's bytes."""
+        return (await self.nc.request(subject, payload, timeout=timeout)).data
+
+    # --- streams --------------------------------------------------------------------------------
+    async def memop_done(self, done: MemOpCompletion) -> None:
+        """Into the reservation-station stream (raises when NATS cannot take it)."""
+        await self.js.publish(memop_subject(self.node_id), wire.encode(done))
+
+    async def requeue(self, resumed: InferenceRequest) -> None:
+        """Back to the placers through the durable request stream, with its tokens so far. If
+        the stream cannot take it now (NATS down), retried in the background until the request's
+        deadline: the request left this node and must not be lost."""
+        try:
+            await self._publish_request(resumed)
+        except Exception as exc:
+            log.warning("requeue of %s failed (%r); retrying", resumed.request_id, exc)
+            task = asyncio.create_task(self._requeue_later(resumed),
+                                       name=f"requeue-{resumed.request_id}")
+            self._retries.add(task)  # a reference, so the task is not collected mid-way
+            task.add_done_callback(self._retries.discard)
+
+    async def _publish_request(self, resumed: InferenceRequest) -> None:
+        msg_id = f"{resumed.request_id}:resume:{resumed.attempt}:{len(resumed.resumed_token_ids)}"
+        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
+                              headers={**resumed.trace_context, "Nats-Msg-Id": msg_id}, timeout=5)
+
+    async def _requeue_later(self, resumed: InferenceRequest) -> None:
+        delay = 0.25
+        while not self.closed:
+            await asyncio.sleep(delay)
+            if resumed.deadline and time.time() > resumed.deadline:
+                log.warning("gave up requeueing %s: its deadline passed", resumed.request_id)
+                return
+            try:
+                await self._publish_request(resumed)
+                return
+            except Exception:
+                delay = min(2.0, delay * 2)
