@@ -58,7 +58,7 @@ from shared.cluster import adapter_spec, model_spec, read_nodes, request_view
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
-from shared.core.types import NodeView
+from shared.core.types import NodeView, resume_grace
 from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRecord, NodeCommand,
                             NodeReply)
 
@@ -246,6 +246,8 @@ class Placer:
             cmd = with_startup(cmd, startup)
             outcome["slinfer.placement.startup"] = startup_label(startup)
         reply = await self.port.command(plan.node_id, cmd)
+        if reply is None:
+            _judge_from_now(p)
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
         outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
         if reply is not None and reply.instance_id:
@@ -275,6 +277,16 @@ class Placer:
                                    f"refused {p.tries} times (last: {p.last_refusal})")
         else:
             p.next_try = time.time() + min(1.0, 0.02 * 2**p.tries)
+
+
+def _judge_from_now(p: Pending) -> None:
+    """The node did not answer (it died under the request, or the command was lost): the wait
+    was a fault's, not load's. Like a request the gateway resumes, it is judged as a new arrival
+    from now on (`resume_grace`), or it would be dropped as late for the seconds a dead node
+    cost it; the request's own deadline (the gateway's timeout) still bounds it."""
+    req = p.request
+    grace = resume_grace(req.arrival, req.tpot_slo_s, len(req.resumed_token_ids), time.time())
+    p.request = replace(req, grace_s=max(req.grace_s, grace))
 
 
 def _command_for(p: Pending, plan: PlacementPlan, record: ModelRecord) -> NodeCommand:

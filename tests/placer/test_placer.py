@@ -19,7 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from services.placer.placer import MAX_REFUSALS, Placer
-from shared.cluster import model_spec, save_profile
+from shared.cluster import model_spec, remove_node, save_profile
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware
@@ -27,8 +27,9 @@ from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
 from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeReply)
 from shared.subjects import REQUEST_SUBJECT
-from tests.placer.conftest import (GB, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
-                                   gpu_profile, publish, request, running_placer, settings, until)
+from tests.placer.conftest import (GB, MODEL, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
+                                   flat_profile, gpu_profile, publish, request, running_placer,
+                                   settings, until)
 
 pytestmark = pytest.mark.integration
 
@@ -318,3 +319,31 @@ async def test_an_emptied_redis_gets_its_registry_and_profiles_back(servers, con
         await until(lambda: placer.keeper.checks >= checks + 2, what="two more keeper checks")
         assert await ModelRegistry(redis).list() == []
     await node.stop()
+
+
+async def test_time_lost_to_a_node_that_died_under_a_request_is_its_grace(servers, conns):
+    """The placer sent the request to a node that died (it never answers); once the node is out
+    of the view, the request goes to the other node, judged like a new arrival, instead of being
+    dropped as late for the seconds the dead node cost it (the fault suite's node kill: a
+    request sent to the victim got 503 after the admit timeout)."""
+    nc, redis = conns
+    # A model that loads in 0.05 s: the new instance on the live node fits a fresh arrival's
+    # TTFT. (A slower load would still miss: a cold start's grace is max(grace, load), not
+    # their sum, so a request the fault delayed and that needs a cold start is still dropped.)
+    await save_profile(redis, flat_profile(MODEL.name, Hardware.GPU, 0.05, 0.01, load_s=0.05))
+    dead = await FakeNode(nc, redis, empty_gpu("dying"), answer=lambda c: None).start()
+    finals = Finals(nc)
+    req = request("lost-time", ttft=0.5)
+    await finals.watch(req.request_id)
+    async with running_placer(servers, admit_timeout_s=1.0):
+        await publish(nc, req)
+        await until(lambda: dead.commanded(req.request_id), what="the command to the dying node")
+        await dead.stop()
+        await remove_node(redis, dead.node_id)  # its snapshot expired
+        alive = await FakeNode(nc, redis, empty_gpu("alive")).start()
+        await until(lambda: alive.commanded(req.request_id) or req.request_id in finals.got,
+                    30.0, "the request to be placed or answered")
+        assert alive.commanded(req.request_id), finals.got.get(req.request_id)
+        placed = alive.commanded(req.request_id)[0].request
+        assert placed.grace_s > 1.0  # the admit timeout it lost, at least
+    await alive.stop()
