@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 from sim import scaleout
+from sim.config import SIZES, SYSTEMS, SimConfig
 from sim.report import dumps
-from sim.simulate import SIZES, SYSTEMS, SimConfig, load_mix, simulate
+from sim.simulate import load_mix, simulate
 from sim.workload import DEFAULT_LENGTHS_CSV
 
 

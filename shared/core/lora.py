@@ -34,8 +34,9 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import cold_start_ready_at, contended, evaluate, node_profiles
+from shared.core.evaluate import contended, evaluate, node_profiles
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import cold_start_ready_at
 from shared.core.shadow import shadow_hold
 from shared.core.types import AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView
 

@@ -15,7 +15,8 @@ from sim import lora
 from sim import profiles as P
 from sim.cli import main as cli_main
 from sim.engine import SimRequest, run
-from sim.simulate import SimConfig, params_of, simulate
+from sim.config import SimConfig, params_of
+from sim.simulate import simulate
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 GiB = 2**30

@@ -13,7 +13,7 @@ from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware, NodeView
 from shared.settings import core_config_from_env
 from services.placer.settings import burst_from_env
-from sim.simulate import SimConfig
+from sim.config import SimConfig
 from sim.slinfer_system import SlinferSystem
 
 from tests.core.factories import (flat_profile, linear_profile, loaded, model, node, perf_for,
