@@ -112,7 +112,8 @@ def bench_placement(n_nodes: int, n_models: int, samples: int, seed: int) -> dic
 def bench_in_operation(n_nodes: int, duration: float, seed: int) -> dict:
     """Time each placement the simulated SLINFER cluster makes (the simulator itself is untimed)."""
     from sim import slinfer_system
-    from sim.simulate import SimConfig, simulate
+    from sim.config import SimConfig
+    from sim.simulate import simulate
 
     times: list[float] = []
     decided: list[tuple[str, float]] = []

@@ -43,7 +43,8 @@ from shared import wire  # noqa: E402
 from shared.bus import ensure_streams  # noqa: E402
 from shared.cluster import model_spec, request_view, save_profile  # noqa: E402
 from shared.core.config import CoreConfig  # noqa: E402
-from shared.core.memory import kv_demand, watermark_target  # noqa: E402
+from shared.core.cost import kv_demand  # noqa: E402
+from shared.core.memory import watermark_target  # noqa: E402
 from shared.modelgen import ensure_model  # noqa: E402
 from shared.registry import ModelRegistry, model_record_from_dir  # noqa: E402
 from shared.schemas import InferenceRequest  # noqa: E402

@@ -385,7 +385,7 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     from shared.bus import ensure_streams
     from shared.cluster import read_nodes, save_profile
     from shared.core.config import CoreConfig
-    from shared.core.startup import stage_bytes
+    from shared.core.cost import stage_bytes
     from shared.core.types import InstanceStatus
     from shared.registry import ModelRegistry, model_record_from_dir
     from shared.schemas import InferenceRequest, TokenMessage

@@ -38,7 +38,8 @@ from services.node.worker import NodeWorker  # noqa: E402
 from shared import wire  # noqa: E402
 from shared.cluster import model_spec, save_profile  # noqa: E402
 from shared.core.config import CoreConfig  # noqa: E402
-from shared.core.modules import layer_weight_bytes, stage_key  # noqa: E402
+from shared.core.cost import layer_weight_bytes  # noqa: E402
+from shared.core.modules import stage_key  # noqa: E402
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile  # noqa: E402
 from shared.core.types import Hardware  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402

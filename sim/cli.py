@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from shared.core.preload import PRELOAD_INTERVAL_S
 from sim import scaleout
+from sim.config import SIZES, SYSTEMS, SimConfig
 from sim.report import dumps
-from sim.simulate import SIZES, SYSTEMS, SimConfig, load_mix, simulate
+from sim.simulate import load_mix, simulate
 from sim.workload import DEFAULT_LENGTHS_CSV
 
 
@@ -66,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-decode-overhead", type=float, metavar="X",
                       help="relative cost of an unmerged LoRA decode step (default: the curve "
                            "bench/lora.py measured)")
+    lora.add_argument("--lora-preload-s", type=float, default=PRELOAD_INTERVAL_S, metavar="S",
+                      help="shared: re-plan adapter and checkpoint pre-loading every S seconds, "
+                           "as the placer and nodes do by default (0: no pre-loading)")
     scaleout.add_arguments(p)
     p.add_argument("--out", help="write the JSON report here (default: stdout)")
     p.add_argument("--plot", metavar="DIR", help="write TTFT CDF and nodes-used timeline PNGs")
@@ -85,7 +90,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         noise=args.noise, engine_startup=args.engine_startup, storage=args.storage,
         lora_adapters=args.lora_adapters, lora_backbones=args.lora_backbones,
         lora_rank=args.lora_rank, lora_serving=args.lora_serving,
-        lora_decode_overhead=args.lora_decode_overhead,
+        lora_decode_overhead=args.lora_decode_overhead, lora_preload_s=args.lora_preload_s,
         extra=scaleout.extra_from(args))
 
 

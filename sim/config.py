@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.core.config import CoreConfig
+from shared.core.preload import PRELOAD_INTERVAL_S
 from shared.settings import core_config_from_env
 from sim import scaleout
 from sim.workload import DEFAULT_LENGTHS_CSV
@@ -56,6 +57,9 @@ class SimConfig:
     lora_rank: int = 8
     lora_serving: str = "shared"
     lora_decode_overhead: float | None = None  # None: the curve bench/lora.py measured
+    # "shared" serving pre-loads adapters and backbone checkpoints (ServerlessLoRA §4.1,
+    # sim/preload.py), re-planned this often as the placer and the nodes do by default; 0: off.
+    lora_preload_s: float = PRELOAD_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -129,6 +133,8 @@ def check_lora(cfg: SimConfig) -> None:
                          "backbone: use lora_serving 'merged' (--lora-serving merged)")
     if cfg.lora_decode_overhead is not None and cfg.lora_decode_overhead < 0:
         raise ValueError("lora_decode_overhead must be >= 0")
+    if cfg.lora_preload_s < 0:
+        raise ValueError("lora_preload_s must be >= 0")
 
 
 def params_of(cfg: SimConfig) -> dict[str, Any]:

@@ -10,6 +10,8 @@ backbones take `model_size`, or the `model_mix` split). Two ways to serve them:
   an adapter new to the instance costs its bytes plus its KV, not a model, and loads as its own
   memory op; idle adapters are offloaded under memory pressure (§4.3). A batch mixes adapters,
   computed unmerged: its iterations cost what `lora_cost()` adds (the core's `LoraCost`).
+  Adapters and backbone checkpoints are pre-loaded as the services do (§4.1, sim/preload.py:
+  every `lora_preload_s`, the placer's cluster plan carried out by the nodes).
 - "merged" (one full model per function, ServerlessLLM-style): function i is its own model of
   its backbone's size (the adapter merged into a copy of the weights). Any system runs it:
   SLINFER's core, or the sllm baselines (`sim/baselines.py`), which cannot share a backbone.
@@ -49,17 +51,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from shared.core.lora import NodePreload
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.perf_model import LoraCost, PerfModel
-from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, RequestView, adapter_key,
-                               adapter_owner, slo_for_input)
+from shared.core.preload import Preloadable
+from shared.core.types import (AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView,
+                               adapter_key, adapter_owner, slo_for_input)
 from sim import profiles as prof
 from sim.baselines import BaselineSystem
 from sim.build import DRAIN_S, Cluster, SimOutcome
 from sim.build import build_system as build_plain
 from sim.config import SimConfig, model_sizes, params_of
-from sim.engine import RunResult, SimRequest, Usage, run
+from sim.engine import EventLoop, Recorder, RunResult, SimRequest, Usage, run
 from sim.metrics import Metrics
+from sim.preload import Preloading
 from sim.report import build_report
 from sim.slinfer_system import SimNode, SlinferSystem
 from sim.workload import LengthSampler, build_workload
@@ -131,16 +136,25 @@ class LoraSlinferSystem(SlinferSystem):
 
     name = "slinfer"
 
-    def use_layout(self, lay: LoraLayout, rank: int) -> None:
+    def use_layout(self, lay: LoraLayout, rank: int, preload_s: float = 0.0) -> None:
+        """`preload_s`: re-plan pre-loading this often (0: none)."""
         self.layout = lay
         self.rank = rank  # every adapter's: its requests' iterations cost what the profile says
         self._function: dict[str, str] = {}  # request id -> its function (adapter)
         self.waited_for_adapter: set[str] = set()  # requests whose first token waited for one
+        self.preloading = Preloading(preloadables(lay), self.perf, preload_s) if preload_s else None
+
+    def bind(self, loop: EventLoop, rec: Recorder) -> None:
+        super().bind(loop, rec)
+        if self.preloading is not None:
+            loop.schedule(self.preloading.interval_s, "preload")
 
     def on_arrival(self, req: SimRequest) -> None:
         self.reqs[req.rid] = req
         self._function[req.rid] = req.model
         backbone = self.models[self.layout.backbone_of[req.model]]
+        if self.preloading is not None:
+            self.preloading.note(backbone.name, req.model, req.arrival)
         view = RequestView(req.rid, backbone.name, req.input_len, req.arrival, req.slo,
                            max_tokens=max(1, backbone.max_context - req.input_len),
                            lora_rank=self.rank, adapter=req.model)
@@ -148,6 +162,32 @@ class LoraSlinferSystem(SlinferSystem):
 
     def _adapter(self, view: RequestView) -> AdapterSpec | None:
         return self.layout.adapters[self._function[view.request_id]]
+
+    # --- pre-loading (ServerlessLoRA §4.1, sim/preload.py) ----------------------------------
+    def placer_views(self) -> list[NodeView]:
+        """The nodes' views as the placer reads them for its pre-loading plan."""
+        return self._views()
+
+    def preload_turn(self, now: float) -> dict[str, NodePreload]:
+        """The placer plans and sends; each node then carries out what it chose: adapter loads
+        run as its memory ops, checkpoint reads end in its DRAM tier (`_on_preload_read`)."""
+        plans = self.preloading.placer_turn(self.placer_views(), now)
+        for sn in self.nodes.values():
+            turn = self.preloading.node_turn(sn, now)
+            self._start_ops(sn, turn.ops)
+            self.rec.count("adapter_preloads", len(turn.attached))
+            for name, nbytes, seconds in turn.reads:
+                self.rec.count("checkpoint_preloads")
+                self.loop.schedule(now + seconds, "preload_read", (sn.node_id, name, nbytes))
+        return plans
+
+    def _on_preload(self, _: None) -> None:
+        self.preload_turn(self.loop.now)
+        self.loop.schedule(self.loop.now + self.preloading.interval_s, "preload")
+
+    def _on_preload_read(self, data: tuple[str, str, int]) -> None:
+        node_id, name, nbytes = data
+        self.nodes[node_id].storage.cache(name, nbytes)
 
     def _admitted(self, sn: SimNode, view: RequestView, cold: bool, result) -> bool:
         placed = super()._admitted(sn, view, cold, result)
@@ -172,6 +212,13 @@ class LoraSlinferSystem(SlinferSystem):
         tier, seconds = sn.storage.load(owner[1], nbytes, self.loop.now)
         self.rec.count(f"adapter_loads:{tier}")
         return seconds
+
+
+def preloadables(lay: LoraLayout) -> dict[str, Preloadable]:
+    """The run's backbones and adapters, as the registry's records give them to pre-loading."""
+    out = {name: Preloadable(name, spec.weight_bytes) for name, spec in lay.backbones.items()}
+    out.update({fn: Preloadable(fn, a.bytes, lay.backbone_of[fn]) for fn, a in lay.adapters.items()})
+    return out
 
 
 def lora_perf(perf: PerfModel, cost: LoraCost) -> None:
@@ -248,7 +295,7 @@ def build_system(cfg: SimConfig, lay: LoraLayout):
     cluster = Cluster(dict(lay.backbones), {b: lay.size_of[b] for b in lay.backbones}, book)
     system = build_plain(cfg, cluster, slinfer_cls=LoraSlinferSystem)
     assert isinstance(system, LoraSlinferSystem)
-    system.use_layout(lay, cfg.lora_rank)
+    system.use_layout(lay, cfg.lora_rank, cfg.lora_preload_s)
     lora_perf(system.perf, lora_cost(cfg.lora_rank, cfg.lora_decode_overhead))
     return system, (lambda: slinfer_memory(system))
 
@@ -280,6 +327,10 @@ def lora_section(cfg: SimConfig, lay: LoraLayout, system: Any, result: RunResult
         "instance_loads": m.counters.get("cold_starts", 0),
         "adapter_loads": m.counters.get("adapter_loads", 0),
         "adapter_offloads": m.counters.get("adapter_offloads", 0),  # under memory pressure
+        # pre-loading (§4.1): adapters attached before a request asked (their loads are in
+        # adapter_loads too), and checkpoints read into a node's DRAM tier ahead of a cold start
+        "adapter_preloads": m.counters.get("adapter_preloads", 0),
+        "checkpoint_preloads": m.counters.get("checkpoint_preloads", 0),
         "adapter_loads_by_tier": {k.removeprefix("adapter_loads:"): v
                                   for k, v in sorted(m.counters.items())
                                   if k.startswith("adapter_loads:")},

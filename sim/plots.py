@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim.simulate import SimOutcome
+from sim.build import SimOutcome
 
 
 def _plt():

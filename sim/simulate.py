@@ -7,17 +7,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from sim.build import (DRAIN_S, NOISE_SEED, Cluster, SimOutcome, build_cluster,  # noqa: F401
-                       build_requests, build_system, node_views)
-from sim.config import (SIZES, STORAGE_MODES, SYSTEMS, SimConfig, model_sizes,  # noqa: F401
-                        params_of)
+from sim.build import DRAIN_S, SimOutcome, build_cluster, build_requests, build_system
+from sim.config import SimConfig, params_of
 from sim.engine import run
 from sim.lora import simulate_lora
 from sim.metrics import Metrics
 from sim.report import build_report
-
-# (the names above that this file does not use stay importable from here, where callers and
-# other branches' code import them: `from sim.simulate import SimConfig, build_system`)
 
 
 def simulate(cfg: SimConfig, on_progress: Callable[[float], None] | None = None) -> SimOutcome:

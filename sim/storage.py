@@ -63,13 +63,38 @@ class NodeStorage:
         self.disk = _LRU(spec.disk_bytes if spec.caching else 0)
         self.io_free_at = 0.0  # when the node's disk/registry queue is free
 
+    @property
+    def dram_bytes(self) -> int:
+        """The DRAM tier's capacity (0 in the "registry" mode)."""
+        return self.dram.capacity
+
     def tier_of(self, model: str) -> str:
         return "dram" if model in self.dram else "disk" if model in self.disk else "registry"
 
     def view(self, now: float) -> StorageView:
         holds = {m: "dram" for m in self.dram.items}
         holds.update({m: "disk" for m in self.disk.items if m not in holds})
-        return StorageView(dict(self.spec.bytes_per_s), holds, max(0.0, self.io_free_at - now))
+        return StorageView(dict(self.spec.bytes_per_s), holds, max(0.0, self.io_free_at - now),
+                           dram_bytes=self.dram_bytes)
+
+    def io_busy(self, now: float) -> bool:
+        """A disk or registry load is queued or running (the loader's `pending`)."""
+        return self.io_free_at > now
+
+    def touch(self, model: str, nbytes: int) -> None:
+        """A DRAM-tier hit that only makes the checkpoint the most recently used."""
+        self.dram.touch(model, nbytes)
+
+    def read_ahead(self, model: str, nbytes: int, now: float) -> float:
+        """Start reading a checkpoint into the DRAM tier before any cold start asks for it
+        (pre-loading, sim/preload.py): it takes the node's I/O queue like a load; the seconds
+        until it is read (then `cache` it, as the loader keeps what it read)."""
+        tier = self.tier_of(model)
+        if tier == "dram":
+            return 0.0
+        start = max(now, self.io_free_at)
+        self.io_free_at = start + nbytes / self.spec.bytes_per_s[tier]
+        return self.io_free_at - now
 
     def estimate(self, model: str, nbytes: int, now: float) -> tuple[str, float]:
         """What `load` would answer now, without starting it (a node choosing between its own

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.sim.runner import run_plan
 from sim.plots import ttft_cdf
-from sim.simulate import SimConfig
+from sim.config import SimConfig
 
 SYSTEMS = ("sllm", "sllm+c", "sllm+c+s", "slinfer")
 SIZES = ("3b", "7b", "13b")

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.simulate import SimConfig, SimOutcome
+    from sim.build import SimOutcome
+    from sim.config import SimConfig
 
 # A run's summary row from its key, config and outcome (module-level: it goes to the workers).
 RowFn = Callable[[str, "SimConfig", "SimOutcome"], dict]

@@ -50,7 +50,8 @@ from bench.sim.cells import (BEGIN_L, END_L, LAMBDA_VARIANTS, SIZES, SPIKES, cel
 from bench.sim.runner import run_plan
 from sim.report import percentile
 from sim.scaleout import Spikes
-from sim.simulate import SimConfig, build_cluster
+from sim.build import build_cluster
+from sim.config import SimConfig
 
 LINKS = (100.0, 400.0)
 BASE = dict(models=32, cpu_nodes=0, gpu_nodes=8, duration=1800.0, storage="tiered")

@@ -25,9 +25,9 @@ from services.node.load_record import LoadRecord
 from services.node.pipeline_mode import PipelineStarts
 from services.node.runtime import NodeRuntime
 from shared import wire
-from shared.core.evaluate import load_seconds
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_scheduler import AdmitResult
+from shared.core.readiness import load_seconds
 from shared.cluster import model_spec
 from shared.core.types import adapter_owner
 from shared.schemas import FinishReason, MemOpCompletion, ModelRecord

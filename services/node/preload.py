@@ -2,7 +2,8 @@
 
 Every `SLINFER_PRELOAD_INTERVAL_S` the node re-plans from the invocation rates its own
 admissions show (`NodeScheduler.rate`: a request through an adapter counts for the adapter and
-its backbone) with `shared.core.lora.plan_node_preload`, then:
+its backbone) with `shared.core.preload.node_preload` (the simulator's nodes call the same
+functions, sim/preload.py; this file keeps the I/O), then:
 
 - keeps the planned backbones' checkpoints in its loader's DRAM tier: a missing one is read into
   it (one at a time, and only while no cold start waits for the node's I/O), and the planned
@@ -34,9 +35,10 @@ from dataclasses import dataclass
 
 from services.node.runtime import NodeRuntime
 from shared import wire
-from shared.core.lora import Artifact, NodePreload, plan_node_preload
-from shared.core.node_scheduler import ADAPTER_LOAD_BYTES_PER_S
-from shared.core.types import AdapterSpec, InstanceStatus
+from shared.core.lora import NodePreload
+from shared.core.preload import (Preloadable, accept_cluster_plan, checkpoint_steps,
+                                 node_preload, plan_fresh, ready_backbones)
+from shared.core.types import AdapterSpec
 from shared.registry import ModelRegistry
 from shared.schemas import ModelRecord, PreloadPlan
 from shared.subjects import preload_subject
@@ -68,40 +70,26 @@ class Preloader:
         # The placer's latest pre-loading plan for this node and when it came (monotonic).
         self.cluster: tuple[float, PreloadPlan] | None = None
 
-    def artifacts(self, now: float) -> tuple[list[Artifact], list[Artifact]]:
-        """The backbones and adapters this node has been asked for, with their rates here."""
-        sched, hardware = self.rt.sched, self.rt.sched.node.hardware
-        backbones = []
-        for name, record in self.backbones.items():
-            profile = self.rt.base_perf.get(name, hardware)
-            if record.engine != "torch" or profile is None:
-                continue
-            # The time a pre-loaded checkpoint saves: its cold load as profiled (from the registry).
-            backbones.append(Artifact(name, record.weight_bytes, profile.load_s,
-                                      sched.rate(name, now)))
-        adapters = [Artifact(name, rec.weight_bytes, rec.weight_bytes / ADAPTER_LOAD_BYTES_PER_S,
-                             sched.rate(name, now), rec.base_model)
-                    for name, rec in self.adapters.items() if rec.base_model in self.backbones]
+    def known(self) -> tuple[list[Preloadable], list[Preloadable]]:
+        """The torch-engine backbones this node has been asked for, and the adapters of any
+        backbone it has been asked for."""
+        backbones = [preloadable(r) for r in self.backbones.values() if r.engine == "torch"]
+        adapters = [preloadable(r) for r in self.adapters.values()
+                    if r.base_model in self.backbones]
         return backbones, adapters
 
     def ready_instances(self) -> dict[str, str]:
         """Backbone -> a ready instance of it here (with its engine), that adapters can join."""
-        instances: dict[str, str] = {}
-        for inst in sorted(self.rt.sched.node.instances, key=lambda i: i.instance_id):
-            if inst.status is InstanceStatus.READY and \
-                    self.rt.engines.get(inst.instance_id) is not None:
-                instances.setdefault(inst.model.name, inst.instance_id)
-        return instances
+        return ready_backbones(self.rt.sched.node,
+                               lambda iid: self.rt.engines.get(iid) is not None)
 
     def plan(self, now: float) -> NodePreload:
-        sched = self.rt.sched
-        backbones, adapters = self.artifacts(now)
-        instances = self.ready_instances()
-        attached = {i.instance_id: set(i.adapters) for i in sched.node.instances}
-        loader = self.rt.loader
+        sched, loader = self.rt.sched, self.rt.loader
+        backbones, adapters = self.known()
         dram = loader.settings.dram_cache_bytes if loader is not None else 0
-        return plan_node_preload(backbones, adapters, dram, instances, attached,
-                                 sched.ledger.capacity - sched.ledger.budget)
+        return node_preload(sched.node, backbones, adapters, sched.rate, self.rt.base_perf, now,
+                            dram, sched.ledger.capacity - sched.ledger.budget,
+                            self.ready_instances())
 
     async def _record(self, name: str) -> ModelRecord | None:
         try:
@@ -111,34 +99,35 @@ class Preloader:
             return None
 
     async def placer_plan(self, sent: PreloadPlan) -> NodePreload:
-        """The placer's plan for this node, as far as this node can carry it out now: torch-engine
-        backbones (their records learned), adapters of a backbone with a ready instance here."""
-        checkpoints = []
+        """The placer's plan for this node, as far as this node can carry it out now
+        (`accept_cluster_plan`): the records it names are read first, and the ones it keeps are
+        learned (a backbone's name for the tiers report too)."""
+        records: dict[str, ModelRecord] = {}
         for name in sent.checkpoints:
             record = self.backbones.get(name) or await self._record(name)
-            if record is None or record.base_model is not None or record.engine != "torch":
-                continue
-            self.backbones[name] = record
-            self.rt.model_names.learn(record)
-            checkpoints.append(name)
+            if record is not None and record.engine == "torch":
+                records[name] = record
         ready = set(self.ready_instances().values())
-        adapters = []
         for iid, name in sent.adapters:
-            inst = self.rt.sched.node.instance(iid)
-            if iid not in ready or inst is None:
-                continue
-            record = self.adapters.get(name) or await self._record(name)
-            if record is None or record.base_model != inst.model.name:
-                continue
-            self.adapters[name] = record
-            adapters.append((iid, name))
-        return NodePreload(tuple(checkpoints), tuple(adapters))
+            if iid in ready and name not in records:
+                record = self.adapters.get(name) or await self._record(name)
+                if record is not None:
+                    records[name] = record
+        offered = NodePreload(tuple(sent.checkpoints), tuple((i, n) for i, n in sent.adapters))
+        chosen = accept_cluster_plan(offered, self.rt.sched.node, ready,
+                                     {n: preloadable(r) for n, r in records.items()})
+        for name in chosen.checkpoints:
+            self.backbones[name] = records[name]
+            self.rt.model_names.learn(records[name])
+        for _, name in chosen.adapters:
+            self.adapters[name] = records[name]
+        return chosen
 
     async def choose(self, now: float) -> tuple[NodePreload, str]:
         """The placer's fresh plan if there is one, else this node's own."""
         if self.cluster is not None:
             received, sent = self.cluster
-            if time.monotonic() - received <= sent.valid_s:
+            if plan_fresh(received, sent.valid_s, time.monotonic()):
                 return await self.placer_plan(sent), "placer"
         return self.plan(now), "node"
 
@@ -155,18 +144,16 @@ class Preloader:
                 attached.append(name)
         read = []
         loader = rt.loader
-        for name in chosen.checkpoints:  # least valuable first: the most valuable ends most recent
-            if loader is None or rt.stopping:
+        steps = () if loader is None else checkpoint_steps(
+            chosen.checkpoints, lambda name: loader.tier_of(self.backbones[name].path),
+            bool(loader.pending))
+        for name, reads in steps:  # least valuable first: the most valuable ends most recent
+            if rt.stopping:
                 break
-            path = self.backbones[name].path
-            tier = loader.tier_of(path)
-            if tier is None:
-                continue  # no converted checkpoint to read (yet)
-            if tier != "dram":
-                if read or loader.pending:
-                    continue  # one read per re-plan, and never ahead of a cold start's load
+            if reads:
                 read.append(name)
-            await asyncio.to_thread(loader.host_checkpoint, path)  # a hit only touches it
+            # a read into the DRAM tier, or a hit that only touches it
+            await asyncio.to_thread(loader.host_checkpoint, self.backbones[name].path)
         if read or attached:
             rt.refresh_storage()
             log.info("pre-loaded %s", ", ".join([*(f"{n} (DRAM tier)" for n in read),
@@ -198,3 +185,7 @@ class Preloader:
                 raise
             except Exception as exc:
                 self.rt.trouble("pre-loading", exc)
+
+
+def preloadable(record: ModelRecord) -> Preloadable:
+    return Preloadable(record.name, record.weight_bytes, record.base_model)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.node.loader.settings import LoaderSettings
 from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
 from shared.core.config import CoreConfig
+from shared.core.preload import PRELOAD_INTERVAL_S
 from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
 
 GiB = 1024**3
@@ -50,7 +51,7 @@ class NodeSettings:
     multicast_rate_bytes_per_s: float | None = None
     # Artifact pre-loading (ServerlessLoRA §4.1, services/node/preload.py): re-planned this
     # often from the rates the node sees; 0 = off.
-    preload_interval_s: float = 5.0
+    preload_interval_s: float = PRELOAD_INTERVAL_S
 
     @classmethod
     def from_env(cls) -> NodeSettings:
@@ -88,7 +89,8 @@ class NodeSettings:
                                                  minimum=1.0),
             multicast_rate_bytes_per_s=env_float("SLINFER_MULTICAST_RATE_BYTES_PER_S", 0.0,
                                                  minimum=0.0) or None,
-            preload_interval_s=env_float("SLINFER_PRELOAD_INTERVAL_S", 5.0, minimum=0.0),
+            preload_interval_s=env_float("SLINFER_PRELOAD_INTERVAL_S", PRELOAD_INTERVAL_S,
+                                         minimum=0.0),
         )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.module_scaling import ModuleSettings
+from shared.core.preload import PRELOAD_INTERVAL_S
 from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
 
 
@@ -27,7 +28,7 @@ class PlacerSettings:
     modules: ModuleSettings = ModuleSettings(replicate=False)
     # ServerlessLoRA §4.1 (services/placer/preloader.py): the cluster's pre-loading plan is made
     # and sent to the nodes this often (0: never; each node then plans from its own rates).
-    preload_interval_s: float = 5.0
+    preload_interval_s: float = PRELOAD_INTERVAL_S
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -39,7 +40,8 @@ class PlacerSettings:
                    name=env_str("SLINFER_PLACER_NAME", "placer"),
                    ack_wait_s=env_float("SLINFER_PLACER_ACK_WAIT_S", 10.0, minimum=1.0),
                    module_scaling_s=env_float("SLINFER_MODULE_SCALING_S", 1.0, minimum=0.0),
-                   preload_interval_s=env_float("SLINFER_CLUSTER_PRELOAD_S", 5.0, minimum=0.0),
+                   preload_interval_s=env_float("SLINFER_CLUSTER_PRELOAD_S", PRELOAD_INTERVAL_S,
+                                                        minimum=0.0),
                    modules=ModuleSettings(
                        hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
                        link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,

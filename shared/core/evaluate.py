@@ -11,10 +11,8 @@ from shared.core.config import CoreConfig
 from shared.core.cost import budget_room, contended, instance_profile, kv_ceiling, kv_demand
 from shared.core.memory import watermark_target
 from shared.core.perf_model import PerfModel, Profile
-# Moved to readiness; also imported from here by older callers (noqa: re-exports).
-from shared.core.readiness import (  # noqa: F401
-    NEW_INSTANCE_ID, blocked_while_growing, cold_start_ready_at, handover_ready_at, join_grace,
-    load_seconds, new_instance_view)
+from shared.core.readiness import (NEW_INSTANCE_ID, blocked_while_growing, cold_start_ready_at,
+                                   join_grace, load_seconds, new_instance_view)
 from shared.core.shadow import shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.evaluate import cold_start_ready_at, contended, evaluate, node_profiles
+from shared.core.evaluate import contended, evaluate, node_profiles
 from shared.core.perf_model import PerfModel
+from shared.core.readiness import cold_start_ready_at
 from shared.core.shadow import shadow_hold
 from shared.core.types import AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView
 
@@ -322,8 +323,9 @@ def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact
     held_anywhere = {b for by in ready.values() for b in by}
     wanted = [a for a in adapters if a.backbone in held_anywhere and a.value > 0]
     free = {n.node_id: max(0, n.memory_bytes - n.budget_bytes) for n in nodes if n.node_id in ready}
-    attach = preload_plan([*(b for b in backbones if b.name in held_anywhere), *wanted], free,
-                          resident)
+    # Adapters only: a backbone among the items would be placed on paper on a node that does not
+    # run it (the one with the most room), and its adapters after it, with no instance there.
+    attach = preload_plan(wanted, free, resident)
     by_name = {a.name: a for a in wanted}
     return {n.node_id: NodePreload(
         tuple(reversed(dram.get(n.node_id, []))),

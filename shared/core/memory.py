@@ -12,8 +12,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-# K/V demand is part of what an instance costs (shared.core.cost); re-exported for old imports.
-from shared.core.cost import in_blocks, kv_demand, m_require, request_tokens  # noqa: F401
 from shared.core.perf_model import Profile
 
 UNLOAD_S = 0.05  # freeing an instance's memory (ASSUMPTION: tens of milliseconds)

@@ -44,12 +44,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-# The cost and memory of a split or replicated instance live in shared.core.cost (what an
-# instance costs, in one place); re-exported here for the callers that import them from here.
-from shared.core.cost import (HopCost, LayerMove, Replication, instance_profile,  # noqa: F401
-                              layer_weight_bytes, layout_hop, layout_hops, layout_profile,
-                              layout_replication, layout_spec, pipeline_profile,
-                              plan_layer_move, replicated_profile, share_spec, stage_load)
+from shared.core.cost import HopCost, Replication, plan_layer_move
 from shared.core.perf_model import Profile
 from shared.core.types import ModelSpec
 

@@ -46,9 +46,8 @@ import enum
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
-from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes,  # noqa: F401
-                              multicast_step_s, pipeline_helper_loads, round_fits, stage_bytes)
-from shared.core.modules import share_spec
+from shared.core.cost import (budget_room, hosted_layer_bytes, multicast_step_s,
+                              pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.multicast import head_first, whole_steps
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.pipeline import head_spans, holder_serve, model_layout, receiver_plan

@@ -8,13 +8,14 @@ from dataclasses import replace
 from shared.core.config import CoreConfig
 from shared.core.calibration import DECODE, PREFILL, Calibrator, baseline_s, calibrated
 from shared.core.cost import (contended, decode_round_s, instance_profile, kv_demand,
-                              layer_weight_bytes, pipeline_helper_loads, plan_layer_move)
+                              layer_weight_bytes, pipeline_helper_loads, plan_layer_move,
+                              stage_bytes)
 from shared.core.iteration import IterationChoice, IterationKind, predict_seconds
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModuleSettings,
                                         plan_module_scaling)
 from shared.core.modules import stage_key
 from shared.core.placement import place
-from shared.core.startup import StartupMethod, choose_startup, stage_bytes, with_startup
+from shared.core.startup import StartupMethod, choose_startup, with_startup
 from shared.core.types import Hardware, InstanceLayout, LayerRun
 
 from .factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, flat_profile, loaded, model, node,

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from shared.core.config import CoreConfig
-from shared.core.evaluate import load_seconds
 from shared.core.multicast import step_seconds, whole_steps
 from shared.core.placement import PlaceAction, place
+from shared.core.readiness import load_seconds
 from shared.core.startup import StartupMethod, choose_startup, multicast_arrive_s, with_arrival
 from shared.core.types import Hardware, StorageView
 

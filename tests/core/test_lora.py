@@ -149,6 +149,20 @@ def test_the_cluster_plan_attaches_adapters_where_their_backbone_runs_and_only_c
     assert plan["a"].adapters == (("i1", "hot"),) and plan["b"].adapters == ()
 
 
+def test_the_cluster_plan_attaches_no_adapter_beside_another_backbone_with_more_room():
+    """A node that runs another backbone and has the most room is no place for an adapter: the
+    plan used to put the adapter's backbone there on paper, the adapter after it, and then found
+    no instance there to attach it to (a KeyError the placer logged as a failed turn; the
+    simulator's LoRA runs met it first)."""
+    from shared.core.lora import plan_cluster_preload
+
+    bb, qwen = _backbone("llama-8b", 1.0), _backbone("qwen", 1.0)
+    a = _node("a", 0.0, instances=[_instance("i1", "llama-8b")], free_gb=5.0)
+    b = _node("b", 0.0, instances=[_instance("j1", "qwen")], free_gb=50.0)
+    plan = plan_cluster_preload([a, b], [bb, qwen], [adapter("hot", 5.0)])
+    assert plan["a"].adapters == (("i1", "hot"),) and plan["b"].adapters == ()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(0.5, 6.0)), min_size=1, max_size=8),
        st.lists(st.floats(0.0, 10.0), min_size=1, max_size=4))

@@ -1,6 +1,7 @@
 """Eq. 2, the watermark and the ledger's budget/pessimistic/reservation-station rules."""
 
-from shared.core.memory import MemOpKind, MemoryLedger, m_require, watermark_target
+from shared.core.cost import m_require
+from shared.core.memory import MemOpKind, MemoryLedger, watermark_target
 
 from tests.core.factories import request
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shared.core.config import CoreConfig
+from shared.core.cost import (HopCost, Replication, layer_weight_bytes, pipeline_profile,
+                              plan_layer_move, replicated_profile, share_spec)
 from shared.core.memory import MemoryLedger, MemOpKind
-from shared.core.modules import (HopCost, Replication, layer_weight_bytes, pipeline_profile,
-                                 plan_layer_move, replicated_profile, share_spec, speedup,
-                                 stage_key)
+from shared.core.modules import speedup, stage_key
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.shadow import shadow_validate
 from shared.core.admission import AdmitReason

@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 
 from shared.core.busy import BusyMeter
 from shared.core.config import CoreConfig
+from shared.core.cost import (layer_weight_bytes, layout_hop, pipeline_profile, plan_layer_move,
+                              share_spec)
 from shared.core.evaluate import node_profiles
 from shared.core.memory import MemOpKind
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
                                         memory_deficit, plan_module_scaling, predicted_load)
-from shared.core.modules import (layer_weight_bytes, layers_to_shed, layout_hop,
-                                 pipeline_profile, plan_layer_move, share_spec, stage_key)
+from shared.core.modules import layers_to_shed, stage_key
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware, InstanceLayout, LayerRun, ModelSpec
 

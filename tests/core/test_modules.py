@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.core.modules import (Device, Reduction, Replication, eviction_order, module_reduction,
-                                 scale_up, speedup)
+from shared.core.cost import Replication
+from shared.core.modules import (Device, Reduction, eviction_order, module_reduction, scale_up,
+                                 speedup)
 
 
 def test_speedup_model_rewards_replicas_and_charges_hops():

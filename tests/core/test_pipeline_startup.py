@@ -12,13 +12,14 @@ from dataclasses import replace
 import pytest
 
 from shared.core.config import CoreConfig
-from shared.core.evaluate import evaluate, load_seconds, new_instance_view
-from shared.core.modules import HopCost, instance_profile, pipeline_profile
+from shared.core.cost import HopCost, instance_profile, pipeline_profile, stage_bytes
+from shared.core.evaluate import evaluate
 from shared.core.multicast import (Block, arrival_steps, binomial_steps, head_first, kway_orders,
                                    kway_schedule)
 from shared.core.placement import PlaceAction, place
 from shared.core.pipeline import holder_serve
-from shared.core.startup import StartupMethod, choose_startup, stage_bytes, with_startup
+from shared.core.readiness import load_seconds, new_instance_view
+from shared.core.startup import StartupMethod, choose_startup, with_startup
 from shared.core.types import Hardware
 
 from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, node, perf_for, request,

@@ -16,8 +16,8 @@ from shared.core.config import CoreConfig
 from shared.core.multicast import arrival_steps, head_first, kway_schedule
 from shared.core.pipeline import (StageRange, head_spans, layers_held, model_layout,
                                   receiver_plan, transfer_hops)
-from shared.core.startup import (StartupMethod, choose_startup, helper_bytes, hosted_layer_bytes,
-                                 receivers_in_order, stage_bytes, with_startup)
+from shared.core.cost import helper_bytes, hosted_layer_bytes, stage_bytes
+from shared.core.startup import StartupMethod, choose_startup, receivers_in_order, with_startup
 from shared.schemas import CommandKind, NodeCommand
 
 from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, perf_for, tiered_gpu

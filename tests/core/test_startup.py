@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from shared.core.config import CoreConfig
-from shared.core.evaluate import cold_start_ready_at, load_seconds
+from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware, StorageView
 

@@ -32,7 +32,8 @@ import pytest
 
 from shared import wire
 from shared.cluster import model_spec, request_view, save_profile
-from shared.core.memory import kv_demand, watermark_target
+from shared.core.cost import kv_demand
+from shared.core.memory import watermark_target
 from shared.schemas import CommandKind, FinishReason, InferenceRequest, NodeCommand, RequestState
 from shared.subjects import REQUEST_SUBJECT
 

@@ -30,9 +30,9 @@ from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import model_spec, read_nodes, save_profile
 from shared.core.config import CoreConfig
-from shared.core.memory import kv_demand
+from shared.core.cost import kv_demand, layer_weight_bytes, share_spec
 from shared.core.module_scaling import ModuleAction, ModuleSettings
-from shared.core.modules import layer_weight_bytes, share_spec, stage_key
+from shared.core.modules import stage_key
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import SLO, Hardware, RequestView
 from shared.registry import ModelRegistry, model_record_from_dir

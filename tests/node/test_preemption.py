@@ -29,7 +29,8 @@ from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import model_spec, request_view
 from shared.core.config import CoreConfig
-from shared.core.memory import kv_demand, watermark_target
+from shared.core.cost import kv_demand
+from shared.core.memory import watermark_target
 from shared.core.types import InstanceStatus
 from shared.registry import ModelRegistry
 from shared.schemas import CommandKind, MigrationTarget, NodeCommand

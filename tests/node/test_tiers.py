@@ -35,7 +35,7 @@ from shared import wire
 from shared.bus import ensure_streams
 from shared.cluster import model_spec, read_nodes, save_profile
 from shared.core.config import CoreConfig
-from shared.core.evaluate import load_seconds
+from shared.core.readiness import load_seconds
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware, NodeView, StorageView
 from shared.registry import ModelRegistry, model_record_from_dir

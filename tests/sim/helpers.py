@@ -5,7 +5,8 @@ from __future__ import annotations
 from shared.core.types import slo_for_input
 from sim.engine import SimRequest, run
 from sim.metrics import Metrics
-from sim.simulate import SimConfig, build_cluster, build_system
+from sim.build import build_cluster, build_system
+from sim.config import SimConfig
 
 
 def run_requests(system: str, size: str, cpu: int, gpu: int, n_models: int,

@@ -15,7 +15,8 @@ from sim import lora
 from sim import profiles as P
 from sim.cli import main as cli_main
 from sim.engine import SimRequest, run
-from sim.simulate import SimConfig, params_of, simulate
+from sim.config import SimConfig, params_of
+from sim.simulate import simulate
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 GiB = 2**30
@@ -219,6 +220,47 @@ def test_idle_adapters_are_offloaded_when_a_new_one_needs_the_room(monkeypatch):
     assert m.counters["cold_starts"] == 1 and m.counters["adapter_loads"] == 3
     assert m.counters["adapter_offloads"] == 1
     assert m.weight_peak <= P.GPU_MEMORY_BYTES
+
+
+# --- pre-loading (ServerlessLoRA §4.1, sim/preload.py) -----------------------------------------
+def test_an_adapter_called_before_is_preloaded_onto_the_backbones_next_instance():
+    # Function 1 runs at t = 0 and its instance is reclaimed (1 s keep-alive); function 0 then
+    # starts a new instance of the backbone at t = 3. The turn at t = 5 attaches function 1's
+    # adapter to it (it was called; the placer's plan), so its next request at t = 7 finds it
+    # there. Without pre-loading that request waits for the adapter's load (3 ms here, hidden
+    # behind the iteration in flight: the TTFTs come out the same).
+    reqs = [(0.0, 1, 256, 5), (3.0, 0, 256, 300), (7.0, 1, 256, 5)]
+    on, rq_on, m_on, _, _ = run_lora("shared", reqs)
+    off, rq_off, m_off, _, _ = run_lora("shared", reqs, lora_preload_s=0.0)
+    assert m_on.counters["adapter_preloads"] == 1 and "adapter_preloads" not in m_off.counters
+    assert m_on.counters["cold_starts"] == m_off.counters["cold_starts"] == 2
+    assert "r2" not in on.waited_for_adapter and "r2" in off.waited_for_adapter
+    assert all(r.slo_met for r in rq_on + rq_off)
+
+
+def test_a_planned_checkpoint_is_read_into_the_dram_tier_before_its_cold_start():
+    # The placer's plan (standing in for its message) puts the backbone's checkpoint in the
+    # node's cold DRAM tier: the turn at t = 5 reads it from the registry (10.8 s on the node's
+    # I/O queue, once: the turns meanwhile find the queue busy), and the cold start at t = 20
+    # loads from DRAM. Without the plan that cold start reads the registry.
+    from shared.core.lora import NodePreload
+
+    def cold_start_tier(plan: bool) -> tuple[dict, float]:
+        cfg = SimConfig(lora_adapters=2, cpu_nodes=0, gpu_nodes=1, storage="tiered",
+                        duration=60.0, noise=0.0)
+        lay = lora.layout(cfg)
+        system, memory = lora.build_system(cfg, lay)
+        if plan:
+            system.preloading.sent["gpu0"] = (0.0, NodePreload(("bb0-7b",), ()))
+        req = SimRequest("r0", lay.functions[0], 256, 5, 20.0, slo_for_input(256))
+        metrics = lora.MemoryMetrics(memory)
+        run(system, [req], metrics, horizon=120.0)
+        return metrics.counters, req.ttft
+
+    (with_plan, ttft), (without, ttft_cold) = cold_start_tier(True), cold_start_tier(False)
+    assert with_plan["checkpoint_preloads"] == 1 and with_plan["loads:dram"] == 1
+    assert "checkpoint_preloads" not in without and without["loads:registry"] == 1
+    assert ttft + 5.0 < ttft_cold
 
 
 def test_benchmark_section_is_generated_from_the_summary_and_replaced_in_place(tmp_path):

@@ -10,10 +10,10 @@ from dataclasses import replace
 from shared import wire
 from shared.core.node_scheduler import NodeScheduler
 from shared.core.placement import PlaceAction, place
-from shared.core.types import Hardware, NodeView
+from shared.core.types import Hardware, InstanceStatus, NodeView
 from shared.settings import core_config_from_env
 from services.placer.settings import burst_from_env
-from sim.simulate import SimConfig
+from sim.config import SimConfig
 from sim.slinfer_system import SlinferSystem
 
 from tests.core.factories import (flat_profile, linear_profile, loaded, model, node, perf_for,
@@ -202,3 +202,106 @@ def test_a_host_whose_own_requests_ran_late_loses_its_replicas_in_both_planners(
     ours = system.cocoserve.overload_plans("b")
     assert [p.action for p in ours] == [ModuleAction.DROP_REPLICA]
     assert scaler.decide(after, perf, 2.0, core) == ours
+
+
+# -- LoRA pre-loading (ServerlessLoRA §4.1): the placer's plan is the simulator's --------------
+
+def _lora_cluster():
+    """A LoRA run's cluster just before its third pre-loading turn: one CPU and two GPU nodes with
+    tiered storage (cold: the backbones' first loads read the registry, about 11 s), two 7B
+    backbones and six functions. Functions 0 and 1 run (outputs long enough that their
+    backbones' instances still run when the plan is made); 2 to 5 were called before, on
+    instances gone since, so their adapters are attached nowhere. Every call at t = 0, a
+    different number of times per function, so no two artifacts tie. Returns the system, the
+    layout, the calls (a function each) and the time."""
+    from sim import lora
+    from sim.engine import SimRequest, run
+    from shared.core.types import slo_for_input
+
+    cfg = SimConfig(lora_adapters=6, lora_backbones=2, cpu_nodes=1, gpu_nodes=2,
+                    storage="tiered", duration=60.0, noise=0.0)
+    lay = lora.layout(cfg)
+    system, memory = lora.build_system(cfg, lay)
+    calls = [f for i, f in enumerate(lay.functions) for _ in range(i + 1)]
+    requests = [SimRequest(f"r{k}", f, 256, 2000, 0.0, slo_for_input(256))
+                for k, f in enumerate(calls) if f in lay.functions[:2]]
+    for f in calls:
+        if f not in lay.functions[:2]:
+            system.preloading.note(lay.backbone_of[f], f, 0.0)
+    now = 3 * system.preloading.interval_s - 0.1
+    run(system, requests, lora.MemoryMetrics(memory), horizon=now)
+    return system, lay, calls, now
+
+
+async def test_the_placer_sends_the_preloading_plan_the_simulator_makes(own_servers):
+    """The same recorded calls and node views (through Redis and the wire) give the placer's
+    Pre-Loading Scheduler (`ClusterPreloader`, with its default settings) the plan the
+    simulator's placer turn makes, node by node, with the same validity."""
+    import time
+
+    import nats
+    from redis.asyncio import Redis
+
+    from services.placer.placer import Placer
+    from services.placer.settings import PlacerSettings
+    from shared.cluster import publish_node, save_profile
+    from shared.core.config import CoreConfig
+    from shared.registry import ModelRegistry
+    from shared.schemas import InferenceRequest, ModelRecord
+
+    system, lay, calls, now = _lora_cluster()
+    views = system.placer_views()
+    assert all(i.status is InstanceStatus.READY for v in views for i in v.instances)
+    ours = system.preloading.placer_turn(views, now)
+    attached = [a for p in ours.values() for a in p.adapters]
+    assert attached and any(p.checkpoints for p in ours.values())  # a plan worth comparing
+
+    nats_url, redis_url = own_servers
+    nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
+    try:
+        registry = ModelRegistry(redis)
+        for name, spec in lay.backbones.items():
+            await registry.register(ModelRecord(name, f"/models/{name}",
+                                                weight_bytes=spec.weight_bytes))
+        for fn, adapter in lay.adapters.items():
+            await registry.register(ModelRecord(fn, f"/models/{fn}", weight_bytes=adapter.bytes,
+                                                base_model=lay.backbone_of[fn]))
+        for profile in system.perf.profiles.values():
+            await save_profile(redis, profile)
+        for view in views:
+            await publish_node(redis, replace(view, heartbeat=time.time()), ttl_s=60)
+        placer = Placer(PlacerSettings(nats_url, redis_url, CoreConfig()), nc, redis)
+        await placer.port.refresh_perf()
+        at = time.time()  # every call at one instant, as in the run: rates scale alike
+        for i, fn in enumerate(calls):
+            request = InferenceRequest(f"q{i}", "t", lay.backbone_of[fn], [5] * 16, 8, at, 5.0,
+                                       0.5, adapter=fn)
+            placer.preloader.note(request, at)
+        await placer.preloader.turn()
+        theirs = placer.preloader.sent
+    finally:
+        await nc.close()
+        await redis.aclose()
+    assert set(theirs) == set(ours)
+    for node_id, plan in ours.items():
+        assert theirs[node_id].checkpoints == list(plan.checkpoints)
+        assert theirs[node_id].adapters == [list(pair) for pair in plan.adapters]
+        assert theirs[node_id].valid_s == system.preloading.valid_s
+
+
+def test_the_simulators_preloading_defaults_are_the_services(monkeypatch):
+    """Interval and validity: what the placer reads from an environment that sets nothing, and
+    the nodes' default."""
+    from services.node.settings import NodeSettings
+    from services.placer.settings import PlacerSettings
+    from shared.core.preload import plan_valid_s
+    from sim import lora
+
+    monkeypatch.delenv("SLINFER_CLUSTER_PRELOAD_S", raising=False)
+    placer_s = PlacerSettings.from_env().preload_interval_s
+    cfg = SimConfig(lora_adapters=2)
+    assert cfg.lora_preload_s == placer_s
+    assert cfg.lora_preload_s == NodeSettings.__dataclass_fields__["preload_interval_s"].default
+    system, _ = lora.build_system(cfg, lora.layout(cfg))
+    assert system.preloading.interval_s == placer_s
+    assert system.preloading.valid_s == plan_valid_s(placer_s)

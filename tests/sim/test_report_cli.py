@@ -10,7 +10,8 @@ from pathlib import Path
 
 from sim.cli import main
 from sim.report import REPORT_KEYS, dumps
-from sim.simulate import SimConfig, simulate
+from sim.config import SimConfig
+from sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(models=8, duration=120.0, cpu_nodes=1, gpu_nodes=1, rps=0.5, cv=2.0)

@@ -9,7 +9,7 @@ from shared.core.multicast import binomial_steps
 from sim.profiles import SHAPES, gpu_profile
 from sim.scaleout import (Multicaster, ScaleoutConfig, Shape, Spikes, layout, plan_times,
                           spike_arrivals, start_load)
-from sim.simulate import SimConfig
+from sim.config import SimConfig
 from sim.storage import NodeStorage, TierSpec
 from sim.workload import Arrival, LengthSampler
 from tests.sim.helpers import run_requests

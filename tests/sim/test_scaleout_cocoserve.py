@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from shared.core.cost import layout_hop, layout_replication, replicated_profile
 from shared.core.evaluate import node_profiles
-from shared.core.modules import layout_hop, layout_replication, replicated_profile
 from shared.core.types import Hardware, RequestView, slo_for_input
 from sim.engine import EventLoop, SimRequest
 from sim.metrics import Metrics
-from sim.simulate import SimConfig, build_cluster, build_system
+from sim.build import build_cluster, build_system
+from sim.config import SimConfig
 
 
 def cluster(coco: bool = True, gpus: int = 2):
