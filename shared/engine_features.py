@@ -9,7 +9,7 @@ runs with a parameter silently dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 
 LOGPROBS = "logprobs"
 PRESENCE_PENALTY = "presence_penalty"
@@ -29,6 +29,15 @@ ENGINE_FEATURES: dict[str, frozenset[str]] = {
 # "auto" is the node's default engine for its device kind, torch on every kind there is
 # (services/node/engines DEFAULT_ENGINES; a test keeps the two in step).
 ENGINE_FEATURES["auto"] = ENGINE_FEATURES["torch"]
+
+
+def asked_features(logprobs: int | None, presence_penalty: float, frequency_penalty: float,
+                   logit_bias: Sized, min_p: float) -> list[str]:
+    """The features a request's values ask for (a neutral value asks for none)."""
+    asked = {LOGPROBS: logprobs is not None, PRESENCE_PENALTY: presence_penalty != 0,
+             FREQUENCY_PENALTY: frequency_penalty != 0, LOGIT_BIAS: len(logit_bias) > 0,
+             MIN_P: min_p != 0}
+    return [name for name, on in asked.items() if on]
 
 
 def unsupported(engine: str, asked: Iterable[str]) -> list[str]:

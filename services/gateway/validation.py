@@ -20,8 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import invalid_request, validation_error
-from shared.engine_features import (FREQUENCY_PENALTY, LOGIT_BIAS, LOGPROBS, MIN_P,
-                                    PRESENCE_PENALTY)
+from shared.engine_features import asked_features
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
@@ -247,11 +246,8 @@ class SamplingParams:
 
     def features(self) -> list[str]:
         """What it asks of the engine beyond plain sampling (shared/engine_features.py)."""
-        asked = {LOGPROBS: self.logprobs is not None,
-                 PRESENCE_PENALTY: self.presence_penalty != 0,
-                 FREQUENCY_PENALTY: self.frequency_penalty != 0,
-                 LOGIT_BIAS: bool(self.logit_bias), MIN_P: self.min_p != 0}
-        return [name for name, on in asked.items() if on]
+        return asked_features(self.logprobs, self.presence_penalty, self.frequency_penalty,
+                              self.logit_bias, self.min_p)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from shared.engine_features import (FREQUENCY_PENALTY, LOGIT_BIAS, LOGPROBS, MIN_P,
-                                    PRESENCE_PENALTY)
+from shared import engine_features
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -140,11 +139,9 @@ def blocks(tokens: int, block_size: int) -> int:
 
 def asked_features(params: SamplingParams) -> list[str]:
     """The features of shared/engine_features.py that `params` asks for."""
-    asked = {LOGPROBS: params.logprobs is not None,
-             PRESENCE_PENALTY: params.presence_penalty != 0,
-             FREQUENCY_PENALTY: params.frequency_penalty != 0,
-             LOGIT_BIAS: bool(params.logit_bias), MIN_P: params.min_p != 0}
-    return [name for name, on in asked.items() if on]
+    return engine_features.asked_features(params.logprobs, params.presence_penalty,
+                                          params.frequency_penalty, params.logit_bias,
+                                          params.min_p)
 
 
 class RequestBook:
