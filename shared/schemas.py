@@ -37,6 +37,14 @@ class ModelRecord:
 
 
 @dataclass(frozen=True)
+class TokenBias:
+    """One entry of OpenAI's `logit_bias`: added to that token's logit before sampling."""
+
+    token: int
+    bias: float
+
+
+@dataclass(frozen=True)
 class InferenceRequest:
     """One generation request: gateway -> request stream -> placer -> node."""
 
@@ -80,6 +88,15 @@ class InferenceRequest:
     adapter: str | None = None
     # That adapter's rank: its iterations cost what the backbone's profile measured for it.
     adapter_rank: int = 0
+    # OpenAI's logprobs: None = none; k = each output token's log-probability and the k most
+    # likely alternatives' (`TokenMessage.logprobs`).
+    logprobs: int | None = None
+    # OpenAI's penalties on the output so far (0 = off), logit_bias, and vLLM's min_p (0 = off).
+    # Only some engines honour them (shared/engine_features.py); the gateway refuses the rest.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[TokenBias] = field(default_factory=list)
+    min_p: float = 0.0
 
 
 class FinishReason(str, enum.Enum):
@@ -88,6 +105,16 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"  # client went away
     ERROR = "error"  # the system failed the request (see `error`)
     DROPPED = "dropped"  # queueing alone would have broken the TTFT SLO
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model, and its most likely alternatives
+    (ids and log-probabilities, likeliest first; as many as the request's `logprobs`)."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -111,6 +138,10 @@ class TokenMessage:
     # prefill iteration took there (for overhead accounting and traces).
     prefill_s: float | None = None
     attempt: int = 0  # the request's attempt this message belongs to (InferenceRequest.attempt)
+    # A request that asked for logprobs: one entry per `token_ids` entry. The final message's
+    # `output_token_ids` carry none (a whole output's alternatives can outgrow a NATS message),
+    # so a gateway that lost a token message loses those tokens' logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class CommandKind(str, enum.Enum):

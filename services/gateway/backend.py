@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -28,7 +28,7 @@ from shared import wire
 from shared.core.types import resume_grace
 from shared.outcomes import read_outcome
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
-                            NodeReply, RequestState, TokenMessage)
+                            NodeReply, RequestState, TokenLogprob, TokenMessage)
 from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, node_command_subject, node_key,
                              token_subject)
 from shared.telemetry import inject_headers
@@ -46,9 +46,11 @@ class StreamTimeout(Exception):
 
 @dataclass(frozen=True)
 class Tokens:
-    """Output tokens, in order, continuing right after the previous `Tokens`."""
+    """Output tokens, in order, continuing right after the previous `Tokens`; with each one's
+    logprobs where its message carried them (None: it did not, or the request asked none)."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ class TokenStream:
         self._sub = sub
         self._deadline = deadline
         self._next = 0  # output index of the next token to yield
-        self._pending: dict[int, int] = {}  # output index -> token id, beyond a gap
+        # output index -> (token id, its logprobs if its message had them), beyond a gap
+        self._pending: dict[int, tuple[int, TokenLogprob | None]] = {}
         self.output: list[int] = []  # every token yielded, in order (what a resume starts from)
         self.prompt_tokens = 0  # as counted by the node (0 until it says)
         self.finished: Finished | None = None
@@ -287,19 +290,22 @@ class TokenStream:
     def _accept(self, m: TokenMessage) -> list[TokenEvent]:
         if m.prompt_tokens:
             self.prompt_tokens = m.prompt_tokens
+        logprobs = m.logprobs if len(m.logprobs) == len(m.token_ids) else []
         for i, token in enumerate(m.token_ids):
             if m.seq + i >= self._next:
-                self._pending[m.seq + i] = token
+                self._pending[m.seq + i] = (token, logprobs[i] if logprobs else None)
         if m.finished:
             for i, token in enumerate(m.output_token_ids):
-                if i >= self._next:
-                    self._pending[i] = token  # the final word on every position
+                if i >= self._next:  # the final word on every position (its logprobs stay)
+                    known = self._pending.get(i)
+                    self._pending[i] = (token, known[1] if known and known[0] == token else None)
         ready = []
         while self._next in self._pending:
             ready.append(self._pending.pop(self._next))
             self._next += 1
-        self.output.extend(ready)
-        events: list[TokenEvent] = [Tokens(ready)] if ready else []
+        self.output.extend(token for token, _ in ready)
+        events: list[TokenEvent] = ([Tokens([t for t, _ in ready], [lp for _, lp in ready])]
+                                    if ready else [])
         if m.finished:
             if self._pending:
                 log.warning("request %s finished with a gap before output index %d; %d tokens dropped",

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from services.gateway import errors
 from services.gateway.backend import Finished, InferenceBackend, StreamTimeout, Tokens, TokenStream
+from services.gateway.logprobs import TokenEntry
 from services.gateway.observe import RequestObserver
 from services.gateway.tokenization import IncrementalDetokenizer
 from shared.model_state import FAILED, parse_lifecycle_error
@@ -35,6 +36,8 @@ class RequestTimings:
 
 class Generation:
     """Iterate `deltas()` for text; afterwards `finish_reason` and `completion_tokens` are set.
+    With `logprobs`, each token's logprobs are collected as it arrives: `take_logprobs()` hands
+    out those not handed out yet (a stream's next chunk), `logprobs` holds them all.
 
     `deltas()` raises `errors.APIError` for a dropped, failed or timed-out request. Whatever way
     the iteration ends, `close()` must run: it cancels the request on the node unless the node
@@ -50,6 +53,8 @@ class Generation:
         timeout_s: float,
         observer: RequestObserver | None = None,
         on_close: Callable[[], None] | None = None,
+        logprobs: bool = False,
+        hidden_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = stream.request_id
         self._backend = backend
@@ -68,6 +73,11 @@ class Generation:
         self._on_close = on_close  # gives back the request's admission slot
         self.failure: str | None = None  # why it ended without output: dropped, timeout, ...
         self.failure_detail: str | None = None
+        self._want_logprobs = logprobs
+        self.logprobs: list[TokenEntry] = []  # every token's, in order (a request that asked)
+        self._taken = 0  # entries of `logprobs` already handed out by take_logprobs
+        # The client's stop_token_ids: they end the output like an EOS and, like it, add no text.
+        self._hidden = hidden_ids
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas, in order; one per token message (possibly empty while a character or a
@@ -79,8 +89,7 @@ class Generation:
                         self.timings.first_token = time.monotonic()
                         if self._observer is not None:
                             self._observer.first_token(self.timings.first_token)
-                    self.completion_tokens += len(event.token_ids)
-                    self._text += self._detok.push(event.token_ids)
+                    self._accept(event)
                     delta, stopped = self._take()
                     if stopped:
                         yield delta
@@ -101,6 +110,28 @@ class Generation:
             self.failure = "timeout"
             await self._cancel("timeout")
             raise errors.request_timeout(self._timeout_s) from None
+
+    def _accept(self, event: Tokens) -> None:
+        """Each token's text, one at a time (so each knows where its text starts), and its
+        logprobs where the request asked."""
+        for i, token in enumerate(event.token_ids):
+            if self._want_logprobs:
+                logprobs = event.logprobs[i] if i < len(event.logprobs) else None
+                if logprobs is None:  # a lost token message: the final one fills no logprobs
+                    self.failure = "error"
+                    self.failure_detail = (f"the logprobs of output token {self.completion_tokens}"
+                                           " were lost on the way from the node")
+                    raise errors.inference_failed(self.failure_detail)
+                self.logprobs.append(TokenEntry(token, logprobs, len(self._text)))
+            self.completion_tokens += 1
+            if token not in self._hidden:
+                self._text += self._detok.push([token])
+
+    def take_logprobs(self) -> list[TokenEntry]:
+        """The logprob entries that arrived since the last call."""
+        fresh = self.logprobs[self._taken:]
+        self._taken = len(self.logprobs)
+        return fresh
 
     def _check(self, event: Finished) -> None:
         if event.reason in OPENAI_FINISH:

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from services.gateway.deps import RawBody, Registry, Service, Tenant
 from services.gateway.errors import model_not_found
+from services.gateway.logprobs import LogprobsRenderer, token_texts
 from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
                                            MODEL_LIST, READ_ERRORS, json_body)
 from services.gateway.responses import ChatFormat, CompletionFormat
@@ -64,7 +65,8 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant, "text_completion")
     fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                           continuous_usage=params.continuous_usage)
+                           continuous_usage=params.continuous_usage,
+                           logprobs=_renderer(prepared.tokenizer, params.logprobs))
     response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
@@ -79,10 +81,16 @@ async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, servi
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant, "chat")
     fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                     continuous_usage=params.continuous_usage)
+                     continuous_usage=params.continuous_usage,
+                     logprobs=_renderer(prepared.tokenizer, params.logprobs))
     response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
+
+
+def _renderer(tokenizer, top: int | None) -> LogprobsRenderer | None:
+    """How the answer shows logprobs; None where the request asked for none."""
+    return None if top is None else LogprobsRenderer(token_texts(tokenizer), top)
 
 
 def name_ignored_fields(response: Response, body: ChatBody | CompletionBody,

@@ -70,10 +70,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Parallel lists, one entry per output token; each top_logprobs map holds the chosen
+    token too."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None  # with the request's logprobs: k
     finish_reason: str
 
 
@@ -92,10 +102,25 @@ class ChatMessageOut(BaseModel):
     refusal: None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's exact UTF-8 bytes (part of a character, maybe)
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the request's top_logprobs most likely, likeliest first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None  # with the request's logprobs: true
     finish_reason: str
 
 

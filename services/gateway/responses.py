@@ -1,10 +1,20 @@
-"""OpenAI response bodies for the two endpoints: whole responses and SSE chunks."""
+"""OpenAI response bodies for the two endpoints: whole responses and SSE chunks.
+
+A request that asked for logprobs has a `LogprobsRenderer`: each body then carries the logprobs of
+the tokens it covers (a whole response all of them, a chunk those that arrived since the last; a
+chunk that covers none, such as chat's role chunk or a closing chunk, has "logprobs": null).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from services.gateway.logprobs import LogprobsRenderer, TokenEntry
+
+Entries = Sequence[TokenEntry]
 
 
 Usage = dict[str, int] | None  # a chunk's usage so far (continuous_usage_stats), else None
@@ -33,28 +43,35 @@ class CompletionFormat:
     model: str
     include_usage: bool = False  # streaming: chunks carry "usage": null, then a usage chunk
     continuous_usage: bool = False  # streaming: every chunk carries the usage so far
+    logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
-        return {**self._base(), "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}
+    def _logprobs(self, entries: Entries) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.completion(list(entries))
 
-    def _chunk(self, text: str, finish_reason: str | None, use: Usage) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, use: dict[str, int],
+              entries: Entries = ()) -> dict[str, Any]:
+        return {**self._base(), "choices": [
+            {"index": 0, "text": text, "logprobs": self._logprobs(entries),
+             "finish_reason": finish_reason}], "usage": use}
+
+    def _chunk(self, text: str, finish_reason: str | None, use: Usage,
+               entries: Entries) -> dict[str, Any]:
         return _with_usage({**self._base(), "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]},
-            use, self.include_usage)
+            {"index": 0, "text": text, "logprobs": self._logprobs(entries) if entries else None,
+             "finish_reason": finish_reason}]}, use, self.include_usage)
 
     def opening(self, use: Usage = None) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str, use: Usage = None) -> dict[str, Any]:
-        return self._chunk(text, None, use)
+    def delta(self, text: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
+        return self._chunk(text, None, use, entries)
 
-    def closing(self, finish_reason: str, use: Usage = None) -> dict[str, Any]:
-        return self._chunk("", finish_reason, use)
+    def closing(self, finish_reason: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
+        return self._chunk("", finish_reason, use, entries)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._base(), "choices": [], "usage": use}
@@ -68,29 +85,35 @@ class ChatFormat:
     model: str
     include_usage: bool = False
     continuous_usage: bool = False
+    logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
+    def _logprobs(self, entries: Entries) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.chat(list(entries))
+
+    def whole(self, text: str, finish_reason: str, use: dict[str, int],
+              entries: Entries = ()) -> dict[str, Any]:
         return {**self._base("chat.completion"), "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None, "finish_reason": finish_reason}], "usage": use}
+            "logprobs": self._logprobs(entries), "finish_reason": finish_reason}], "usage": use}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, use: Usage) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None, use: Usage,
+               entries: Entries) -> dict[str, Any]:
         return _with_usage({**self._base("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]},
-            use, self.include_usage)
+            {"index": 0, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
+             "finish_reason": finish_reason}]}, use, self.include_usage)
 
     def opening(self, use: Usage = None) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None, use)]
+        return [self._chunk({"role": "assistant", "content": ""}, None, use, ())]
 
-    def delta(self, text: str, use: Usage = None) -> dict[str, Any]:
-        return self._chunk({"content": text}, None, use)
+    def delta(self, text: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, use, entries)
 
-    def closing(self, finish_reason: str, use: Usage = None) -> dict[str, Any]:
-        return self._chunk({}, finish_reason, use)
+    def closing(self, finish_reason: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
+        return self._chunk({}, finish_reason, use, entries)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": use}

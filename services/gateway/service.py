@@ -26,8 +26,9 @@ from services.gateway.tokenization import (
 )
 from services.gateway.validation import ChatInput, CompletionInput, SamplingParams
 from shared.core.types import slo_for_class
+from shared.engine_features import unsupported
 from shared.registry import ModelRegistry
-from shared.schemas import InferenceRequest, ModelRecord
+from shared.schemas import InferenceRequest, ModelRecord, TokenBias
 from shared.telemetry import GenAIMetrics
 
 
@@ -94,6 +95,8 @@ class GatewayService:
         if not prompt_ids:
             raise errors.invalid_request("The prompt is empty after tokenization.", param=param,
                                          code="empty_prompt")
+        await self._check_engine(record, params)
+        self._check_token_ids(params, vocab_size(tokenizer))
         max_tokens = self._max_tokens(record, len(prompt_ids), params.max_tokens, param)
         if params.min_tokens > max_tokens:
             raise errors.invalid_request(
@@ -101,6 +104,33 @@ class GatewayService:
                 f"({max_tokens}).", param="min_tokens", code="invalid_value")
         return Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt_ids, params=params,
                         max_tokens=max_tokens)
+
+    async def _check_engine(self, record: ModelRecord, params: SamplingParams) -> None:
+        """Refuse by name what the model's engine would not honour (shared/engine_features.py):
+        a 400 now, rather than a request that runs without it. A LoRA adapter runs on its
+        backbone's engine."""
+        asked = params.features()
+        if not asked:
+            return
+        engine = record.engine
+        if record.base_model is not None:
+            base = await self.registry.get(record.base_model)
+            engine = base.engine if base is not None else engine
+        missing = unsupported(engine, asked)
+        if missing:
+            raise errors.invalid_request(
+                f"Unsupported parameter: {missing[0]!r} is not supported by the {engine} engine "
+                f"that serves model {record.name!r}.", param=missing[0],
+                code="unsupported_parameter")
+
+    @staticmethod
+    def _check_token_ids(params: SamplingParams, limit: int) -> None:
+        """Token ids the request names must be in the model's vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= limit for t in ids):
+                raise errors.invalid_request(f"{name} token ids must be below the vocabulary "
+                                             f"size {limit}.", param=name, code="invalid_value")
 
     def _max_tokens(self, record: ModelRecord, prompt_len: int, requested: int | None, param: str) -> int:
         context = record.max_context
@@ -127,9 +157,11 @@ class GatewayService:
     def build_request(self, prepared: Prepared, request_id: str, tenant: str) -> InferenceRequest:
         record, params = prepared.record, prepared.params
         slo = slo_for_class(record.slo_class, len(prepared.prompt_ids))
-        # With ignore_eos no token ends the request: the node stops at max_tokens alone.
+        # With ignore_eos no EOS ends the request, only the client's stop_token_ids (vLLM's
+        # meaning): the node ends it at those as at an EOS, and min_tokens holds them back.
         eos = [] if params.ignore_eos else (list(record.eos_token_ids)
                                             or tokenizer_eos_ids(prepared.tokenizer))
+        eos += [t for t in params.stop_token_ids if t not in eos]
         arrival = time.time()
         # A LoRA adapter runs on an instance of its backbone (ServerlessLoRA): the placer places
         # the backbone; the node attaches the adapter.
@@ -148,6 +180,9 @@ class GatewayService:
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
             eos_token_ids=eos, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, min_p=params.min_p,
+            logit_bias=[TokenBias(t, b) for t, b in params.logit_bias],
         )
 
     async def start(self, prepared: Prepared, request_id: str, tenant: str,
@@ -170,4 +205,5 @@ class GatewayService:
             raise errors.backend_unavailable(str(exc)) from exc
         detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
         return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer,
-                          on_close=slot.release)
+                          on_close=slot.release, logprobs=prepared.params.logprobs is not None,
+                          hidden_ids=frozenset(prepared.params.stop_token_ids))

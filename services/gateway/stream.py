@@ -131,7 +131,8 @@ async def _whole(gen: Generation, fmt: ResponseFormat, prompt_tokens: int) -> di
     async for _ in gen.deltas():
         pass
     assert gen.finish_reason is not None
-    return fmt.whole(gen.text, gen.finish_reason, usage(prompt_tokens, gen.completion_tokens))
+    return fmt.whole(gen.text, gen.finish_reason, usage(prompt_tokens, gen.completion_tokens),
+                     gen.logprobs)
 
 
 async def _sse_chunks(gen: Generation, deltas: AsyncIterator[str], first: Any, fmt: ResponseFormat,
@@ -143,13 +144,15 @@ async def _sse_chunks(gen: Generation, deltas: AsyncIterator[str], first: Any, f
         for chunk in fmt.opening(so_far()):
             yield sse(chunk)
         if first is not _END:
+            # A delta whose text is held back (half a character, a possible stop sequence)
+            # sends nothing; its tokens' logprobs go with the next chunk that has text.
             if first:
-                yield sse(fmt.delta(first, so_far()))
+                yield sse(fmt.delta(first, so_far(), gen.take_logprobs()))
             async for text in deltas:
                 if text:
-                    yield sse(fmt.delta(text, so_far()))
+                    yield sse(fmt.delta(text, so_far(), gen.take_logprobs()))
         assert gen.finish_reason is not None
-        yield sse(fmt.closing(gen.finish_reason, so_far()))
+        yield sse(fmt.closing(gen.finish_reason, so_far(), gen.take_logprobs()))
         if include_usage:
             yield sse(fmt.usage_chunk(usage(prompt_tokens, gen.completion_tokens)))
     except APIError as exc:

@@ -20,9 +20,15 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import invalid_request, validation_error
+from shared.engine_features import asked_features
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and the engines')
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's bound
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI
+PENALTY_RANGE = 2.0  # presence and frequency penalties in [-2, 2], as OpenAI
+MAX_STOP_TOKEN_IDS = 256
 IGNORED_FIELDS_HEADER = "x-slinfer-ignored-fields"
 HEADER_MAX_CHARS = 512  # the header names the first ignored fields that fit, then a count
 NAME_MAX_CHARS = 64  # one name's share of it (names are the client's, of any length)
@@ -93,17 +99,22 @@ class _Common(_Lenient):
     min_tokens: JSONInt | None = _doc(minimum=0)  # at most max_tokens
     top_k: JSONInt | None = _doc(minimum=-1, maximum=2**31 - 1)  # -1 or 0: no limit
     repetition_penalty: float | None = _doc(exclusiveMinimum=0)
+    min_p: float | None = _doc(minimum=0, maximum=1)
+    stop_token_ids: list[JSONInt] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS,
+                                                items={"type": "integer", "minimum": 0})
+    # OpenAI's penalties and logit_bias (only engines that honour them: shared/engine_features.py)
+    presence_penalty: float | None = _doc(minimum=-PENALTY_RANGE, maximum=PENALTY_RANGE)
+    frequency_penalty: float | None = _doc(minimum=-PENALTY_RANGE, maximum=PENALTY_RANGE)
+    logit_bias: dict[str, float] | None = _doc(
+        maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -LOGIT_BIAS_RANGE,
+                              "maximum": LOGIT_BIAS_RANGE})
     # In the OpenAI API, not implemented here: any value other than the neutral one is refused
     # by `reject_unsupported`, which names the parameter.
     n: Any = _neutral(1)
     best_of: Any = _neutral(1)
-    logprobs: Any = _neutral(False)
-    top_logprobs: Any = _neutral(0)
     echo: Any = _neutral(False)
     suffix: Any = _neutral("")
-    logit_bias: Any = _neutral({})
-    presence_penalty: Any = _neutral(0)
-    frequency_penalty: Any = _neutral(0)
     tools: Any = _neutral([])
     tool_choice: Any = _neutral("none")
     parallel_tool_calls: Any = _neutral()
@@ -118,13 +129,15 @@ class _Common(_Lenient):
     audio: Any = _neutral()
     reasoning_effort: Any = _neutral()
     web_search_options: Any = _neutral()
-    min_p: Any = _neutral(0)  # vLLM's, not implemented
 
 
 class CompletionBody(_Common):
     # Text, or token ids; a list of one of those is one prompt too (batches are refused).
     prompt: str | list[JSONInt] | list[str] | list[list[JSONInt]] = Field(
         json_schema_extra=_one_prompt)
+    # The k most likely tokens' log-probabilities beside each chosen token's (OpenAI allows 5;
+    # vLLM, and this, up to 20).
+    logprobs: JSONInt | None = _doc(minimum=0, maximum=MAX_TOP_LOGPROBS)
 
 
 def _require(*names: str) -> Any:
@@ -162,6 +175,8 @@ class ChatMessage(_Lenient):
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: JSONInt | None = _doc(minimum=1)
+    logprobs: bool | None = None
+    top_logprobs: JSONInt | None = _doc(minimum=0, maximum=MAX_TOP_LOGPROBS)  # with logprobs
 
 
 class TokenizeBody(_Lenient):
@@ -185,13 +200,8 @@ class DetokenizeBody(_Lenient):
 _NEUTRAL = {
     "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v is None or v is False,
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v is None or v is False,
     "suffix": lambda v: v in (None, ""),
-    "logit_bias": lambda v: v in (None, {}),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
     "tools": lambda v: v in (None, []),
     "tool_choice": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None,
@@ -206,7 +216,6 @@ _NEUTRAL = {
     "audio": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "min_p": lambda v: v in (None, 0),
 }
 
 MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; keeps the value a plain int32 on every engine
@@ -228,6 +237,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's and the k most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # end the output like EOS (their text is not shown)
+
+    def features(self) -> list[str]:
+        """What it asks of the engine beyond plain sampling (shared/engine_features.py)."""
+        return asked_features(self.logprobs, self.presence_penalty, self.frequency_penalty,
+                              self.logit_bias, self.min_p)
 
 
 @dataclass(frozen=True)
@@ -330,8 +350,79 @@ def _extensions(body: _Common) -> dict[str, Any]:
     if min_tokens < 0:
         raise invalid_request(f"min_tokens must be >= 0, got {min_tokens}.", param="min_tokens",
                               code="invalid_value")
+    min_p = 0.0 if body.min_p is None else body.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise invalid_request(f"min_p must be in [0, 1], got {min_p}.", param="min_p",
+                              code="invalid_value")
     return {"top_k": max(top_k, 0), "repetition_penalty": penalty, "min_tokens": min_tokens,
-            "ignore_eos": bool(body.ignore_eos)}
+            "ignore_eos": bool(body.ignore_eos), "min_p": min_p,
+            "stop_token_ids": _stop_token_ids(body.stop_token_ids),
+            "presence_penalty": _penalty(body.presence_penalty, "presence_penalty"),
+            "frequency_penalty": _penalty(body.frequency_penalty, "frequency_penalty"),
+            "logit_bias": _logit_bias(body.logit_bias), "logprobs": _logprobs(body)}
+
+
+def _penalty(value: float | None, name: str) -> float:
+    value = 0.0 if value is None else value
+    if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+        raise invalid_request(f"{name} must be in [-2, 2], got {value}.", param=name,
+                              code="invalid_value")
+    return value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (JSON keys, so strings) to biases in [-100, 100]. The ids are
+    checked against the model's vocabulary with the tokenizer."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got "
+                              f"{len(bias)}.", param="logit_bias", code="invalid_value")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid_request(f"logit_bias keys must be token ids, got {key!r}.",
+                                  param="logit_bias", code="invalid_value")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise invalid_request(f"logit_bias values must be in [-100, 100], got {value} for "
+                                  f"token {key}.", param="logit_bias", code="invalid_value")
+        out.append((int(key), value))
+    return tuple(out)
+
+
+def _stop_token_ids(ids: list[int] | None) -> tuple[int, ...]:
+    if not ids:
+        return ()
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid_request(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed.",
+                              param="stop_token_ids", code="invalid_value")
+    if any(t < 0 for t in ids):
+        raise invalid_request("stop_token_ids must be non-negative token ids.",
+                              param="stop_token_ids", code="invalid_value")
+    return tuple(dict.fromkeys(ids))
+
+
+def _logprobs(body: _Common) -> int | None:
+    """How many alternatives each output token's logprobs carry; None: no logprobs. Chat asks
+    with `logprobs: true` and `top_logprobs: k`; completions with `logprobs: k`."""
+    if isinstance(body, ChatBody):
+        k, name = body.top_logprobs, "top_logprobs"
+        if not body.logprobs:
+            if k:
+                raise invalid_request("top_logprobs needs logprobs: true.", param="top_logprobs",
+                                      code="invalid_value")
+            return None
+        k = k or 0
+    elif isinstance(body, CompletionBody):
+        k, name = body.logprobs, "logprobs"
+        if k is None:
+            return None
+    else:
+        return None
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise invalid_request(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}.", param=name,
+                              code="invalid_value")
+    return k
 
 
 def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:

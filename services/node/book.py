@@ -12,8 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from services.node.engines import SamplingParams
+from services.node.engines.base import TokenLogprobs
 from shared.core.types import RequestView
-from shared.schemas import FinishReason, InferenceRequest, NodeReply, RequestState, TokenMessage
+from shared.schemas import (FinishReason, InferenceRequest, NodeReply, RequestState, TokenLogprob,
+                            TokenMessage)
 
 RECENT_LEN = 4096  # finished or handed-back requests remembered for STATUS and redeliveries
 
@@ -30,6 +32,8 @@ class Live:
     # The engine refused it (add_request raised): the token loop fails it with this error. It
     # was admitted, so it ends with an error final, never also a refusal; others are unharmed.
     error: str | None = None
+    # The last output token's logprobs (a request that asked): its final message carries them.
+    last_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -52,6 +56,7 @@ class Incoming:
     view: RequestView
     known: list[int]  # output tokens whose KV this node has computed
     pending: int | None = None  # the token the last prefill/extend sampled (next after `known`)
+    pending_logprobs: TokenLogprobs | None = None  # its logprobs, where the request asked
     cancelled: bool = False
 
     @property
@@ -85,7 +90,19 @@ def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
                           seed=req.seed, eos_token_ids=tuple(req.eos_token_ids), top_k=req.top_k,
                           repetition_penalty=req.repetition_penalty,
                           min_tokens=max(0, req.min_tokens - output_len), ignore_eos=req.ignore_eos,
-                          adapter=req.adapter)
+                          adapter=req.adapter, logprobs=req.logprobs,
+                          presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty,
+                          logit_bias=tuple((b.token, b.bias) for b in req.logit_bias),
+                          min_p=req.min_p, prior_output=output_len)
+
+
+def wire_logprobs(logprobs: TokenLogprobs | None) -> list[TokenLogprob]:
+    """An engine's logprobs of one token as a token message carries them ([] when none)."""
+    if logprobs is None:
+        return []
+    return [TokenLogprob(logprobs.logprob, [t for t, _ in logprobs.top],
+                         [lp for _, lp in logprobs.top])]
 
 
 def finish_reason(live: Live, token: int, max_context: int) -> FinishReason | None:

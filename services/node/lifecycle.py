@@ -9,7 +9,8 @@ import logging
 import time
 from dataclasses import replace
 
-from services.node.book import Live, RequestBook, finish_reason, sampling_params
+from services.node.book import Live, RequestBook, finish_reason, sampling_params, wire_logprobs
+from services.node.engines.base import TokenLogprobs
 from services.node.runtime import NodeRuntime
 from shared.core.node_scheduler import Eviction
 from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenMessage
@@ -49,14 +50,16 @@ class RequestLifecycle:
 
     # --- streaming and finishing ------------------------------------------------------------------
     async def emit(self, live: Live, token: int, prefill_s: float | None = None,
-                   count_in_core: bool = True) -> bool:
-        """A new output token: streamed, or the final message if it ends the request (True)."""
+                   count_in_core: bool = True, logprobs: TokenLogprobs | None = None) -> bool:
+        """A new output token (with its logprobs where the request asked): streamed, or the
+        final message if it ends the request (True)."""
         live.output.append(token)
+        live.last_logprobs = wire_logprobs(logprobs)
         reason = finish_reason(live, token, self.rt.records[live.instance_id].max_context)
         if reason is None:
             await self.rt.outbox.token(TokenMessage(
                 live.request.request_id, len(live.output) - 1, [token], node_id=self.rt.s.node_id,
-                prefill_s=prefill_s, attempt=live.request.attempt))
+                prefill_s=prefill_s, attempt=live.request.attempt, logprobs=live.last_logprobs))
             return False
         await self.finish(live, reason, count_in_core=count_in_core, prefill_s=prefill_s)
         return True
@@ -74,7 +77,8 @@ class RequestLifecycle:
             rid, max(0, len(live.output) - len(last)), last, finished=True,
             finish_reason=reason, output_token_ids=list(live.output),
             prompt_tokens=len(live.request.prompt_token_ids), error=error,
-            node_id=self.rt.s.node_id, prefill_s=prefill_s, attempt=live.request.attempt)
+            node_id=self.rt.s.node_id, prefill_s=prefill_s, attempt=live.request.attempt,
+            logprobs=live.last_logprobs if last else [])
         self.book.remember(live, RequestState.FINISHED, final)
         await self.rt.outbox.token(final)
         self.rt.obs.ended(rid, reason.value, live.generated_here, error)

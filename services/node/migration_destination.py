@@ -76,7 +76,8 @@ class MigrationDestination:
         async with self.rt.iter_lock:
             engine = self.rt.engines[iid]
             engine.add_request(rid, incoming.all_tokens, sampling_params(req, len(incoming.known)))
-            incoming.pending = (await asyncio.to_thread(engine.prefill, rid)).tokens[rid]
+            step = await asyncio.to_thread(engine.prefill, rid)
+        incoming.pending, incoming.pending_logprobs = step.tokens[rid], step.logprobs.get(rid)
         return NodeReply(True, "prefilled", iid, generated=len(incoming.known))
 
     async def _until_loaded(self, iid: str, timeout: float, adapter: str | None = None) -> bool:
@@ -101,7 +102,7 @@ class MigrationDestination:
             engine = self.rt.engines[incoming.instance_id]
             step = await asyncio.to_thread(engine.extend, rid, tokens)
         incoming.known.extend(tokens)
-        incoming.pending = step.tokens[rid]
+        incoming.pending, incoming.pending_logprobs = step.tokens[rid], step.logprobs.get(rid)
         return incoming
 
     async def extend(self, cmd: NodeCommand) -> NodeReply:
@@ -128,7 +129,7 @@ class MigrationDestination:
         # + the token below: it is the next output token
         self.rt.sched.commit_parked(done.instance_id, done.view, len(output) + 1, time.time())
         live = self.requests.adopt(req, done.instance_id, output, cold=False, in_engine=True)
-        await self.requests.emit(live, done.pending)
+        await self.requests.emit(live, done.pending, logprobs=done.pending_logprobs)
         self.rt.wake.set()
         return NodeReply(True, "admitted", done.instance_id, generated=len(output))
 

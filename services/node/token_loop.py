@@ -137,7 +137,8 @@ class TokenLoop:
         finished: set[str] = set()
         for rid, token in result.tokens.items():
             live = self.book.live.get(rid)
-            if live is not None and await self.requests.emit(live, token, prefill_s,
-                                                             count_in_core=False):
+            if live is not None and await self.requests.emit(
+                    live, token, prefill_s, count_in_core=False,
+                    logprobs=result.logprobs.get(rid)):
                 finished.add(rid)
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.node.engines.base import SamplingParams
-from services.node.engines.torch_engine import _process_logits
+from services.node.engines.torch_engine import _process_logits, _Request
 from tests.engines import engine_checks as checks
 
 PROMPT = list(range(100, 140))
@@ -99,7 +99,7 @@ def test_repetition_penalty_matches_hugging_face_processor():
     logits = torch.randn(3, 50) * 4
     tokens = [[1, 5, 5, 9, 49], [0, 2], [7, 8, 30]]
     penalties = [1.3, 0.7, 1.0]  # < 1 rewards repeats; 1 leaves the row alone
-    requests = [_FakeRequest(t, SamplingParams(max_tokens=1, repetition_penalty=p))
+    requests = [_record(t, SamplingParams(max_tokens=1, repetition_penalty=p))
                 for t, p in zip(tokens, penalties)]
     ours = _process_logits(logits.clone(), requests)
     for row, (ids, penalty) in enumerate(zip(tokens, penalties)):
@@ -118,7 +118,7 @@ def test_repetition_penalty_greedy_matches_hf_generate(engine, hf_model, greedy)
 
 def test_processing_leaves_the_model_output_alone():
     logits = torch.ones(1, 10)
-    requests = [_FakeRequest([1, 2], SamplingParams(max_tokens=4, repetition_penalty=2.0,
+    requests = [_record([1, 2], SamplingParams(max_tokens=4, repetition_penalty=2.0,
                                                     min_tokens=1, eos_token_ids=(3, 99)))]
     out = _process_logits(logits, requests)
     assert torch.equal(logits, torch.ones(1, 10))  # a copy was changed, not the input
@@ -131,13 +131,9 @@ def test_engine_refuses_bad_sampling_values(engine, bad):
         engine.add_request("bad", PROMPT, SamplingParams(max_tokens=4, **bad))
 
 
-@dataclasses.dataclass
-class _FakeRequest:
-    """The two fields `_process_logits` reads of the engine's request record."""
-
-    tokens: list[int]
-    params: SamplingParams
-    generated: int = 0
+def _record(tokens: list[int], params: SamplingParams) -> _Request:
+    """The engine's request record of a prompt `tokens`, before its first token."""
+    return _Request(list(tokens), params, seed=0, prompt_len=len(tokens))
 
 
 # -- OpenVINO and vLLM: the mapping (cheap) -------------------------------------------------------

@@ -5,6 +5,7 @@ cancel notices the gateway publishes. Test-only; the real path is the placer's a
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import wire
-from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
+from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenLogprob, TokenMessage
 from shared.subjects import CANCEL_SUBJECT, REQUEST_STREAM, REQUEST_SUBJECT, token_subject
 
 
@@ -23,6 +24,17 @@ class Hang:
 
 Step = TokenMessage | float | Hang  # a message to send, or seconds to wait, or hang
 Script = Callable[[InferenceRequest], list[Step]]
+
+
+def scripted_logprobs(req: InferenceRequest, tokens: list[int]) -> list[TokenLogprob]:
+    """What a node sends for `tokens` of a request that asked for logprobs ([] otherwise): each
+    token the likeliest, at log(1/2), then the ids after it (inside the tiny model's vocabulary)
+    at log(1/4), log(1/8), ..."""
+    if req.logprobs is None:
+        return []
+    return [TokenLogprob(math.log(0.5), [(t + i) % 1000 for i in range(req.logprobs)],
+                         [math.log(0.5 ** (i + 1)) for i in range(req.logprobs)])
+            for t in tokens]
 
 
 def token_script(
@@ -37,7 +49,8 @@ def token_script(
 ) -> list[Step]:
     """The node's part for `output`: seq-numbered chunks, then the final message with the whole
     output. `gap` loses a middle chunk that only the final message can fill."""
-    chunks = [TokenMessage(req.request_id, seq, output[seq:seq + chunk])
+    chunks = [TokenMessage(req.request_id, seq, output[seq:seq + chunk],
+                           logprobs=scripted_logprobs(req, output[seq:seq + chunk]))
               for seq in range(0, len(output), chunk)]
     if order == "shuffled":
         for i in range(0, len(chunks) - 1, 2):

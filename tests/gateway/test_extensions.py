@@ -45,7 +45,7 @@ async def test_extensions_are_forwarded(gateway, responder, hf_tokenizer):
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
     ({"min_tokens": 17}, "min_tokens"),  # above the default max_tokens (16 in these tests)
-    ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_p": 0.1}, "min_p"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"min_p": 1.1}, "min_p"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),  # stream is off
 ])
 async def test_bad_extension_values_are_400(gateway, patch, param):

@@ -114,6 +114,35 @@ async def test_migrated_request_streams_the_unmigrated_output_once(connections, 
         await b.worker.stop()
 
 
+async def test_a_migrated_request_streams_every_tokens_logprobs(connections, model_dir):
+    """Logprobs travel with each token message from both nodes, the token B sampled during the
+    commit included; under greedy decoding each token is its own likeliest alternative."""
+    nc, redis = connections
+    a, b = await _nodes(nc, redis, model_dir)
+    try:
+        req = replace(a.request("alpha", PROMPT, 60, ttft=30.0), logprobs=2)
+        await a.watch(req)
+        reply = await a.command(NodeCommand(CommandKind.ADMIT, request=req,
+                                            model=a.records["alpha"]))
+        assert reply.accepted, reply.reason
+        rid = req.request_id
+        await until(lambda: len(a.tokens[rid]) >= 10, what="tokens from A")
+        reply = await a.command(NodeCommand(CommandKind.MIGRATE,
+                                            migrations=[MigrationTarget(rid, "mig-b", "")]))
+        assert reply.accepted, reply.reason
+        await a.wait([req], timeout=120)
+        assert next(m for m in a.worker.migrations if m.request_id == rid).ok
+        assert _sources(a, rid) == ["mig-a", "mig-b"] and a.streamed_once(req)
+        for m in a.messages[rid]:
+            assert len(m.logprobs) == len(m.token_ids), m
+            for token, lp in zip(m.token_ids, m.logprobs):
+                assert len(lp.top_ids) == 2 and lp.top_ids[0] == token
+                assert lp.top_logprobs[0] == lp.logprob <= 0
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
+
+
 async def test_a_request_on_the_openvino_engine_is_refused_and_finishes_where_it_runs(connections,
                                                                                       model_dir):
     """The OpenVINO engine cannot take a request's tokens so far (no extend; a recompute at its

@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from shared import engine_features
+
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
@@ -32,8 +34,19 @@ class SamplingParams:
     # None = the plain base model. Only engines that serve adapters (torch) accept one.
     adapter: str | None = None
     # OpenAI's logprobs / top_logprobs: None = none; k = each new token's log-probability and
-    # the k most likely tokens' (0..MAX_TOP_LOGPROBS). Only engines with `serves_logprobs`.
+    # the k most likely tokens' (0..MAX_TOP_LOGPROBS).
     logprobs: int | None = None
+    # OpenAI's penalties, subtracted from the logit of each token already in the output (the
+    # prompt does not count): presence once, frequency per occurrence; 0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # Keep only tokens at least min_p times as likely as the likeliest one (after temperature,
+    # before top-k/top-p, as vLLM); 0 = off. Greedy rows are unchanged by it.
+    min_p: float = 0.0
+    # The last `prior_output` of the tokens given to add_request are output already (resumed
+    # or migrated): the penalties count them as output, not prompt.
+    prior_output: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,11 +137,20 @@ def blocks(tokens: int, block_size: int) -> int:
     return -(-max(tokens, 0) // block_size)
 
 
+def asked_features(params: SamplingParams) -> list[str]:
+    """The features of shared/engine_features.py that `params` asks for."""
+    return engine_features.asked_features(params.logprobs, params.presence_penalty,
+                                          params.frequency_penalty, params.logit_bias,
+                                          params.min_p)
+
+
 class RequestBook:
     """Per-request bookkeeping the engines share. An engine keeps `self.requests[id]` with
     `.tokens` (prompt + generated), `.params` and `.generated`, and implements `release`."""
 
     requests: dict
+    # What the engine honours beyond plain sampling (shared/engine_features.py ENGINE_FEATURES)
+    features: frozenset[str] = frozenset()
 
     def _request(self, request_id: str):
         try:
@@ -152,16 +174,25 @@ class RequestBook:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
         if params.top_k < 0 or params.min_tokens < 0 or not params.repetition_penalty > 0:
             raise ValueError("top_k and min_tokens must be >= 0 and repetition_penalty > 0")
-        if params.logprobs is not None:
-            if not getattr(self, "serves_logprobs", False):
-                raise ValueError(f"logprobs are not served by the {getattr(self, 'name', '')} "
-                                 "engine")
-            if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs (top_logprobs) must be in 0..{MAX_TOP_LOGPROBS}, "
-                                 f"got {params.logprobs}")
+        if missing := [f for f in asked_features(params) if f not in self.features]:
+            raise ValueError(f"{', '.join(missing)} not served by the "
+                             f"{getattr(self, 'name', '')} engine")
+        self._check_features(params, len(token_ids), vocab_size)
         if params.adapter is not None and params.adapter not in getattr(self, "adapters", {}):
             raise ValueError(f"LoRA adapter {params.adapter!r} is not loaded on this "
                              f"{getattr(self, 'name', '')} engine")
+
+    @staticmethod
+    def _check_features(params: SamplingParams, tokens: int, vocab_size: int) -> None:
+        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs (top_logprobs) must be in 0..{MAX_TOP_LOGPROBS}, "
+                             f"got {params.logprobs}")
+        if not 0 <= params.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+        if not all(0 <= t < vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        if not 0 <= params.prior_output <= tokens:
+            raise ValueError(f"prior_output must be in 0..{tokens}, got {params.prior_output}")
 
     def evict(self, request_id: str) -> list[int]:
         """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""

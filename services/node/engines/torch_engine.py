@@ -12,7 +12,9 @@ within a group and masked), one new token each.
 Sampling is greedy at temperature 0; otherwise temperature + top-k + top-p, with the uniform draw
 of each step taken from a torch.Generator seeded from (params.seed, token position). A seeded
 request is therefore reproducible, and also continues identically after an evict and re-add. The
-repetition penalty and min_tokens' EOS ban change the logits first, for greedy rows too.
+logit processors (logit_bias, min_tokens' EOS ban, the repetition, presence and frequency
+penalties; sampling.py) change the logits first, for greedy rows too; min_p filters sampled rows
+after temperature.
 
 LoRA adapters (lora.py) are loaded beside the backbone with `load_adapter(name, dir)` and applied
 unmerged, per request (`SamplingParams.adapter`): a decode step orders its rows by adapter and adds
@@ -31,11 +33,14 @@ from pathlib import Path
 
 import torch
 
+from shared.engine_features import ENGINE_FEATURES
+
 from ..loader import CheckpointLoader, LoaderSettings
 from .base import (KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult,
                    TokenLogprobs)
 from .kv_cache import PagedKVCache
 from .lora import LoraAdapter, LoraBatch, group_by_adapter, read_adapter
+from .sampling import add_logit_bias, keep_min_p, penalize_output
 from .split import Split
 from .stage_client import StageClient
 from .torch_kernel import (DECODE_WORKSPACE_BYTES, DEFAULT_BLOCK_SIZE, StepSpec, Workspace,
@@ -56,11 +61,16 @@ class _Request:
     computed: int = 0  # tokens whose K/V are in the cache; 0 until prefilled
     generated: int = 0  # tokens sampled since add_request
     adapter: LoraAdapter | None = None  # params.adapter's weights; None: the plain base
+    prompt_len: int = 0  # tokens before the output (the penalties count only the output)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
 
 
 class TorchEngine(RequestBook):
     name = "torch"
-    serves_logprobs = True  # StepResult.logprobs for requests with params.logprobs
+    features = ENGINE_FEATURES["torch"]  # logprobs (StepResult.logprobs), penalties, bias, min_p
 
     def __init__(self, model_dir: str | Path, device: str = "cpu",
                  kv_capacity_bytes: int | None = None, dtype: str | None = None,
@@ -316,7 +326,8 @@ class TorchEngine(RequestBook):
         if params.adapter is not None and self.split is not None:
             raise ValueError("LoRA adapters are not served by an instance split across stages")
         adapter = None if params.adapter is None else self.adapters[params.adapter]
-        self.requests[request_id] = _Request(list(token_ids), params, seed, adapter=adapter)
+        self.requests[request_id] = _Request(list(token_ids), params, seed, adapter=adapter,
+                                             prompt_len=len(token_ids) - params.prior_output)
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -488,6 +499,9 @@ class TorchEngine(RequestBook):
         temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
+        if any(r.params.min_p for r in requests):
+            probs = keep_min_p(probs, torch.tensor([r.params.min_p for r in requests],
+                                                   device=logits.device, dtype=probs.dtype))
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         if any(r.params.top_k for r in requests):
             sorted_probs = _keep_top_k(sorted_probs, [r.params.top_k for r in requests])
@@ -547,24 +561,34 @@ def _token_logprobs(logits: torch.Tensor, request_ids: list[str], requests: list
 
 
 def _process_logits(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-    """The per-request logit processors, on a float32 copy when any row needs one."""
-    rows = [(i, r.params) for i, r in enumerate(requests)
-            if r.params.repetition_penalty != 1.0 or r.generated < r.params.min_tokens]
+    """The per-request logit processors, on a float32 copy when any row needs one, in vLLM's
+    order: logit_bias, the EOS ban of min_tokens, then the penalties."""
+    rows = [(i, r.params) for i, r in enumerate(requests) if _processed(r)]
     if not rows:
         return logits
     logits = logits.to(torch.float32, copy=True)  # the model's output stays as it was
     vocab = logits.shape[-1]
     for i, params in rows:
+        add_logit_bias(logits[i], params.logit_bias)
+        if requests[i].generated < params.min_tokens:
+            eos = [t for t in params.eos_token_ids if 0 <= t < vocab]
+            logits[i, eos] = float("-inf")
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(requests[i].tokens)), device=logits.device)
             score = logits[i, seen]
             # As Hugging Face's RepetitionPenaltyLogitsProcessor: the penalty always lowers.
             logits[i, seen] = torch.where(score < 0, score * params.repetition_penalty,
                                           score / params.repetition_penalty)
-        if requests[i].generated < params.min_tokens:
-            eos = [t for t in params.eos_token_ids if 0 <= t < vocab]
-            logits[i, eos] = float("-inf")
+        penalize_output(logits[i], requests[i].output, params.presence_penalty,
+                        params.frequency_penalty)
     return logits
+
+
+def _processed(request: _Request) -> bool:
+    """Some logit processor changes this request's logits now."""
+    p = request.params
+    return (p.repetition_penalty != 1.0 or request.generated < p.min_tokens or bool(p.logit_bias)
+            or p.presence_penalty != 0 or p.frequency_penalty != 0)
 
 
 def _keep_top_k(sorted_probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -1,0 +1,258 @@
+"""Logprobs and OpenAI's sampling parameters at the gateway: validated with OpenAI's ranges, sent to
+the node in the InferenceRequest, refused by name for a model whose engine would not honour them,
+and the node's per-token logprobs rendered in the chat and completions shapes, streamed and not
+(the stand-in responder plays the node: each token at log(1/2), its alternatives below)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import httpx
+import openai
+import pytest
+from redis import Redis as SyncRedis
+
+from shared import wire
+from shared.schemas import FinishReason, TokenBias
+from shared.subjects import MODELS_HASH
+from tests.gateway.conftest import PUBLIC_MODEL
+from tests.gateway.responder import token_script
+
+pytestmark = pytest.mark.integration
+
+CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+OV_MODEL = "tiny-openvino"  # the same model registered on the OpenVINO engine
+TEXT = "Hello, wörld — ✓ 日本"  # byte-level tokens that are parts of characters
+
+
+def _client(gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": "Bearer key-a"},
+                             trust_env=False, timeout=20)
+
+
+def _events(text: str) -> list[dict]:
+    lines = [ln.removeprefix("data: ") for ln in text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def openvino_model(redis_url, seeded_models) -> str:
+    record = dataclasses.replace(seeded_models[PUBLIC_MODEL], name=OV_MODEL, engine="openvino")
+    r = SyncRedis.from_url(redis_url)
+    r.hset(MODELS_HASH, OV_MODEL, wire.encode(record))
+    r.close()
+    return OV_MODEL
+
+
+# -- what reaches the node ---------------------------------------------------------------------------
+
+
+async def test_the_parameters_travel_in_the_request(gateway, responder, hf_tokenizer):
+    async with _client(gateway) as c:
+        resp = await c.post(CHAT, json={
+            "model": PUBLIC_MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 3,
+            "presence_penalty": 0.5, "frequency_penalty": -1.5, "logit_bias": {"7": -100, "9": 2},
+            "min_p": 0.05, "stop_token_ids": [11, 12, 11]})
+        assert resp.status_code == 200, resp.text
+        resp = await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x", "logprobs": 0,
+                                         "ignore_eos": True, "stop_token_ids": [11]})
+        assert resp.status_code == 200, resp.text
+        resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG,
+                                        "logprobs": False, "top_logprobs": 0})
+        assert resp.status_code == 200, resp.text
+    chat, completion, plain = responder.requests
+    assert chat.logprobs == 3 and completion.logprobs == 0 and plain.logprobs is None
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.min_p) == (0.5, -1.5, 0.05)
+    assert chat.logit_bias == [TokenBias(7, -100.0), TokenBias(9, 2.0)]
+    # stop_token_ids end the output as an EOS does; with ignore_eos they alone end it
+    assert hf_tokenizer.eos_token_id in chat.eos_token_ids and chat.eos_token_ids[-2:] == [11, 12]
+    assert completion.eos_token_ids == [11]
+    assert (plain.presence_penalty, plain.logit_bias, plain.min_p) == (0.0, [], 0.0)
+
+
+@pytest.mark.parametrize(("path", "patch", "param"), [
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -2.01}, "frequency_penalty"),
+    (CHAT, {"logit_bias": {"5": 101}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"five": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"-5": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"99999": 1}}, "logit_bias"),  # beyond the vocabulary
+    (CHAT, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    (CHAT, {"min_p": 1.5}, "min_p"),
+    (CHAT, {"min_p": -0.1}, "min_p"),
+    (CHAT, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (CHAT, {"stop_token_ids": [99999]}, "stop_token_ids"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    (CHAT, {"logprobs": 1}, "logprobs"),  # chat's logprobs is a boolean
+    (COMPL, {"logprobs": 21}, "logprobs"),
+    (COMPL, {"logprobs": -1}, "logprobs"),
+    (COMPL, {"logprobs": True}, "logprobs"),  # the completions API's is a number
+])
+async def test_out_of_range_values_are_400_by_name(gateway, path, patch, param):
+    body = {"model": PUBLIC_MODEL, **({"messages": MSG} if path == CHAT else {"prompt": "x"}),
+            **patch}
+    async with _client(gateway) as c:
+        resp = await c.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value", error
+
+
+@pytest.mark.parametrize(("path", "patch", "param"), [
+    (CHAT, {"logprobs": True}, "logprobs"),
+    (COMPL, {"logprobs": 2}, "logprobs"),
+    (CHAT, {"presence_penalty": 0.1}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": 0.1}, "frequency_penalty"),
+    (COMPL, {"logit_bias": {"5": 1}}, "logit_bias"),
+    (COMPL, {"min_p": 0.1}, "min_p"),
+])
+async def test_an_engine_that_cannot_honour_a_parameter_refuses_it_by_name(
+        gateway, responder, openvino_model, path, patch, param):
+    body = {"model": openvino_model, **({"messages": MSG} if path == CHAT else {"prompt": "x"})}
+    async with _client(gateway) as c:
+        resp = await c.post(path, json={**body, **patch})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+        assert "openvino" in error["message"] and param in error["message"]
+        # neutral values are no request for the feature: served
+        neutral = await c.post(path, json={**body, "presence_penalty": 0, "min_p": 0,
+                                           "logit_bias": {}, "stop_token_ids": [5]})
+        assert neutral.status_code == 200, neutral.text
+    assert [r.model for r in responder.requests] == [openvino_model]  # only the neutral one
+
+
+# -- the chat shape ------------------------------------------------------------------------------------
+
+
+async def test_chat_logprobs_whole_and_streamed(gateway, responder, hf_tokenizer):
+    output = responder.default_output(TEXT)
+    responder.script = lambda r: token_script(r, output, chunk=1)
+    body = {"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 2,
+            "max_tokens": 40}
+    async with _client(gateway) as c:
+        whole = (await c.post(CHAT, json=body)).json()
+        streamed = _events((await c.post(CHAT, json={**body, "stream": True})).text)
+    choice = whole["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["logprobs"]["refusal"] is None
+    assert len(content) == len(output) == whole["usage"]["completion_tokens"]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == choice["message"]["content"]
+    for token, entry in zip(output, content):
+        assert entry["logprob"] == pytest.approx(math.log(0.5))
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            [math.log(0.5), math.log(0.25)])
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]  # the token itself leads
+        assert entry["token"] == bytes(entry["bytes"]).decode(errors="replace")
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert streamed[0]["choices"][0]["logprobs"] is None  # the role chunk has no token
+    pieces = [e["choices"][0]["logprobs"]["content"] for e in streamed[1:]
+              if e["choices"][0]["logprobs"] is not None]
+    assert [entry for piece in pieces for entry in piece] == content
+    # a chunk whose text was held back (half a character) sent nothing: its tokens' entries
+    # came with the next chunk that had text
+    assert any(len(piece) > 1 for piece in pieces)
+    assert streamed[-1]["choices"][0]["logprobs"] is None  # the closing chunk: no token left
+    for event in streamed[1:-1]:
+        delta = event["choices"][0]
+        text = b"".join(bytes(e["bytes"]) for e in delta["logprobs"]["content"])
+        assert text.decode() == delta["delta"]["content"]
+
+
+async def test_no_logprobs_unless_asked(gateway, responder):
+    async with _client(gateway) as c:
+        whole = (await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})).json()
+        streamed = _events((await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x",
+                                                      "stream": True})).text)
+    assert whole["choices"][0]["logprobs"] is None
+    assert all(e["choices"][0]["logprobs"] is None for e in streamed)
+    assert all(r.logprobs is None for r in responder.requests)
+
+
+# -- the completions shape -----------------------------------------------------------------------------
+
+
+async def test_completion_logprobs_whole_and_streamed(gateway, responder):
+    output = responder.default_output(TEXT)
+    responder.script = lambda r: token_script(r, output, chunk=3)
+    body = {"model": PUBLIC_MODEL, "prompt": "x", "logprobs": 3, "max_tokens": 40}
+    async with _client(gateway) as c:
+        whole = (await c.post(COMPL, json=body)).json()
+        streamed = _events((await c.post(COMPL, json={**body, "stream": True})).text)
+    choice = whole["choices"][0]
+    lp, text = choice["logprobs"], choice["text"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(output) == whole["usage"]["completion_tokens"]
+    assert lp["token_logprobs"] == pytest.approx([math.log(0.5)] * len(output))
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert top[token] == pytest.approx(math.log(0.5))  # the chosen token is always there
+        assert 1 <= len(top) <= 4
+        assert sorted(top.values(), reverse=True) == list(top.values())
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    # a whole token's text starts at its offset (parts of one character share the offset)
+    for token, offset in zip(lp["tokens"], offsets):
+        if "\ufffd" not in token:
+            assert text[offset:offset + len(token)] == token
+    merged = {key: [v for e in streamed if e["choices"][0]["logprobs"] is not None
+                    for v in e["choices"][0]["logprobs"][key]] for key in lp}
+    assert merged == lp
+    assert "".join(e["choices"][0]["text"] for e in streamed) == text
+
+
+async def test_stop_token_ids_end_the_text_without_their_own(gateway, responder, hf_tokenizer):
+    output = responder.default_output("one two three")
+    stop = output[-1]
+    responder.script = lambda r: token_script(r, output, chunk=1, finish=FinishReason.STOP)
+    async with _client(gateway) as c:
+        resp = (await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x", "logprobs": 1,
+                                          "stop_token_ids": [stop]})).json()
+    choice = resp["choices"][0]
+    shown = hf_tokenizer.decode(output[:-1])
+    assert choice["text"] == shown and choice["finish_reason"] == "stop"
+    assert resp["usage"]["completion_tokens"] == len(output)  # the stop token is output
+    assert len(choice["logprobs"]["tokens"]) == len(output)
+    assert choice["logprobs"]["text_offset"][-1] == len(shown)
+
+
+async def test_a_token_message_lost_with_its_logprobs_fails_the_request(gateway, responder):
+    """The final message fills a lost token, not its logprobs: the answer says so, rather than
+    leave a hole in the list."""
+    output = responder.default_output("one two three four five six")
+    responder.script = lambda r: token_script(r, output, chunk=2, order="gap")
+    async with _client(gateway) as c:
+        resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True})
+        plain = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})
+    assert resp.status_code == 500, resp.text
+    assert "logprobs" in resp.json()["error"]["message"]
+    assert plain.status_code == 200  # without logprobs the final message fills the gap
+
+
+# -- the openai client reads them ----------------------------------------------------------------------
+
+
+async def test_the_openai_client_parses_the_logprobs(gateway, responder):
+    output = responder.default_output("one two three")
+    responder.script = lambda r: token_script(r, output, chunk=1)
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="key-a", max_retries=0)
+    chat = await client.chat.completions.create(model=PUBLIC_MODEL, messages=MSG, logprobs=True,
+                                                top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob
+               for t in content)
+    stream = await client.chat.completions.create(model=PUBLIC_MODEL, messages=MSG,
+                                                  logprobs=True, stream=True)
+    tokens = [t.token async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+              for t in chunk.choices[0].logprobs.content]
+    assert tokens == [t.token for t in content]
+    completion = await client.completions.create(model=PUBLIC_MODEL, prompt="x", logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert lp.token_logprobs == pytest.approx([math.log(0.5)] * len(output))
+    await client.close()
