@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.burst import plan_burst
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
 from shared.core.node_scheduler import AdmitResult, NodeScheduler
@@ -144,8 +145,8 @@ class SlinferSystem:
     def decide(self, view: RequestView, now: float) -> PlacementPlan:
         """The placement decision on the nodes' views now: the call the placer service makes
         (`Placer._place_one`), with this run's core configuration (tests/sim/test_parity.py)."""
-        return place(view, self.models[view.model], self._views(view.model), self.perf, now,
-                     self.config, self.models, self._adapter(view))
+        ctx = DecisionContext(self._views(view.model), self.perf, now, self.config, self.models)
+        return place(view, self.models[view.model], ctx, self._adapter(view))
 
     def _place(self, view: RequestView, from_queue: bool = False) -> bool:
         """Ask the core where the request goes and carry the plan out. True if it went somewhere
@@ -185,8 +186,8 @@ class SlinferSystem:
         arrivals need start now, beside the one just started, so one multicast feeds them."""
         now = self.loop.now
         queued = sum(1 for v in self.queue if v.model == view.model and v is not view)
-        burst = plan_burst(plan, view, model, self._views(view.model), self.perf, now,
-                           self.config, self._arrivals.get(view.model, ()), queued)
+        ctx = DecisionContext(self._views(view.model), self.perf, now, self.config)
+        burst = plan_burst(plan, view, model, ctx, self._arrivals.get(view.model, ()), queued)
         for spot in burst.spots:
             sn = self.nodes[spot.node_id]
             self._sync_storage(sn, view.model)

@@ -25,6 +25,7 @@ from services.placer.scaleout import ScaleOut
 from shared.cluster import model_spec, request_view
 from shared.core.burst import BurstPlan, plan_burst
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import PlacementPlan
 from shared.core.types import NodeView
 from shared.schemas import CommandKind, InferenceRequest, ModelRecord, NodeCommand
@@ -81,8 +82,8 @@ class BurstStarter:
         seen = self._arrivals.get(req.model, deque())
         self._forget_old(seen, now)
         queued = self.queued(req.model, req.request_id)
-        burst = plan_burst(plan, request_view(req), model_spec(record), nodes, self.p.perf, now,
-                           self.config, seen, queued)
+        burst = plan_burst(plan, request_view(req), model_spec(record),
+                           DecisionContext(nodes, self.p.perf, now, self.config), seen, queued)
         if not burst.spots:
             return nodes
         return await self._start(req, record, burst, nodes)

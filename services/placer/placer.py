@@ -55,6 +55,7 @@ from services.placer.settings import PlacerSettings
 from services.placer.tracing import decision_span, startup_label
 from shared import telemetry as tm
 from shared.cluster import adapter_spec, model_spec, read_nodes, request_view
+from shared.core.context import DecisionContext
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
@@ -194,8 +195,9 @@ class Placer:
         if p.request.target_node is not None and await self._offer_to_target(p, record, nodes):
             return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
-        plan = place(request_view(p.request), specs[record.name], nodes, self.perf, time.time(),
-                     self.s.core, models=specs, adapter=adapter_spec(p.request, records))
+        ctx = DecisionContext(nodes, self.perf, time.time(), self.s.core, specs)
+        plan = place(request_view(p.request), specs[record.name], ctx,
+                     adapter=adapter_spec(p.request, records))
         self.port.count(plan.action.value)
         self._decision_counter.add(1, {"slinfer.placement.action": plan.action.value})
         self.modules.note(plan, request_view(p.request), specs[record.name], nodes)

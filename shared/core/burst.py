@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.evaluate import evaluate, node_check, slo_check
-from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, new_instance_order
 from shared.core.startup import StartupChoice, StartupMethod, choose_startup, with_startup
 from shared.core.types import ModelSpec, NodeView, RequestView
@@ -104,12 +104,12 @@ def burst_size(per: int, rate: float, startup_s: float, queued: int, config: Cor
 
 
 def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
-               nodes: list[NodeView], perf: PerfModel, now: float, config: CoreConfig,
-               arrivals: Sequence[float], queued: int = 0) -> BurstPlan:
+               ctx: DecisionContext, arrivals: Sequence[float], queued: int = 0) -> BurstPlan:
     """The burst that goes with `plan` (`place`'s answer for `request`, on the same views):
     no extra instance unless the plan starts one and `config.burst_scaleout` is on. `arrivals`:
     the model's recent arrival times (the placer keeps them); `queued`: its requests waiting
     at the placer besides this one."""
+    nodes, perf, now, config = ctx.nodes, ctx.perf, ctx.now, ctx.config
     if not config.burst_scaleout or plan.action is not PlaceAction.NEW_INSTANCE:
         return BurstPlan(BurstSize(1, 0.0, 0))
     startup = next((a.startup_s for a in reversed(plan.attempts)
@@ -125,9 +125,9 @@ def plan_burst(plan: PlacementPlan, request: RequestView, model: ModelSpec,
                 and not any(i.model.name == model.name for i in n.instances)
                 and node_check(n, config) is None
                 and slo_check(perf.get(model.name, n.hardware), request, config) is None]
-    views = _with_placed(nodes, plan, model)
-    spots = _choose_spots(request, model, eligible, views, perf, now, config, size.instances - 1)
-    spots = _priced_in_group(request, model, spots, views, perf, now, config)
+    views = ctx.with_nodes(_with_placed(nodes, plan, model))
+    spots = _choose_spots(request, model, eligible, views, size.instances - 1)
+    spots = _priced_in_group(request, model, spots, views)
     placed = (plan.node_id,) if _multicasts(plan.startup) else ()
     return BurstPlan(size, spots, placed + tuple(s.node_id for s in spots
                                                    if _multicasts(s.startup)))
@@ -148,22 +148,22 @@ def _with_placed(nodes: list[NodeView], plan: PlacementPlan, model: ModelSpec) -
 
 
 def _choose_spots(request: RequestView, model: ModelSpec, eligible: list[NodeView],
-                  views: list[NodeView], perf: PerfModel, now: float, config: CoreConfig,
-                  want: int) -> list[BurstSpot]:
+                  ctx: DecisionContext, want: int) -> list[BurstSpot]:
     """Up to `want` spots in `new_instance_order`'s order, each priced with the placed instance
-    and the spots before it on their way (it joins the same multicast after them)."""
+    (on its way in `ctx`'s views) and the spots before it on their way (it joins the same
+    multicast after them)."""
     spots: list[BurstSpot] = []
-    for first in new_instance_order(request, model, eligible, perf, now, config, views):
+    for first in new_instance_order(request, model, eligible, ctx):
         if len(spots) == want:
             break
-        spot = new_instance_order(request, model, [_original(first.node, eligible)], perf, now,
-                                  config, views)[0]
-        if spot.startup_s > config.burst_max_startup_s:
+        spot = new_instance_order(request, model, [_original(first.node, eligible)], ctx)[0]
+        if spot.startup_s > ctx.config.burst_max_startup_s:
             continue
-        adm = evaluate(spot.node, None, request, model, perf, now, config)
+        adm = evaluate(spot.node, None, request, model, ctx.perf, ctx.now, ctx.config)
         if adm.ok:
             spots.append(BurstSpot(spot.node.node_id, adm, spot.startup))
-            views = [spot.node if n.node_id == spot.node.node_id else n for n in views]
+            ctx = ctx.with_nodes([spot.node if n.node_id == spot.node.node_id else n
+                                  for n in ctx.nodes])
     return spots
 
 
@@ -172,15 +172,16 @@ def _original(node: NodeView, eligible: list[NodeView]) -> NodeView:
 
 
 def _priced_in_group(request: RequestView, model: ModelSpec, spots: list[BurstSpot],
-                     views: list[NodeView], perf: PerfModel, now: float,
-                     config: CoreConfig) -> tuple[BurstSpot, ...]:
+                     views: DecisionContext) -> tuple[BurstSpot, ...]:
     """Each multicast spot priced at its position in the whole group and validated again; a
     spot that no longer passes leaves (one that now loads from its own tiers leaves the group),
     and the others are priced again, until the group stays as it is."""
+    perf, now, config = views.perf, views.now, views.config
     ids = {s.node_id for s in spots}
-    base = [n for n in views if n.node_id not in ids]  # the group's receivers before the spots
-    before = [n for n in base if n.storage is not None and model.name in n.storage.arriving]
-    originals = {n.node_id: n for n in views if n.node_id in ids}  # without their own arrival
+    # the group's receivers before the spots
+    base = views.with_nodes([n for n in views.nodes if n.node_id not in ids])
+    before = [n for n in base.nodes if n.storage is not None and model.name in n.storage.arriving]
+    originals = {n.node_id: n for n in views.nodes if n.node_id in ids}  # without their own arrival
     for _ in range(len(spots) + 1):
         group = [s.node_id for s in spots if _multicasts(s.startup)]
         priced: list[BurstSpot] = []
@@ -191,7 +192,7 @@ def _priced_in_group(request: RequestView, model: ModelSpec, spots: list[BurstSp
             node = originals[spot.node_id]
             position = (len(before) + group.index(spot.node_id), len(before) + len(group))
             choice = choose_startup(node, model, perf.get(model.name, node.hardware), base,
-                                    config, perf, group=position)
+                                    group=position)
             adm = evaluate(with_startup(node, model.name, choice), None, request, model, perf,
                            now, config)
             if adm.ok:

@@ -46,6 +46,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.cost import (budget_room, hosted_layer_bytes, multicast_step_s,
                               pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.multicast import head_first, whole_steps
@@ -209,15 +210,15 @@ def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
             if not round_fits(nodes[h], nodes[h].stage_load + loads[h], perf, config)]
 
 
-def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
-                   config: CoreConfig, perf: PerfModel | None = None,
+def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, ctx: DecisionContext,
                    group: tuple[int, int] | None = None) -> StartupChoice:
     """The soonest of loading from the node's own tiers, receiving the model by multicast from
-    the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
+    the nodes of `ctx` that hold it, and serving through a pipeline while it arrives (module
     doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
     loads it (`load_seconds` counts the arrival). The node joins the receivers on their way
     last; `group` = (position, receivers): it is the receiver at that position of a group of
     that many instead (a burst's instances, priced once the burst's group is known)."""
+    nodes, config, perf = ctx.nodes, ctx.config, ctx.perf
     tier = load_seconds(node, model, profile)
     keep = StartupChoice(StartupMethod.TIER, tier, tier)
     storage = node.storage

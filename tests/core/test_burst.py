@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from shared.core.admission import AdmitReason
 from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import Attempt, PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
 from shared.core.types import Hardware, InstanceStatus, StorageView
@@ -71,10 +72,10 @@ def test_a_burst_starts_the_instances_its_arrivals_need_on_other_nodes():
     spec, perf, scheds = _cluster(ON)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE  # (packed beside the full one on n0)
     arrivals = [0.5 - 0.1 * i for i in range(8)]  # 8 in the last second: 8/s over a 1 s startup
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), arrivals)
     assert burst.size.per_instance == 3 and burst.size.instances == math.ceil(8 * 1.0 / 3)
     nodes = [s.node_id for s in burst.spots]
     assert len(nodes) == burst.size.instances - 1 == len(set(nodes))
@@ -86,16 +87,17 @@ def test_nodes_bound_a_burst_and_it_is_off_by_default_and_for_other_plans():
     spec, perf, scheds = _cluster(ON, nodes=2)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     arrivals = [0.5] * 40
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), arrivals)
     assert burst.size.instances == ON.burst_max  # 40/s over a 1 s startup, 3 per instance
     # n0 serves m already (its instance refused): the one other node, unless the plan took it
     assert [s.node_id for s in burst.spots] == ([] if plan.node_id == "n1" else ["n1"])
-    off = plan_burst(plan, new, spec, views, perf, 0.5, CoreConfig(), arrivals)
+    off = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, CoreConfig()), arrivals)
     assert off.size.instances == 1 and not off.spots
     routed = PlacementPlan(PlaceAction.ROUTE, "n0", views[0].instances[0].instance_id)
-    assert plan_burst(routed, new, spec, views, perf, 0.5, ON, arrivals).spots == ()
+    at = DecisionContext(views, perf, 0.5, ON)
+    assert plan_burst(routed, new, spec, at, arrivals).spots == ()
 
 
 def test_a_node_starts_an_empty_instance_that_later_requests_join():
@@ -137,11 +139,12 @@ def test_a_slow_start_is_no_burst_and_slow_nodes_are_left_out():
     spec, perf, scheds = _cluster(ON)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     arrivals = [0.5] * 40
     slow = CoreConfig(burst_scaleout=True, burst_max_startup_s=0.5)  # every load takes 1 s
-    assert plan_burst(plan, new, spec, views, perf, 0.5, slow, arrivals).size.instances == 1
-    assert plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals).size.instances > 1
+    slow_ctx, on_ctx = DecisionContext(views, perf, 0.5, slow), DecisionContext(views, perf, 0.5, ON)
+    assert plan_burst(plan, new, spec, slow_ctx, arrivals).size.instances == 1
+    assert plan_burst(plan, new, spec, on_ctx, arrivals).size.instances > 1
 
 
 def test_only_instances_refused_as_full_measure_what_an_instance_takes():
@@ -172,9 +175,9 @@ def test_each_extra_instance_carries_its_startup_a_multicast_from_the_placed_one
                                if i else None, spec, 0.0).admission.ok
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE and plan.startup.method is StartupMethod.MULTICAST
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), [0.5] * 40)
     assert len(burst.spots) == 2  # n1..n3 but the plan's node; n0 serves m, n4 has no room
     assert plan.node_id not in {s.node_id for s in burst.spots}
     assert all(s.startup.method is StartupMethod.MULTICAST and s.startup.sources == ("n4",)
@@ -209,10 +212,10 @@ def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_sched
     scheds = _burst_cluster(spec, perf, 6)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5, ttft=3.0)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE
     assert plan.startup.method is StartupMethod.MULTICAST
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), [0.5] * 40)
     assert len(burst.spots) == 3  # n1..n4 but the plan's node
     step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
     group = whole_steps(5, 1, ON.multicast_blocks)  # the holder -> the placed + 3 extra

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shared import wire
+from shared.core.context import DecisionContext
 from shared.core.node_scheduler import NodeScheduler
 from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware, InstanceStatus, NodeView
@@ -52,7 +53,7 @@ def services_plan(nodes: list[NodeView]):
     """The placer's decision (`Placer._place_one`): `place` with the core configuration the
     placer and the nodes build from an environment that sets nothing."""
     core = burst_from_env(core_config_from_env(env={}), env={})
-    return place(NEWCOMER, BIG, nodes, PERF, 0.0, core, models=MODELS)
+    return place(NEWCOMER, BIG, DecisionContext(nodes, PERF, 0.0, core, MODELS))
 
 
 def simulator_plan(nodes: list[NodeView]):
@@ -160,7 +161,7 @@ def test_the_placers_module_planner_is_given_the_demand_the_simulators_is():
     ours = system.cocoserve.scale_up_plans(new)
     assert [p.action for p in ours] == [ModuleAction.REPLICATE]
     core = SimConfig().core_config()
-    plan = place(new, models["m"], nodes, perf, 0.0, core, models=models)
+    plan = place(new, models["m"], DecisionContext(nodes, perf, 0.0, core, models))
     assert plan.action is PlaceAction.NEW_INSTANCE  # the simulator offers it to its planner
     scaler = ModuleScaler(None, system.cocoserve.settings, interval_s=1.0)
     scaler.note(plan, new, models["m"], nodes)  # what `Placer._place_one` tells it
