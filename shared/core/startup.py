@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
 from shared.core.context import DecisionContext
-from shared.core.cost import (budget_room, hosted_layer_bytes, multicast_step_s,
+from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes, multicast_step_s,
                               pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.multicast import head_first, whole_steps
 from shared.core.perf_model import PerfModel, Profile
@@ -261,3 +261,19 @@ def with_startup(node: NodeView, model: str, choice: StartupChoice) -> NodeView:
     if choice.method is StartupMethod.TIER:
         return node
     return with_arrival(node, model, choice.arrive_s, choice.pipeline)
+
+
+def with_helper_stages(nodes: list[NodeView], model: ModelSpec,
+                       choice: StartupChoice) -> list[NodeView]:
+    """The views once the helpers of a pipelined startup hold their stages: a DRAM holder the
+    stage of the layers the new instance lacks, a receiver its ranges' K/V (`helper_bytes`),
+    each with the share of its compute the stage takes (`pipeline_helper_loads`). The next
+    decision on these views must not count the same room, nor the same compute; a helper's own
+    view shows the stage once it reserved it."""
+    if choice.pipeline is None:
+        return nodes
+    need = helper_bytes(model, choice.pipeline)
+    load = pipeline_helper_loads(model, choice.pipeline)
+    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id],
+                    stage_load=n.stage_load + load[n.node_id])
+            if n.node_id in need else n for n in nodes]

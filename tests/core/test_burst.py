@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.core.admission import AdmitReason
-from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
+from shared.core.burst import (BurstSize, BurstSpot, burst_size, per_instance, plan_burst,
+                               recent_rate)
 from shared.core.config import CoreConfig
 from shared.core.context import DecisionContext
 from shared.core.placement import Attempt, PlaceAction, PlacementPlan, place
@@ -225,3 +226,77 @@ def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_sched
                                                       + group[1 + position] * step), position
         assert spot.admission.grace_s == pytest.approx(spot.startup.load_s)
     assert burst.receivers == (plan.node_id, *(s.node_id for s in burst.spots))
+
+
+def _group_burst(placed_tier_bytes_per_s: float | None = None):
+    """`_burst_cluster` with 6 nodes: the placed instance lands on n1, the burst adds n2..n4, all
+    receiving m from n5 (a 10 GB model, 100 Gb/s: a step is 0.05 s). With a rate, n1 also holds
+    m on a local disk that fast."""
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(replace(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=30.0),
+                            engine_init_s=0.2))
+    scheds = _burst_cluster(spec, perf, 6)
+    if placed_tier_bytes_per_s is not None:
+        storage = scheds[1].node.storage
+        scheds[1].node.storage = replace(storage, holds={"m": "disk"}, bytes_per_s={
+            **storage.bytes_per_s, "disk": placed_tier_bytes_per_s})
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5, ttft=3.0)
+    ctx = DecisionContext(views, perf, 0.5, ON)
+    plan = place(new, spec, ctx)
+    assert plan.action is PlaceAction.NEW_INSTANCE and plan.node_id == "n1"
+    assert plan.startup.method is StartupMethod.MULTICAST
+    return spec, plan, plan_burst(plan, new, spec, ctx, [0.5] * 40)
+
+
+def test_the_placed_requests_instance_is_priced_at_its_arrival_in_the_group_it_starts():
+    """`place` prices the placed request's instance as a lone multicast (16 steps for one
+    receiver); the burst makes it the first of four receivers of one multicast, whose schedule
+    brings it the model a step later. The burst is planned before the instance is committed, and
+    the startup it gives the placed instance (what the placer sends with its ADMIT) is its
+    arrival in the group, its admission's grace that arrival's load."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    spec, plan, burst = _group_burst()
+    step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
+    alone, group = whole_steps(2, 1, ON.multicast_blocks), whole_steps(5, 1, ON.multicast_blocks)
+    assert plan.startup.arrive_s == pytest.approx(ON.multicast_setup_s + alone[1] * step)
+    assert [s.node_id for s in burst.spots] == ["n2", "n3", "n4"]
+    placed = burst.placed
+    assert placed.node_id == plan.node_id and placed.startup.method is StartupMethod.MULTICAST
+    assert placed.startup.arrive_s == pytest.approx(ON.multicast_setup_s + group[1] * step)
+    assert placed.startup.arrive_s > plan.startup.arrive_s
+    assert placed.admission.ok and placed.admission.grace_s == pytest.approx(placed.startup.load_s)
+    assert burst.receivers == ("n1", "n2", "n3", "n4")
+
+
+def test_a_placed_instance_whose_own_tier_beats_its_place_in_the_group_loads_from_it():
+    """n1's disk (1.375 s for the model, 1.575 s with the engine's start) loses to a lone
+    multicast (1.55 s), which `place` chose, but beats its arrival as the first of four (1.6 s):
+    it loads from its disk, leaves the group, and the three extra instances are priced as a
+    group of three."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    spec, plan, burst = _group_burst(placed_tier_bytes_per_s=10 * GB / 1.375)
+    assert plan.startup.load_s == pytest.approx(1.55) and plan.startup.tier_s == pytest.approx(1.575)
+    placed = burst.placed
+    assert placed.startup.method is StartupMethod.TIER
+    assert placed.startup.load_s == pytest.approx(1.575) and placed.admission.ok
+    assert burst.receivers == ("n2", "n3", "n4")
+    step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
+    three = whole_steps(4, 1, ON.multicast_blocks)
+    for position, spot in enumerate(burst.spots):
+        assert spot.startup.arrive_s == pytest.approx(ON.multicast_setup_s
+                                                      + three[1 + position] * step), position
+
+
+def test_without_extra_instances_in_its_multicast_the_placed_instance_keeps_its_plan():
+    spec, perf, scheds = _cluster(ON, nodes=2)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    ctx = DecisionContext(views, perf, 0.5, ON)
+    plan = place(new, spec, ctx)
+    burst = plan_burst(plan, new, spec, ctx, [0.5] * 40)
+    assert burst.placed == BurstSpot(plan.node_id, plan.admission, plan.startup)
+    off = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, CoreConfig()), [0.5] * 40)
+    assert off.placed == burst.placed
