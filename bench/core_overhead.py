@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.core.config import CoreConfig  # noqa: E402
+from shared.core.context import DecisionContext  # noqa: E402
 from shared.core.iteration import choose_iteration  # noqa: E402
 from shared.core.memory import MemOpKind  # noqa: E402
 from shared.core.node_scheduler import NodeScheduler  # noqa: E402
@@ -100,7 +101,7 @@ def bench_placement(n_nodes: int, n_models: int, samples: int, seed: int) -> dic
         length = rng.randint(16, 4096)
         req = RequestView(f"new{s}", name, length, 0.0, slo_for_input(length), max_tokens=256)
         start = time.perf_counter()
-        plan = place(req, specs[name], nodes, perf, 0.0, config, models=specs)
+        plan = place(req, specs[name], DecisionContext(nodes, perf, 0.0, config, specs))
         times.append(time.perf_counter() - start)
         decided.append((plan.action.value, times[-1]))
     instances = sum(len(n.instances) for n in nodes)
@@ -119,12 +120,12 @@ def bench_in_operation(n_nodes: int, duration: float, seed: int) -> dict:
     decided: list[tuple[str, float]] = []
     instances: list[int] = []
 
-    def timed_place(request, model, nodes, *args, **kwargs):
+    def timed_place(request, model, ctx, *args, **kwargs):
         start = time.perf_counter()
-        plan = place(request, model, nodes, *args, **kwargs)
+        plan = place(request, model, ctx, *args, **kwargs)
         times.append(time.perf_counter() - start)
         decided.append((plan.action.value, times[-1]))
-        instances.append(sum(len(n.instances) for n in nodes))
+        instances.append(sum(len(n.instances) for n in ctx.nodes))
         return plan
 
     cfg = SimConfig(system="slinfer", models=16 * n_nodes, model_size="mix", cpu_nodes=n_nodes // 2,

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shared.core.busy import BusyMeter
+from shared.core.context import DecisionContext
 from shared.core.cost import layer_weight_bytes, layout_replication, run_layer_work
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
@@ -117,8 +118,8 @@ class CoCoServe:
     def _plan(self, **inputs) -> list[ModulePlan]:
         now = self.sys.loop.now
         stay = frozenset(i for i, t in self.shed_at.items() if now - t < self.settings.settle_s)
-        return plan_module_scaling(self._nodes(), self.sys.perf, now,
-                                   inputs.pop("pressures", []), self.settings, self.sys.config,
+        ctx = DecisionContext(self._nodes(), self.sys.perf, now, self.sys.config)
+        return plan_module_scaling(ctx, inputs.pop("pressures", []), self.settings,
                                    self._busy(), stay=stay, **inputs)
 
     # --- scale-up (the planner's demand) ------------------------------------------------------

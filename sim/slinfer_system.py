@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
-from shared.core.burst import plan_burst
+from shared.core.burst import BurstPlan, plan_burst
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import UNLOAD_S, MemOp, MemOpKind, memop_seconds
 from shared.core.node_scheduler import AdmitResult, NodeScheduler
@@ -81,15 +82,20 @@ class SlinferSystem:
 
     def on_arrival(self, req: SimRequest) -> None:
         self.reqs[req.rid] = req
-        if self.config.burst_scaleout:
-            seen = self._arrivals.setdefault(req.model, deque())
-            seen.append(req.arrival)
-            while seen[0] <= req.arrival - self.config.burst_window_s:
-                seen.popleft()
+        self.note_arrival(req.model, req.arrival)
         spec = self.models[req.model]
         view = RequestView(req.rid, req.model, req.input_len, req.arrival, req.slo,
                            max_tokens=max(1, spec.max_context - req.input_len))
         self._place(view)
+
+    def note_arrival(self, model: str, at: float) -> None:
+        """One arrival of `model` (the placer's `BurstStarter.note`), kept for the burst window."""
+        if not self.config.burst_scaleout:
+            return
+        seen = self._arrivals.setdefault(model, deque())
+        seen.append(at)
+        while seen[0] <= at - self.config.burst_window_s:
+            seen.popleft()
 
     def handle(self, ev: Event) -> None:
         getattr(self, f"_on_{ev.kind}")(ev.data)
@@ -144,8 +150,8 @@ class SlinferSystem:
     def decide(self, view: RequestView, now: float) -> PlacementPlan:
         """The placement decision on the nodes' views now: the call the placer service makes
         (`Placer._place_one`), with this run's core configuration (tests/sim/test_parity.py)."""
-        return place(view, self.models[view.model], self._views(view.model), self.perf, now,
-                     self.config, self.models, self._adapter(view))
+        ctx = DecisionContext(self._views(view.model), self.perf, now, self.config, self.models)
+        return place(view, self.models[view.model], ctx, self._adapter(view))
 
     def _place(self, view: RequestView, from_queue: bool = False) -> bool:
         """Ask the core where the request goes and carry the plan out. True if it went somewhere
@@ -175,18 +181,22 @@ class SlinferSystem:
             return False
         if plan.action is PlaceAction.PREEMPT_AND_ROUTE:
             return self._preempt_and_admit(plan, view)
-        placed = self._admit(plan.node_id, plan.instance_id, view)
-        if placed and plan.action is PlaceAction.NEW_INSTANCE and self.config.burst_scaleout:
-            self._burst(plan, view, model)
-        return placed
+        if plan.action is PlaceAction.NEW_INSTANCE and self.config.burst_scaleout:
+            return self._burst(plan, view, model)
+        return self._admit(plan.node_id, plan.instance_id, view)
 
-    def _burst(self, plan: PlacementPlan, view: RequestView, model: ModelSpec) -> None:
-        """λScale's burst scale-out (`shared.core.burst`): the instances the model's recent
-        arrivals need start now, beside the one just started, so one multicast feeds them."""
+    def _burst(self, plan: PlacementPlan, view: RequestView, model: ModelSpec) -> bool:
+        """λScale's burst scale-out (`shared.core.burst`), as the placer does it: the burst is
+        planned before the placed request's instance is committed (the core prices that
+        instance at its place in the burst's multicast, `BurstPlan.placed`), the instance is
+        admitted, then the instances the model's recent arrivals need start beside it, so one
+        multicast feeds them. (Here the nodes receive a model by the simulator's multicaster,
+        sim/scaleout.py, which the node's own view of its tiers already prices: the core sees
+        a load from a tier, and `placed` is the plan's own.) Returns what `_admit` does."""
         now = self.loop.now
-        queued = sum(1 for v in self.queue if v.model == view.model and v is not view)
-        burst = plan_burst(plan, view, model, self._views(view.model), self.perf, now,
-                           self.config, self._arrivals.get(view.model, ()), queued)
+        burst = self.decide_burst(plan, view, now)
+        if not self._admit(plan.node_id, None, view):
+            return False
         for spot in burst.spots:
             sn = self.nodes[spot.node_id]
             self._sync_storage(sn, view.model)
@@ -198,6 +208,15 @@ class SlinferSystem:
             self.rec.count("cold_starts")
             self.rec.count("burst_instances")
             self._born[result.instance_id] = now
+        return True
+
+    def decide_burst(self, plan: PlacementPlan, view: RequestView, now: float) -> BurstPlan:
+        """The burst that goes with `plan` on the nodes' views now, before the placed instance
+        is committed: the call the placer service makes (`BurstStarter.plan`)."""
+        queued = sum(1 for v in self.queue if v.model == view.model and v is not view)
+        ctx = DecisionContext(self._views(view.model), self.perf, now, self.config, self.models)
+        return plan_burst(plan, view, self.models[view.model], ctx,
+                          self._arrivals.get(view.model, ()), queued, self._adapter(view))
 
     def _adapter(self, view: RequestView) -> AdapterSpec | None:
         """The LoRA adapter the request runs through on its backbone's instance (sim/lora.py

@@ -1,12 +1,15 @@
 """Burst scale-out in the placer (λScale §3, §7.5; the decision is `shared.core.burst`'s).
 
 The placer sees every arrival, so it keeps each model's recent ones (`note`). When a placement
-has just started a new instance of a model (an accepted NEW_INSTANCE), the core is asked whether
-that model's recent demand outgrows what its instances hold; the extra instances it plans are
-started at once on their nodes (START_INSTANCE: an instance with no request yet), and those that
-receive the model by multicast join the placed instance's multicast of this turn (one multicast
-feeds them all). The requests that follow are placed on them by the ordinary `place`: each
-START reply's fresh node view shows the new instance to the rest of the turn.
+starts a new instance of a model (NEW_INSTANCE), the core is asked, before the placed instance is
+committed, whether that model's recent demand outgrows what its instances hold (`plan`): the
+placed instance is then admitted with the startup the core priced for it in the burst's
+multicast (`BurstPlan.placed`), and once its node accepted, the extra instances are started at
+once on their nodes (`start`; START_INSTANCE: an instance with no request yet); those that
+receive the model by multicast join the placed instance's multicast of this turn after it (one
+multicast feeds them all, in the order the core priced them). The requests that follow are
+placed on them by the ordinary `place`: each START reply's fresh node view shows the new
+instance to the rest of the turn.
 
 Arrivals are counted per placer: with several placers sharing the stream, each sees its share.
 """
@@ -14,7 +17,6 @@ Arrivals are counted per placer: with several placers sharing the stream, each s
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +27,9 @@ from services.placer.scaleout import ScaleOut
 from shared.cluster import model_spec, request_view
 from shared.core.burst import BurstPlan, plan_burst
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import PlacementPlan
-from shared.core.types import NodeView
+from shared.core.types import AdapterSpec, NodeView
 from shared.schemas import CommandKind, InferenceRequest, ModelRecord, NodeCommand
 
 log = logging.getLogger("slinfer.placer.burst")
@@ -70,19 +73,24 @@ class BurstStarter:
         while seen and seen[0] <= now - self.config.burst_window_s:
             seen.popleft()
 
-    async def after_new_instance(self, req: InferenceRequest, plan: PlacementPlan,
-                                 record: ModelRecord, nodes: list[NodeView]) -> list[NodeView]:
-        """`plan` started a new instance for `req` (the node accepted): start the burst's extra
-        instances the core plans on `nodes` (the views with that instance in them). Returns the
-        views with the started instances in them."""
+    def plan(self, req: InferenceRequest, plan: PlacementPlan, record: ModelRecord,
+             ctx: DecisionContext, adapter: AdapterSpec | None = None) -> BurstPlan | None:
+        """The burst that goes with `plan` (`place`'s NEW_INSTANCE for `req` on `ctx`, not
+        committed yet): the core prices the placed instance at its place in the burst's
+        multicast (`BurstPlan.placed`, what the ADMIT carries) and plans the extra instances.
+        None when burst scale-out is off."""
         if not self.enabled:
-            return nodes
-        now = time.time()
+            return None
         seen = self._arrivals.get(req.model, deque())
-        self._forget_old(seen, now)
+        self._forget_old(seen, ctx.now)
         queued = self.queued(req.model, req.request_id)
-        burst = plan_burst(plan, request_view(req), model_spec(record), nodes, self.p.perf, now,
-                           self.config, seen, queued)
+        return plan_burst(plan, request_view(req), model_spec(record), ctx, seen, queued,
+                          adapter)
+
+    async def start(self, req: InferenceRequest, record: ModelRecord, burst: BurstPlan,
+                    nodes: list[NodeView]) -> list[NodeView]:
+        """The node accepted the placed instance: start the burst's extra instances. Returns
+        the views with the started instances in them."""
         if not burst.spots:
             return nodes
         return await self._start(req, record, burst, nodes)

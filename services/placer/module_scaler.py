@@ -41,6 +41,7 @@ from services.placer.port import PlacerPort
 from shared.cluster import read_nodes
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.module_scaling import (MemoryPressure, ModuleAction, ModulePlan, ModuleSettings,
                                         memory_deficit, plan_module_scaling)
 from shared.core.perf_model import PerfModel
@@ -157,8 +158,8 @@ class ModuleScaler:
         self.demand = {}
         self.shed_at = {i: t for i, t in self.shed_at.items()
                         if now_m - t < self.settings.settle_s}
-        return plan_module_scaling(nodes, perf, now, pressures, self.settings, config,
-                                   frozenset(self.busy), demand=demand,
+        return plan_module_scaling(DecisionContext(nodes, perf, now, config), pressures,
+                                   self.settings, frozenset(self.busy), demand=demand,
                                    overloaded=self._overloaded(nodes),
                                    stay=frozenset(self.shed_at))
 

@@ -55,10 +55,11 @@ from services.placer.settings import PlacerSettings
 from services.placer.tracing import decision_span, startup_label
 from shared import telemetry as tm
 from shared.cluster import adapter_spec, model_spec, read_nodes, request_view
+from shared.core.context import DecisionContext
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
-from shared.core.types import NodeView, resume_grace
+from shared.core.types import AdapterSpec, NodeView, resume_grace
 from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRecord, NodeCommand,
                             NodeReply)
 
@@ -194,8 +195,9 @@ class Placer:
         if p.request.target_node is not None and await self._offer_to_target(p, record, nodes):
             return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
-        plan = place(request_view(p.request), specs[record.name], nodes, self.perf, time.time(),
-                     self.s.core, models=specs, adapter=adapter_spec(p.request, records))
+        ctx = DecisionContext(nodes, self.perf, time.time(), self.s.core, specs)
+        adapter = adapter_spec(p.request, records)
+        plan = place(request_view(p.request), specs[record.name], ctx, adapter=adapter)
         self.port.count(plan.action.value)
         self._decision_counter.add(1, {"slinfer.placement.action": plan.action.value})
         self.modules.note(plan, request_view(p.request), specs[record.name], nodes)
@@ -209,7 +211,7 @@ class Placer:
             if plan.action is PlaceAction.DROP:
                 await self.intake.fail(p, FinishReason.DROPPED, _drop_message(plan))
             else:
-                nodes = await self._carry_out(p, plan, record, nodes, outcome)
+                nodes = await self._carry_out(p, plan, record, ctx, outcome, adapter)
         return nodes
 
     async def _offer_to_target(self, p: Pending, record: ModelRecord, nodes: list[NodeView]) -> bool:
@@ -237,10 +239,17 @@ class Placer:
         await self.intake.placed(p, plan.node_id, reply.instance_id, plan.action.value)
 
     async def _carry_out(self, p: Pending, plan: PlacementPlan, record: ModelRecord,
-                         nodes: list[NodeView], outcome: dict) -> list[NodeView]:
-        new = plan.instance_id is None
+                         ctx: DecisionContext, outcome: dict,
+                         adapter: AdapterSpec | None = None) -> list[NodeView]:
+        """Send the node the command for `plan` (decided on `ctx`); returns the views with the
+        node's answer in them."""
+        nodes, new = ctx.nodes, plan.instance_id is None
         cmd = _command_for(p, plan, record)
-        startup = plan.startup if new else None
+        burst = None  # planned before the new instance is committed: it prices the instance
+        if plan.action is PlaceAction.NEW_INSTANCE:
+            burst = self.bursts.plan(p.request, plan, record, ctx, adapter)
+        placed = burst.placed if burst is not None else None
+        startup = (placed.startup if placed is not None else plan.startup) if new else None
         by_multicast = startup is not None and startup.method is not StartupMethod.TIER
         if by_multicast:  # MULTICAST, or PIPELINE: serving through a pipeline meanwhile
             cmd = with_startup(cmd, startup)
@@ -263,9 +272,9 @@ class Placer:
             await self._refused(p, plan.node_id, reply.reason if reply else "no reply")
         if reply is not None and reply.node is not None:  # fresher than Redis: use it
             nodes = [reply.node if n.node_id == reply.node.node_id else n for n in nodes]
-        if plan.action is PlaceAction.NEW_INSTANCE and reply is not None and reply.accepted \
+        if burst is not None and reply is not None and reply.accepted \
                 and reply.reason == "admitted":
-            nodes = await self.bursts.after_new_instance(p.request, plan, record, nodes)
+            nodes = await self.bursts.start(p.request, record, burst, nodes)
         return nodes
 
     async def _refused(self, p: Pending, node_id: str, reason: str) -> None:

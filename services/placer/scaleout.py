@@ -8,14 +8,12 @@ import asyncio
 import json
 import logging
 from collections import deque
-from dataclasses import replace
 
 from nats.aio.client import Client as NATS
 
 from services.placer.multicast import multicast
 from shared.cluster import model_spec
-from shared.core.cost import helper_bytes, pipeline_helper_loads
-from shared.core.startup import StartupChoice, StartupMethod
+from shared.core.startup import StartupChoice, StartupMethod, with_helper_stages
 from shared.core.types import NodeView
 from shared.schemas import ModelRecord
 from shared.subjects import multicast_node_subject
@@ -48,7 +46,7 @@ class ScaleOut:
             dests.append(node_id)
         if startup.pipeline is not None:
             self._head_first.add((record.path, startup.sources))
-            nodes = _with_stage(nodes, startup, model_spec(record))
+            nodes = with_helper_stages(nodes, model_spec(record), startup)
         return nodes
 
     def start(self) -> None:
@@ -87,16 +85,3 @@ class ScaleOut:
                     {"op": "abandon", "model_path": path}).encode())
             except Exception as exc:  # NATS down: the node gives up waiting on its own
                 log.warning("could not tell %s that %s is not coming: %r", node, path, exc)
-
-
-def _with_stage(nodes: list[NodeView], startup: StartupChoice, spec) -> list[NodeView]:
-    """The placer's view once the pipeline's helpers reserved their stages (the next decision
-    of this turn must not count the same room, nor the same compute; a helper's own view
-    follows at its heartbeat): a DRAM holder its stage, a receiver its ranges' K/V, as the core
-    planned (`helper_bytes`), and the share of its compute the stage takes
-    (`pipeline_helper_loads`)."""
-    need = helper_bytes(spec, startup.pipeline)
-    load = pipeline_helper_loads(spec, startup.pipeline)
-    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id],
-                    stage_load=n.stage_load + load[n.node_id])
-            if n.node_id in need else n for n in nodes]

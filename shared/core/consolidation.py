@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
-from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
 from shared.core.lora import admission_through
-from shared.core.perf_model import PerfModel
 from shared.core.readiness import first_run_at, handover_ready_at
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView)
@@ -65,16 +64,16 @@ def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[I
     return sorted(victims, key=lambda i: (i.batch_size, i.last_active, i.instance_id))
 
 
-def relocate(requests: list[tuple[str, RequestView]], nodes: list[NodeView], exclude_node: str,
-             models: dict[str, ModelSpec], perf: PerfModel, now: float,
-             config: CoreConfig) -> list[Migration] | None:
-    """Find an existing instance on another node for every request, or None if one cannot move.
-    Each placed request is added to the working views so two never count the same room."""
-    views = {n.node_id: n for n in nodes if n.node_id != exclude_node}
+def relocate(requests: list[tuple[str, RequestView]], exclude_node: str,
+             ctx: DecisionContext) -> list[Migration] | None:
+    """Find an existing instance on another node of `ctx` for every request, or None if one
+    cannot move. Each placed request is added to the working views so two never count the same
+    room."""
+    views = {n.node_id: n for n in ctx.nodes if n.node_id != exclude_node}
     plan: list[Migration] = []
     for from_instance, req in requests:
         moved = replace(req, prefilled=False)  # recomputes its KV cache at the destination
-        spot = _first_fit(moved, views, models[req.model], perf, now, config)
+        spot = _first_fit(moved, views, ctx.models[req.model], ctx)
         if spot is None:
             return None
         node_id, inst_id, admission = spot
@@ -83,12 +82,12 @@ def relocate(requests: list[tuple[str, RequestView]], nodes: list[NodeView], exc
     return plan
 
 
-def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec, perf: PerfModel,
-               now: float, config: CoreConfig) -> tuple[str, str, Admission] | None:
+def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec,
+               ctx: DecisionContext) -> tuple[str, str, Admission] | None:
     cands = [(n, i) for n in views.values() for i in n.instances
              if i.model.name == model.name and i.accepts]
     for node, inst in binpack_order(cands):
-        adm = evaluate(node, inst.instance_id, req, model, perf, now, config)
+        adm = evaluate(node, inst.instance_id, req, model, ctx.perf, ctx.now, ctx.config)
         if adm.ok:
             return node.node_id, inst.instance_id, adm
     return None
@@ -102,12 +101,12 @@ _PREEMPTION_MAY_HELP = _MEMORY_BOUND | _TIME_BOUND
 
 
 def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: RequestView,
-                    model: ModelSpec, nodes: list[NodeView], models: dict[str, ModelSpec],
-                    perf: PerfModel, now: float, config: CoreConfig,
+                    model: ModelSpec, ctx: DecisionContext,
                     failed: AdmitReason | None = None,
                     adapter: AdapterSpec | None = None) -> Preemption | None:
     """Smallest victims first until the preemptor admits the request; then every victim's requests
-    must validate elsewhere, or there is no preemption at all.
+    must validate elsewhere (on `ctx`'s other nodes; `ctx.models` has their specs), or there is
+    no preemption at all.
 
     `failed` is the answer the request got on this node without preemption, when the caller has
     it: trials that cannot change it are skipped (an idle victim frees memory, not time).
@@ -123,63 +122,63 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
         if failed in _TIME_BOUND and not victim.requests:  # smallest first: all chosen are idle
             continue
         trial = without_instances(node, {v.instance_id for v in chosen})
-        admission = admission_through(trial, target_id, request, model, adapter, perf, now, config)
+        admission = admission_through(trial, target_id, request, model, adapter, ctx.perf,
+                                      ctx.now, ctx.config)
         if admission.ok:
             break
     else:
         return None
     displaced = [(v.instance_id, r) for v in chosen for r in v.requests]
-    moves = relocate(displaced, nodes, node.node_id, models, perf, now, config)
+    moves = relocate(displaced, node.node_id, ctx)
     if moves is None:
         return None
     victims = tuple(v.instance_id for v in chosen)
-    if not config.live_preemption or not displaced:
+    if not ctx.config.live_preemption or not displaced:
         return Preemption(node.node_id, victims, admission, tuple(moves))
-    return _live_or_not(node, chosen, target_id, request, model, displaced, moves, nodes, models,
-                        perf, now, config, admission, adapter)
+    return _live_or_not(node, chosen, target_id, request, model, displaced, moves, ctx,
+                        admission, adapter)
 
 
 def handover_seconds(displaced: list[tuple[str, RequestView]], moves: list[Migration],
-                     nodes: list[NodeView], perf: PerfModel, now: float) -> float:
+                     ctx: DecisionContext) -> float:
     """How long a live preemption's requests take to move (ServerlessLLM §6's migration time
     a·(t_in + t_out) + b from the destination's profile, per request): each destination first
     finishes what holds its instance (the rest of a load) or the node (the iteration running),
     then recomputes its migrants' KV caches one after another; destinations work in parallel.
     The catch-up rounds are short and overlap the source's decoding: the intercept b covers
     them and the commit."""
-    views = {n.node_id: n for n in nodes}
+    views = {n.node_id: n for n in ctx.nodes}
     per_node: dict[str, float] = {}
     for (_, req), move in zip(displaced, moves):
         node = views[move.to_node]
-        profile = perf.get(req.model, node.hardware)
+        profile = ctx.profile(req.model, node.hardware)
         inst = node.instance(move.to_instance)
         if node.node_id not in per_node:
-            start = first_run_at(node, inst, now)
-            per_node[node.node_id] = start - now
+            start = first_run_at(node, inst, ctx.now)
+            per_node[node.node_id] = start - ctx.now
         per_node[node.node_id] += profile.migration_s(req.context_len()) if profile else 0.0
     return max(per_node.values(), default=0.0)
 
 
 def _live_or_not(node: NodeView, chosen: list[InstanceView], target_id: str | None,
                  request: RequestView, model: ModelSpec, displaced: list[tuple[str, RequestView]],
-                 moves: list[Migration], nodes: list[NodeView], models: dict[str, ModelSpec],
-                 perf: PerfModel, now: float, config: CoreConfig,
+                 moves: list[Migration], ctx: DecisionContext,
                  stop_and_resume: Admission, adapter: AdapterSpec | None = None) -> Preemption:
     """Live when the newcomer still passes waiting for the handover, with the victims' work on
     the node until then; else stop-and-resume, which frees the node at once."""
     victims = tuple(v.instance_id for v in chosen)
-    handover = handover_seconds(displaced, moves, nodes, perf, now)
+    handover = handover_seconds(displaced, moves, ctx)
     if any(v.status is not InstanceStatus.READY for v in chosen if v.requests):
         return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
                           "stop-and-resume: a victim is still loading")
-    fixed = sorted({r.model for _, r in displaced if not models[r.model].live_migration})
+    fixed = sorted({r.model for _, r in displaced if not ctx.models[r.model].live_migration})
     if fixed:
         return Preemption(node.node_id, victims, stop_and_resume, tuple(moves), False, handover,
                           f"stop-and-resume: the engine of {', '.join(fixed)} cannot migrate live")
-    leaves_at = now + handover
+    leaves_at = ctx.now + handover
     trial = handing_over(node, set(victims), leaves_at)
-    live = admission_through(trial, target_id, request, model, adapter, perf, now, config,
-                             handover_ready_at(leaves_at))
+    live = admission_through(trial, target_id, request, model, adapter, ctx.perf, ctx.now,
+                             ctx.config, handover_ready_at(leaves_at))
     if live.ok:
         return Preemption(node.node_id, victims, live, tuple(moves), True, handover,
                           f"live: the newcomer waits ~{handover:.3f} s for the handover")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
                               free_bytes, kv_demand, kv_for_layers, layer_weight_bytes,
                               layout_replication, layout_spec, plan_layer_move, round_fits,
@@ -57,7 +58,7 @@ from shared.core.cost import (HopCost, avg_context, budget_room, contended, deco
 from shared.core.evaluate import node_profiles
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
                                  scale_up, speedup)
-from shared.core.perf_model import PerfModel, Profile
+from shared.core.perf_model import Profile
 from shared.core.shadow import admitted_hold
 from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
                                NodeView, RequestView)
@@ -167,9 +168,8 @@ def memory_deficit(node: NodeView, model: ModelSpec, request: RequestView) -> in
     return need - budget_room(node)
 
 
-def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
-                        pressures: list[MemoryPressure], settings: ModuleSettings,
-                        config: CoreConfig, busy: frozenset[str] = frozenset(),
+def plan_module_scaling(ctx: DecisionContext, pressures: list[MemoryPressure],
+                        settings: ModuleSettings, busy: frozenset[str] = frozenset(),
                         demand: list[RequestView] = (),
                         overloaded: list[str] = (),
                         stay: frozenset[str] = frozenset()) -> list[ModulePlan]:
@@ -179,6 +179,7 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
     instance onto idle nodes first); `overloaded`, hosts whose own requests ran late (the
     replicas they host go, cheapest first, and layers shed there come back where their node
     has room); `stay`, instances whose shed layers are not taken back now."""
+    nodes = ctx.nodes
     plans: list[ModulePlan] = []
     taken: set[str] = set(busy)  # instances with a plan (one decision each)
     free = _Room({n.node_id: free_bytes(n) for n in nodes},  # what earlier plans leave on each node
@@ -186,22 +187,21 @@ def plan_module_scaling(nodes: list[NodeView], perf: PerfModel, now: float,
     for node_id in overloaded:
         node = next((n for n in nodes if n.node_id == node_id), None)
         if node is not None:
-            plans += _drop_hosted(node, nodes, math.inf, settings, perf, taken)
+            plans += _drop_hosted(node, ctx, math.inf, settings, taken)
     for pressure in pressures:
         node = next((n for n in nodes if n.node_id == pressure.node_id), None)
         if node is not None and pressure.deficit_bytes > 0 and settings.shed:
-            plans += _relieve(node, nodes, pressure.deficit_bytes, settings, config, perf, now,
-                              taken, free)
+            plans += _relieve(node, ctx, pressure.deficit_bytes, settings, taken, free)
     if settings.replicate:
         for model in dict.fromkeys(r.model for r in demand):
-            plans += _demand_plans(model, nodes, perf, settings, config, free, taken, now)
+            plans += _demand_plans(model, ctx, settings, free, taken)
     if settings.replicate and settings.spikes:
         for node in nodes:
             for inst in node.instances:
                 if inst.instance_id in taken:
                     continue
-                plan = _spike_plan(node, inst, nodes, perf, settings, config, free, now) or \
-                    _passed_plan(node, inst, perf, settings, config)
+                plan = _spike_plan(node, inst, ctx, settings, free) or \
+                    _passed_plan(node, inst, ctx, settings)
                 if plan is not None:
                     plans.append(plan)
                     taken.add(inst.instance_id)
@@ -248,8 +248,8 @@ def predicted_load(inst: InstanceView, profile: Profile, after: InstanceLayout,
     return ceiling * min(1.0, meter.fraction(now) * grown)
 
 
-def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
-               settings: ModuleSettings, room: _Room, replica: bool = False) -> bool:
+def _host_fits(host: NodeView, load: float, ctx: DecisionContext, settings: ModuleSettings,
+               room: _Room, replica: bool = False) -> bool:
     """May a stage that takes `load` of `host`'s compute go there? Its own busy instances
     still fit one decode round each (as its shadow validation predicts them, contended by its
     stages and this one) within their tightest TPOT SLO; and a moved run's stage (one the
@@ -259,52 +259,52 @@ def _host_fits(host: NodeView, load: float, perf: PerfModel, config: CoreConfig,
     total = room.load[host.node_id] + load
     if not replica and total > settings.max_host_load:
         return False
-    return round_fits(host, total, perf, config)
+    return round_fits(host, total, ctx.perf, ctx.config)
 
 
-def _keeps_promises(node: NodeView, instances: list[InstanceView], load: float, perf: PerfModel,
-                    config: CoreConfig, now: float) -> bool:
+def _keeps_promises(node: NodeView, instances: list[InstanceView], load: float,
+                    ctx: DecisionContext) -> bool:
     """Would the requests `node` already admitted still meet their deadlines, and its busy
     instances one decode round within their tightest TPOT, with its instances as `instances`
     (one of them with its layers shed, say) and its hosted stages taking `load` of its compute
     (`shadow.admitted_hold`, as its own validation would see it)?"""
     if load >= 1:
         return not any(serves(i) for i in instances)
-    profiles = node_profiles(replace(node, instances=instances), perf)
+    profiles = node_profiles(replace(node, instances=instances), ctx.perf)
     if profiles is None:
         return False
-    return admitted_hold(instances, profiles, now, node.busy_until, contended(config, load),
+    return admitted_hold(instances, profiles, ctx.now, node.busy_until,
+                         contended(ctx.config, load),
                          node.running) is AdmitReason.ADMITTED
 
 
 # -- memory pressure ---------------------------------------------------------------------------
 
 
-def _relieve(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
-             config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
-             free: _Room) -> list[ModulePlan]:
+def _relieve(node: NodeView, ctx: DecisionContext, deficit: int, settings: ModuleSettings,
+             taken: set[str], free: _Room) -> list[ModulePlan]:
     """Module reduction on a pressured node: drop the replicas it hosts, cheapest first; if
     that is not enough, shed layers of one of its own instances."""
-    plans = _drop_hosted(node, nodes, deficit, settings, perf, taken)
+    plans = _drop_hosted(node, ctx, deficit, settings, taken)
     deficit -= sum(p.host_bytes for p in plans)
     if deficit > 0:
-        shed = _shed_plan(node, nodes, deficit, settings, config, perf, now, taken, free)
+        shed = _shed_plan(node, ctx, deficit, settings, taken, free)
         if shed is not None:
             plans.append(shed)
     return plans
 
 
-def _drop_hosted(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
-                 perf: PerfModel, taken: set[str]) -> list[ModulePlan]:
+def _drop_hosted(node: NodeView, ctx: DecisionContext, deficit: int, settings: ModuleSettings,
+                 taken: set[str]) -> list[ModulePlan]:
     plans: list[ModulePlan] = []
-    for owner in nodes:
+    for owner in ctx.nodes:
         for inst in owner.instances:
             if inst.layout is None or inst.instance_id in taken or deficit <= 0:
                 continue
             mine = [r for r in inst.layout.runs if r.replica and r.node_id == node.node_id]
             if not mine:
                 continue
-            profile = perf.get(inst.model.name, owner.hardware)
+            profile = ctx.profile(inst.model.name, owner.hardware)
             hop_c = _hop_c(inst, profile, settings) if profile is not None else 1.0
             order = eviction_order(layout_replication(inst.layout), hop_c)
             device = next(d for d, _ in order if d.startswith(f"{node.node_id}/"))
@@ -318,13 +318,13 @@ def _drop_hosted(node: NodeView, nodes: list[NodeView], deficit: int, settings: 
     return plans
 
 
-def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: ModuleSettings,
-               config: CoreConfig, perf: PerfModel, now: float, taken: set[str],
-               free: _Room) -> ModulePlan | None:
+def _shed_plan(node: NodeView, ctx: DecisionContext, deficit: int, settings: ModuleSettings,
+               taken: set[str], free: _Room) -> ModulePlan | None:
     """The instance on `node` that frees `deficit` by shedding the fewest layers (its last
     local ones) to the node with the most free memory that takes them and whose own requests
     still meet their TPOT with the stage's work (`_host_fits`), and still meets its requests'
     TPOT with the hops that adds."""
+    config, now = ctx.config, ctx.now
     best: tuple[tuple, ModulePlan] | None = None
     for inst in node.instances:
         full = inst.layout.model if inst.layout is not None else inst.model
@@ -335,7 +335,7 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
         k = layers_to_shed(full, inst.kv_bytes, full.layers, here, full.head_bytes, deficit)
         if not k:
             continue
-        profile = perf.get(inst.model.name, node.hardware)
+        profile = ctx.profile(inst.model.name, node.hardware)
         if profile is None:
             continue
         move = plan_layer_move(full, inst.kv_bytes, 0, full.layers, here, k, full.head_bytes)
@@ -344,16 +344,16 @@ def _shed_plan(node: NodeView, nodes: list[NodeView], deficit: int, settings: Mo
                           owner_bytes_after=move.source_bytes_after,
                           why=f"memory pressure: {deficit} bytes short")
         after = plan.layout_after(inst, "", settings)
-        if not _meets_tpot(inst, after, perf, node, config) or not _keeps_promises(
+        if not _meets_tpot(inst, after, node, ctx) or not _keeps_promises(
                 node, [replace(i, layout=after) if i is inst else i for i in node.instances],
-                node.stage_load, perf, config, now):
+                node.stage_load, ctx):
             continue  # its own batch, or its node's round or admitted requests, would suffer
         load = predicted_load(inst, profile, after, config, now)
-        hosts = [n for n in nodes if n.node_id != node.node_id and n.hardware is node.hardware
+        hosts = [n for n in ctx.nodes if n.node_id != node.node_id
+                 and n.hardware is node.hardware
                  and not n.draining and free[n.node_id] >= move.dest_bytes
-                 and _host_fits(n, load, perf, config, settings, free)
-                 and _keeps_promises(n, n.instances, free.load[n.node_id] + load, perf, config,
-                                     now)]
+                 and _host_fits(n, load, ctx, settings, free)
+                 and _keeps_promises(n, n.instances, free.load[n.node_id] + load, ctx)]
         if not hosts:
             continue
         host = max(hosts, key=lambda n: (free[n.node_id], n.node_id))
@@ -376,34 +376,34 @@ def _replicated(inst: InstanceView) -> bool:
 # -- demand: requests for a model that no instance of it could take -------------------------
 
 
-def _demand_plans(model: str, nodes: list[NodeView], perf: PerfModel, settings: ModuleSettings,
-                  config: CoreConfig, free: _Room, taken: set[str],
-                  now: float) -> list[ModulePlan]:
+def _demand_plans(model: str, ctx: DecisionContext, settings: ModuleSettings, free: _Room,
+                  taken: set[str]) -> list[ModulePlan]:
     """Algorithm 1 for the model's busiest instance that is alone of its model on its node:
     replicas of the layers `scale_up` picks, on the idle nodes with room (one range each), if
     they raise the modelled speedup."""
     candidates = []
-    for node in nodes:
+    for node in ctx.nodes:
         mine = [i for i in node.instances if i.model.name == model]
         if len(mine) == 1 and mine[0].instance_id not in taken and \
                 mine[0].status is InstanceStatus.READY and movable(_full(mine[0])) and \
                 not (mine[0].layout and any(not r.replica for r in mine[0].layout.runs)):
             candidates.append((node, mine[0]))
     for node, inst in sorted(candidates, key=lambda c: (-c[1].batch_size, c[0].node_id)):
-        profile = perf.get(model, node.hardware)
+        profile = ctx.profile(model, node.hardware)
         if profile is None:
             continue
-        plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, free, now,
-                              one_host=False, why=f"demand for {model}")
+        plans = _replicas_for(node, inst, ctx, profile, settings, free, one_host=False,
+                              why=f"demand for {model}")
         if plans:
             taken.add(inst.instance_id)
             return plans
     return []
 
 
-def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
-                  profile: Profile, settings: ModuleSettings, config: CoreConfig, free: _Room,
-                  now: float, one_host: bool, why: str) -> list[ModulePlan]:
+def _replicas_for(node: NodeView, inst: InstanceView, ctx: DecisionContext, profile: Profile,
+                  settings: ModuleSettings, free: _Room, one_host: bool,
+                  why: str) -> list[ModulePlan]:
+    nodes = ctx.nodes
     full = _full(inst)
     per_layer = stage_share_bytes(inst, 1)
     hosting = {r.node_id for n in nodes for i in n.instances if i.layout for r in i.layout.runs}
@@ -441,8 +441,8 @@ def _replicas_for(node: NodeView, inst: InstanceView, nodes: list[NodeView], per
             continue
         after = plan.layout_after(inst if layout is None else replace(inst, layout=layout),
                                   device.name, settings)
-        load = predicted_load(inst, profile, after, config, now)
-        if not _host_fits(by_id[device.name], load, perf, config, settings, free, replica=True):
+        load = predicted_load(inst, profile, after, ctx.config, ctx.now)
+        if not _host_fits(by_id[device.name], load, ctx, settings, free, replica=True):
             continue
         free.take(device.name, plan.host_bytes)
         layout = after
@@ -457,18 +457,18 @@ def _full(inst: InstanceView) -> ModelSpec:
 # -- load spikes -------------------------------------------------------------------------------
 
 
-def _meets_tpot(inst: InstanceView, layout: InstanceLayout, perf: PerfModel, node: NodeView,
-                config: CoreConfig) -> bool:
-    profile = perf.get(inst.model.name, node.hardware)
+def _meets_tpot(inst: InstanceView, layout: InstanceLayout, node: NodeView,
+                ctx: DecisionContext) -> bool:
+    profile = ctx.profile(inst.model.name, node.hardware)
     return profile is not None and (
-        not inst.requests or decode_step_s(inst, layout, profile, config) <= tightest_tpot(inst))
+        not inst.requests
+        or decode_step_s(inst, layout, profile, ctx.config) <= tightest_tpot(inst))
 
 
-def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf: PerfModel,
-                settings: ModuleSettings, config: CoreConfig, free: _Room,
-                now: float) -> ModulePlan | None:
-    full = _full(inst)
-    profile = perf.get(full.name, node.hardware)
+def _spike_plan(node: NodeView, inst: InstanceView, ctx: DecisionContext,
+                settings: ModuleSettings, free: _Room) -> ModulePlan | None:
+    full, config = _full(inst), ctx.config
+    profile = ctx.profile(full.name, node.hardware)
     if profile is None or inst.status is not InstanceStatus.READY or not movable(full) or \
             not inst.requests or (inst.layout is not None
                                   and any(not r.replica for r in inst.layout.runs)):
@@ -477,8 +477,7 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     if now_s <= settings.spike * tightest_tpot(inst):
         return None
     trial = free.copy()
-    plans = _replicas_for(node, inst, nodes, perf, profile, settings, config, trial, now,
-                          one_host=True,
+    plans = _replicas_for(node, inst, ctx, profile, settings, trial, one_host=True,
                           why=f"TPOT spike: step {now_s:.3f} s for {inst.batch_size} requests")
     if not plans:
         return None
@@ -489,11 +488,12 @@ def _spike_plan(node: NodeView, inst: InstanceView, nodes: list[NodeView], perf:
     return plan
 
 
-def _passed_plan(node: NodeView, inst: InstanceView, perf: PerfModel, settings: ModuleSettings,
-                 config: CoreConfig) -> ModulePlan | None:
+def _passed_plan(node: NodeView, inst: InstanceView, ctx: DecisionContext,
+                 settings: ModuleSettings) -> ModulePlan | None:
     if not _replicated(inst):
         return None
-    profile = perf.get(inst.model.name, node.hardware)
+    config = ctx.config
+    profile = ctx.profile(inst.model.name, node.hardware)
     if profile is None:
         return None
     unreplicated = replace(inst.layout, runs=tuple(r for r in inst.layout.runs if not r.replica))

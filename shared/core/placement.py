@@ -13,12 +13,11 @@ import enum
 from dataclasses import dataclass
 
 from shared.core.admission import Admission, AdmitReason
-from shared.core.config import CoreConfig
 from shared.core.consolidation import Migration, binpack_order, plan_preemption
+from shared.core.context import DecisionContext
 from shared.core.cost import budget_room, kv_demand
 from shared.core.evaluate import node_check, slo_check
 from shared.core.lora import admission_through
-from shared.core.perf_model import PerfModel
 from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.startup import StartupChoice, choose_startup, with_startup
 from shared.core.types import (AdapterSpec, Hardware, ModelSpec, NodeView, RequestView,
@@ -74,24 +73,23 @@ class NewInstanceSpot:
 
 
 def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[NodeView],
-                       perf: PerfModel, now: float, config: CoreConfig,
-                       nodes: list[NodeView] | None = None,
+                       ctx: DecisionContext,
                        adapter: AdapterSpec | None = None) -> list[NewInstanceSpot]:
     """Where a new instance goes first: CPU nodes first (§V); then nodes whose startup still lets
     the first token meet the TTFT SLO (the load itself is covered by the cold-start grace, a wait
     for memory is not); then bin-packing (§V): the node with the least free memory first, so used
     nodes fill up and empty ones stay empty (and can be given back). The shadow validation that
     follows decides whether the packed node can take the interference. Each node's load is
-    the quicker of its own tiers and a multicast from the nodes of `nodes` holding the model
+    the quicker of its own tiers and a multicast from the nodes of `ctx` holding the model
     (`shared.core.startup`). A request through `adapter` loads it too."""
     spots = []
+    now, config = ctx.now, ctx.config
     need = model.weight_bytes + kv_demand(model, [request]) + (adapter.bytes if adapter else 0)
     for node in eligible:
-        profile = perf.get(model.name, node.hardware)
+        profile = ctx.profile(model.name, node.hardware)
         if profile is None:
             continue
-        choice = choose_startup(node, model, profile, nodes if nodes is not None else eligible,
-                                config, perf)
+        choice = choose_startup(node, model, profile, ctx)
         node = with_startup(node, model.name, choice)
         load = load_seconds(node, model, profile)  # the grace; the wait for I/O or memory is not
         startup = cold_start_ready_at(node, need, load, now) - now
@@ -109,14 +107,15 @@ def new_instance_order(request: RequestView, model: ModelSpec, eligible: list[No
                                         s.free_bytes, s.node.node_id))
 
 
-def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: PerfModel,
-          now: float, config: CoreConfig, models: dict[str, ModelSpec] | None = None,
+def place(request: RequestView, model: ModelSpec, ctx: DecisionContext,
           adapter: AdapterSpec | None = None) -> PlacementPlan:
-    """`adapter`: the LoRA adapter the request runs through on an instance of `model` (its
-    backbone). Every candidate is judged as its node's admission will judge it
+    """`ctx`: the cluster now (its `models`: the specs of the requests a preemption would move;
+    `model` is added). `adapter`: the LoRA adapter the request runs through on an instance of
+    `model` (its backbone). Every candidate is judged as its node's admission will judge it
     (`lora.admission_through`): the adapter's bytes where the instance lacks it, its load's wait,
     the idle adapters the node would offload for it."""
-    models = {**(models or {}), model.name: model}
+    ctx = ctx.with_model(model)
+    nodes, perf, now, config = ctx.nodes, ctx.perf, ctx.now, ctx.config
     attempts: list[Attempt] = []
     eligible: list[NodeView] = []
     slo_by_hw = {hw: slo_check(perf.get(model.name, hw), request, config)
@@ -140,7 +139,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     if config.enable_consolidation:
         failed = {(a.node_id, a.instance_id): a.reason for a in attempts}  # each candidate's answer
         for node, inst in cands:
-            pre = plan_preemption(node, inst, request, model, nodes, models, perf, now, config,
+            pre = plan_preemption(node, inst, request, model, ctx,
                                   failed[node.node_id, inst.instance_id], adapter)
             if pre is not None:
                 return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, node.node_id, inst.instance_id,
@@ -154,7 +153,7 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     # such nodes out was tried (branch burst-nodup) and cut both ways in the simulator: 64x7B
     # SLO 0.982 -> 0.985, but a 13B registry burst dropped 17 instead of 3 of 61 requests the
     # copies had served inside their load grace. So it stays allowed.
-    for spot in new_instance_order(request, model, eligible, perf, now, config, nodes, adapter):
+    for spot in new_instance_order(request, model, eligible, ctx, adapter):
         adm = admission_through(spot.node, None, request, model, adapter, perf, now, config)
         attempts.append(Attempt(spot.node.node_id, None, adm.reason, spot.startup_s, spot.free_bytes))
         if adm.ok:
@@ -164,29 +163,29 @@ def place(request: RequestView, model: ModelSpec, nodes: list[NodeView], perf: P
     if not nodes:  # no node has reported yet (a stack starting up): wait for one
         late = now > request.deadline()
         return PlacementPlan(PlaceAction.DROP if late else PlaceAction.QUEUE)
-    drop = queueing_breaks_ttft(request, eligible, model, perf, now, config, nodes)
+    drop = queueing_breaks_ttft(request, eligible, model, ctx)
     return PlacementPlan(PlaceAction.DROP if drop else PlaceAction.QUEUE, attempts=tuple(attempts))
 
 
 def queueing_breaks_ttft(request: RequestView, eligible: list[NodeView], model: ModelSpec,
-                         perf: PerfModel, now: float, config: CoreConfig,
-                         nodes: list[NodeView] | None = None) -> bool:
+                         ctx: DecisionContext) -> bool:
     """True when no eligible node could give the request its next token in time even if it
     started now, each judged with its own hardware's numbers and the shadow's 10% margin: on an
     instance of the model already on a node of that kind (the request's own grace), or by a cold
-    start there (its load as grace, §IX-A; by multicast from `nodes` where that is quicker)."""
+    start there (its load as grace, §IX-A; by multicast from `ctx`'s nodes where that is
+    quicker)."""
+    now, config = ctx.now, ctx.config
     warm = {n.hardware for n in eligible
             if any(i.model.name == model.name and i.accepts for i in n.instances)}
     no_grace = request.deadline() - request.grace_s
     for node in eligible:
-        p = perf.get(model.name, node.hardware)
+        p = ctx.profile(model.name, node.hardware)
         if p is None:
             continue
         prefill = p.prefill_through(request.context_len(), request.lora_rank) * (1 + config.overestimate)
         if node.hardware in warm and now + prefill <= request.deadline():
             return False
-        load = choose_startup(node, model, p, nodes if nodes is not None else eligible,
-                              config, perf).load_s
+        load = choose_startup(node, model, p, ctx).load_s
         if now + load + prefill <= no_grace + max(request.grace_s, load):
             return False
     return True

@@ -46,7 +46,8 @@ import enum
 from dataclasses import dataclass, replace
 
 from shared.core.config import CoreConfig
-from shared.core.cost import (budget_room, hosted_layer_bytes, multicast_step_s,
+from shared.core.context import DecisionContext
+from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes, multicast_step_s,
                               pipeline_helper_loads, round_fits, stage_bytes)
 from shared.core.multicast import head_first, whole_steps
 from shared.core.perf_model import PerfModel, Profile
@@ -209,15 +210,15 @@ def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
             if not round_fits(nodes[h], nodes[h].stage_load + loads[h], perf, config)]
 
 
-def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, nodes: list[NodeView],
-                   config: CoreConfig, perf: PerfModel | None = None,
+def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, ctx: DecisionContext,
                    group: tuple[int, int] | None = None) -> StartupChoice:
     """The soonest of loading from the node's own tiers, receiving the model by multicast from
-    the nodes of `nodes` that hold it, and serving through a pipeline while it arrives (module
+    the nodes of `ctx` that hold it, and serving through a pipeline while it arrives (module
     doc). A node that holds the model in its DRAM tier, or to which it is already on its way,
     loads it (`load_seconds` counts the arrival). The node joins the receivers on their way
     last; `group` = (position, receivers): it is the receiver at that position of a group of
     that many instead (a burst's instances, priced once the burst's group is known)."""
+    nodes, config, perf = ctx.nodes, ctx.config, ctx.perf
     tier = load_seconds(node, model, profile)
     keep = StartupChoice(StartupMethod.TIER, tier, tier)
     storage = node.storage
@@ -260,3 +261,19 @@ def with_startup(node: NodeView, model: str, choice: StartupChoice) -> NodeView:
     if choice.method is StartupMethod.TIER:
         return node
     return with_arrival(node, model, choice.arrive_s, choice.pipeline)
+
+
+def with_helper_stages(nodes: list[NodeView], model: ModelSpec,
+                       choice: StartupChoice) -> list[NodeView]:
+    """The views once the helpers of a pipelined startup hold their stages: a DRAM holder the
+    stage of the layers the new instance lacks, a receiver its ranges' K/V (`helper_bytes`),
+    each with the share of its compute the stage takes (`pipeline_helper_loads`). The next
+    decision on these views must not count the same room, nor the same compute; a helper's own
+    view shows the stage once it reserved it."""
+    if choice.pipeline is None:
+        return nodes
+    need = helper_bytes(model, choice.pipeline)
+    load = pipeline_helper_loads(model, choice.pipeline)
+    return [replace(n, budget_bytes=n.budget_bytes + need[n.node_id],
+                    stage_load=n.stage_load + load[n.node_id])
+            if n.node_id in need else n for n in nodes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.node_scheduler import NodeScheduler, new_node
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
 from shared.core.types import SLO, Hardware, ModelSpec, NodeView, RequestView, StorageView
@@ -48,6 +49,13 @@ def perf_for(*profiles: Profile) -> PerfModel:
     for p in profiles:
         perf.add(p)
     return perf
+
+
+def context(nodes: list[NodeView], config: CoreConfig | None = None,
+            perf: PerfModel | None = None, now: float = 0.0) -> DecisionContext:
+    """A decision context over `nodes` (no profiles unless given: a startup choice needs none)."""
+    return DecisionContext(nodes, perf if perf is not None else PerfModel(), now,
+                           config if config is not None else CoreConfig())
 
 
 def node(node_id: str = "n0", hardware: Hardware = Hardware.GPU, memory_gb: float = 80.0,

@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.core.admission import AdmitReason
-from shared.core.burst import BurstSize, burst_size, per_instance, plan_burst, recent_rate
+from shared.core.burst import (BurstSize, BurstSpot, burst_size, per_instance, plan_burst,
+                               recent_rate)
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import Attempt, PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
 from shared.core.types import Hardware, InstanceStatus, StorageView
@@ -71,10 +73,10 @@ def test_a_burst_starts_the_instances_its_arrivals_need_on_other_nodes():
     spec, perf, scheds = _cluster(ON)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE  # (packed beside the full one on n0)
     arrivals = [0.5 - 0.1 * i for i in range(8)]  # 8 in the last second: 8/s over a 1 s startup
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), arrivals)
     assert burst.size.per_instance == 3 and burst.size.instances == math.ceil(8 * 1.0 / 3)
     nodes = [s.node_id for s in burst.spots]
     assert len(nodes) == burst.size.instances - 1 == len(set(nodes))
@@ -86,16 +88,17 @@ def test_nodes_bound_a_burst_and_it_is_off_by_default_and_for_other_plans():
     spec, perf, scheds = _cluster(ON, nodes=2)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     arrivals = [0.5] * 40
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), arrivals)
     assert burst.size.instances == ON.burst_max  # 40/s over a 1 s startup, 3 per instance
     # n0 serves m already (its instance refused): the one other node, unless the plan took it
     assert [s.node_id for s in burst.spots] == ([] if plan.node_id == "n1" else ["n1"])
-    off = plan_burst(plan, new, spec, views, perf, 0.5, CoreConfig(), arrivals)
+    off = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, CoreConfig()), arrivals)
     assert off.size.instances == 1 and not off.spots
     routed = PlacementPlan(PlaceAction.ROUTE, "n0", views[0].instances[0].instance_id)
-    assert plan_burst(routed, new, spec, views, perf, 0.5, ON, arrivals).spots == ()
+    at = DecisionContext(views, perf, 0.5, ON)
+    assert plan_burst(routed, new, spec, at, arrivals).spots == ()
 
 
 def test_a_node_starts_an_empty_instance_that_later_requests_join():
@@ -137,11 +140,12 @@ def test_a_slow_start_is_no_burst_and_slow_nodes_are_left_out():
     spec, perf, scheds = _cluster(ON)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     arrivals = [0.5] * 40
     slow = CoreConfig(burst_scaleout=True, burst_max_startup_s=0.5)  # every load takes 1 s
-    assert plan_burst(plan, new, spec, views, perf, 0.5, slow, arrivals).size.instances == 1
-    assert plan_burst(plan, new, spec, views, perf, 0.5, ON, arrivals).size.instances > 1
+    slow_ctx, on_ctx = DecisionContext(views, perf, 0.5, slow), DecisionContext(views, perf, 0.5, ON)
+    assert plan_burst(plan, new, spec, slow_ctx, arrivals).size.instances == 1
+    assert plan_burst(plan, new, spec, on_ctx, arrivals).size.instances > 1
 
 
 def test_only_instances_refused_as_full_measure_what_an_instance_takes():
@@ -172,9 +176,9 @@ def test_each_extra_instance_carries_its_startup_a_multicast_from_the_placed_one
                                if i else None, spec, 0.0).admission.ok
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE and plan.startup.method is StartupMethod.MULTICAST
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), [0.5] * 40)
     assert len(burst.spots) == 2  # n1..n3 but the plan's node; n0 serves m, n4 has no room
     assert plan.node_id not in {s.node_id for s in burst.spots}
     assert all(s.startup.method is StartupMethod.MULTICAST and s.startup.sources == ("n4",)
@@ -209,10 +213,10 @@ def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_sched
     scheds = _burst_cluster(spec, perf, 6)
     views = [s.node for s in scheds]
     new = request("r", arrival=0.5, ttft=3.0)
-    plan = place(new, spec, views, perf, 0.5, ON)
+    plan = place(new, spec, DecisionContext(views, perf, 0.5, ON))
     assert plan.action is PlaceAction.NEW_INSTANCE
     assert plan.startup.method is StartupMethod.MULTICAST
-    burst = plan_burst(plan, new, spec, views, perf, 0.5, ON, [0.5] * 40)
+    burst = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, ON), [0.5] * 40)
     assert len(burst.spots) == 3  # n1..n4 but the plan's node
     step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
     group = whole_steps(5, 1, ON.multicast_blocks)  # the holder -> the placed + 3 extra
@@ -222,3 +226,77 @@ def test_a_bursts_instances_are_priced_at_their_arrival_in_the_groups_real_sched
                                                       + group[1 + position] * step), position
         assert spot.admission.grace_s == pytest.approx(spot.startup.load_s)
     assert burst.receivers == (plan.node_id, *(s.node_id for s in burst.spots))
+
+
+def _group_burst(placed_tier_bytes_per_s: float | None = None):
+    """`_burst_cluster` with 6 nodes: the placed instance lands on n1, the burst adds n2..n4, all
+    receiving m from n5 (a 10 GB model, 100 Gb/s: a step is 0.05 s). With a rate, n1 also holds
+    m on a local disk that fast."""
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(replace(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=30.0),
+                            engine_init_s=0.2))
+    scheds = _burst_cluster(spec, perf, 6)
+    if placed_tier_bytes_per_s is not None:
+        storage = scheds[1].node.storage
+        scheds[1].node.storage = replace(storage, holds={"m": "disk"}, bytes_per_s={
+            **storage.bytes_per_s, "disk": placed_tier_bytes_per_s})
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5, ttft=3.0)
+    ctx = DecisionContext(views, perf, 0.5, ON)
+    plan = place(new, spec, ctx)
+    assert plan.action is PlaceAction.NEW_INSTANCE and plan.node_id == "n1"
+    assert plan.startup.method is StartupMethod.MULTICAST
+    return spec, plan, plan_burst(plan, new, spec, ctx, [0.5] * 40)
+
+
+def test_the_placed_requests_instance_is_priced_at_its_arrival_in_the_group_it_starts():
+    """`place` prices the placed request's instance as a lone multicast (16 steps for one
+    receiver); the burst makes it the first of four receivers of one multicast, whose schedule
+    brings it the model a step later. The burst is planned before the instance is committed, and
+    the startup it gives the placed instance (what the placer sends with its ADMIT) is its
+    arrival in the group, its admission's grace that arrival's load."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    spec, plan, burst = _group_burst()
+    step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
+    alone, group = whole_steps(2, 1, ON.multicast_blocks), whole_steps(5, 1, ON.multicast_blocks)
+    assert plan.startup.arrive_s == pytest.approx(ON.multicast_setup_s + alone[1] * step)
+    assert [s.node_id for s in burst.spots] == ["n2", "n3", "n4"]
+    placed = burst.placed
+    assert placed.node_id == plan.node_id and placed.startup.method is StartupMethod.MULTICAST
+    assert placed.startup.arrive_s == pytest.approx(ON.multicast_setup_s + group[1] * step)
+    assert placed.startup.arrive_s > plan.startup.arrive_s
+    assert placed.admission.ok and placed.admission.grace_s == pytest.approx(placed.startup.load_s)
+    assert burst.receivers == ("n1", "n2", "n3", "n4")
+
+
+def test_a_placed_instance_whose_own_tier_beats_its_place_in_the_group_loads_from_it():
+    """n1's disk (1.375 s for the model, 1.575 s with the engine's start) loses to a lone
+    multicast (1.55 s), which `place` chose, but beats its arrival as the first of four (1.6 s):
+    it loads from its disk, leaves the group, and the three extra instances are priced as a
+    group of three."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    spec, plan, burst = _group_burst(placed_tier_bytes_per_s=10 * GB / 1.375)
+    assert plan.startup.load_s == pytest.approx(1.55) and plan.startup.tier_s == pytest.approx(1.575)
+    placed = burst.placed
+    assert placed.startup.method is StartupMethod.TIER
+    assert placed.startup.load_s == pytest.approx(1.575) and placed.admission.ok
+    assert burst.receivers == ("n2", "n3", "n4")
+    step = step_seconds(spec.weight_bytes, ON.multicast_blocks, 12.5 * GB)
+    three = whole_steps(4, 1, ON.multicast_blocks)
+    for position, spot in enumerate(burst.spots):
+        assert spot.startup.arrive_s == pytest.approx(ON.multicast_setup_s
+                                                      + three[1 + position] * step), position
+
+
+def test_without_extra_instances_in_its_multicast_the_placed_instance_keeps_its_plan():
+    spec, perf, scheds = _cluster(ON, nodes=2)
+    views = [s.node for s in scheds]
+    new = request("r", arrival=0.5)
+    ctx = DecisionContext(views, perf, 0.5, ON)
+    plan = place(new, spec, ctx)
+    burst = plan_burst(plan, new, spec, ctx, [0.5] * 40)
+    assert burst.placed == BurstSpot(plan.node_id, plan.admission, plan.startup)
+    off = plan_burst(plan, new, spec, DecisionContext(views, perf, 0.5, CoreConfig()), [0.5] * 40)
+    assert off.placed == burst.placed

@@ -18,8 +18,8 @@ from shared.core.placement import place
 from shared.core.startup import StartupMethod, choose_startup, with_startup
 from shared.core.types import Hardware, InstanceLayout, LayerRun
 
-from .factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, flat_profile, loaded, model, node,
-                        perf_for, request, tiered_gpu)
+from .factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, context, flat_profile, loaded, model,
+                        node, perf_for, request, tiered_gpu)
 from .test_module_scaling import CONFIG, HEAD, LAYERS, SETTINGS, drain, proportional, spec
 
 
@@ -114,13 +114,14 @@ def test_a_busy_holder_whose_round_would_break_its_tpot_with_the_stage_is_no_pip
     load = 31 / 32
     assert round(decode_round_s(holder, busy, perf, contended(cfg, load)), 2) == 0.70
     fresh = tiered_gpu("g1", 12.5 * GB)
-    plan = place(request("new", tpot=1.0, ttft=30.0), SPLIT_SPEC, [holder, fresh], perf, 0.0,
-                 cfg)
+    plan = place(request("new", tpot=1.0, ttft=30.0), SPLIT_SPEC,
+                 context([holder, fresh], cfg, perf))
     assert plan.node_id == "g1" and plan.startup is not None
     assert plan.startup.method is not StartupMethod.PIPELINE, plan.startup
     # An idle holder helps, and the stage's share of its compute is what it counts.
     idle = replace(holder, instances=[])
-    choice = choose_startup(fresh, SPLIT_SPEC, SPLIT_PROFILE, [idle, fresh], cfg, perf)
+    choice = choose_startup(fresh, SPLIT_SPEC, SPLIT_PROFILE,
+                            context([idle, fresh], cfg, perf))
     assert choice.method is StartupMethod.PIPELINE
     assert pipeline_helper_loads(SPLIT_SPEC, choice.pipeline) == {"g0": load}
 
@@ -136,14 +137,14 @@ def test_a_busy_receiver_hosts_no_layers_of_another_receivers_pipeline():
     first, perf = _busy_holder("g1", holds={}, link=link)
     second = tiered_gpu("g2", link)
     nodes = [*sources, first, second]
-    c1 = choose_startup(first, SPLIT_SPEC, SPLIT_PROFILE, nodes, cfg, perf)
+    c1 = choose_startup(first, SPLIT_SPEC, SPLIT_PROFILE, context(nodes, cfg, perf))
     nodes[2] = with_startup(first, "m", c1)
     idle = replace(nodes[2], instances=[])
-    helped = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE, [*sources, idle, second], cfg,
-                            perf)
+    helped = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE,
+                            context([*sources, idle, second], cfg, perf))
     assert helped.method is StartupMethod.PIPELINE and helped.pipeline.helpers == ("g1",)
     assert 0 < pipeline_helper_loads(SPLIT_SPEC, helped.pipeline)["g1"] < 1
-    c2 = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE, nodes, cfg, perf)
+    c2 = choose_startup(second, SPLIT_SPEC, SPLIT_PROFILE, context(nodes, cfg, perf))
     assert c2.method is not StartupMethod.PIPELINE, c2
 
 
@@ -173,13 +174,13 @@ def test_a_shed_that_breaks_its_owner_nodes_decode_round_is_not_planned():
     assert round(decode_round_s(view, busy, perf, CONFIG), 3) == 0.220
     slow_hops = ModuleSettings(hop_latency_s=0.02, link_bytes_per_s=1e10)
     deficit = layer_weight_bytes(spec(), LAYERS, HEAD) // 2
-    plans = plan_module_scaling([view, host.view()], perf, 0.0,
-                                [MemoryPressure("a", deficit)], slow_hops, CONFIG)
+    plans = plan_module_scaling(context([view, host.view()], CONFIG, perf),
+                                [MemoryPressure("a", deficit)], slow_hops)
     assert plans == []
     # The same shed on an owner whose other instance is idle meets the round: planned.
     alone = replace(view, instances=[i for i in view.instances if i.model.name == "m"])
-    [plan] = plan_module_scaling([alone, host.view()], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], slow_hops, CONFIG)
+    [plan] = plan_module_scaling(context([alone, host.view()], CONFIG, perf),
+                                 [MemoryPressure("a", deficit)], slow_hops)
     assert plan.action is ModuleAction.SHED
 
 
@@ -199,13 +200,13 @@ def test_a_shed_goes_to_no_host_whose_admitted_request_would_miss_its_ttft():
                       slo=replace(inst.requests[0].slo, ttft_s=0.48))
     inst.requests = [waiting]
     deficit = layer_weight_bytes(spec(), LAYERS, HEAD) // 2
-    plans = plan_module_scaling([owner.view(), host_view], perf, 0.0,
-                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    plans = plan_module_scaling(context([owner.view(), host_view], CONFIG, perf),
+                                [MemoryPressure("a", deficit)], SETTINGS)
     assert plans == []
     # With a TTFT it meets with the stage's work too, the shed goes there.
     inst.requests = [replace(waiting, slo=replace(waiting.slo, ttft_s=0.6))]
-    [plan] = plan_module_scaling([owner.view(), host_view], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host_view], CONFIG, perf),
+                                 [MemoryPressure("a", deficit)], SETTINGS)
     assert plan.host_node == "b" and plan.load == 1 / LAYERS
 
 

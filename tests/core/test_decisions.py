@@ -9,6 +9,7 @@ import pytest
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.consolidation import preemption_victims
 from shared.core.evaluate import evaluate
 from shared.core.iteration import IterationKind
@@ -185,9 +186,9 @@ def test_new_instance_packs_onto_a_used_node_whatever_its_iteration_state():
     used, empty = node("g0", Hardware.GPU, 80, perf), node("g1", Hardware.GPU, 80, perf)
     loaded(used, None, request("o1", model_name="o", ttft=5), other)
     newcomer = request("x", ttft=5)
-    idle = place(newcomer, spec, [empty.view(), used.view()], perf, 0.0, CFG)
+    idle = place(newcomer, spec, DecisionContext([empty.view(), used.view()], perf, 0.0, CFG))
     used.step(0.0)  # now mid-iteration: the old order would pick the empty node instead
-    busy = place(newcomer, spec, [empty.view(), used.view()], perf, 0.0, CFG)
+    busy = place(newcomer, spec, DecisionContext([empty.view(), used.view()], perf, 0.0, CFG))
     assert idle.action is busy.action is PlaceAction.NEW_INSTANCE
     assert idle.node_id == busy.node_id == "g0"
     first = next(a for a in busy.attempts if a.instance_id is None)
@@ -203,7 +204,7 @@ def test_a_node_whose_startup_breaks_the_ttft_comes_after_one_that_meets_it():
     crowded.reclaim_idle(10.0)  # unloading: a new load there waits for it
     crowded.node.memops_until = 13.0  # a slow unload, say
     newcomer = request("x", arrival=10.0, ttft=1.0)
-    plan = place(newcomer, spec, [crowded.view(), empty.view()], perf, 10.0, CFG)
+    plan = place(newcomer, spec, DecisionContext([crowded.view(), empty.view()], perf, 10.0, CFG))
     assert plan.node_id == "g1"
 
 
@@ -229,15 +230,16 @@ def test_drop_does_not_mix_one_kinds_prefill_with_anothers_load():
     spec = model("m")
     nodes = [node("c0", Hardware.CPU, 256, perf).view(), node("g0", Hardware.GPU, 80, perf).view()]
     r = request("x", arrival=0.0, ttft=1.0)
-    assert queueing_breaks_ttft(r, nodes, spec, perf, 0.7, CFG)
+    assert queueing_breaks_ttft(r, nodes, spec, DecisionContext(nodes, perf, 0.7, CFG))
 
 
 def test_drop_keeps_the_overestimate_margin():
     perf = perf_for(flat_profile("m", Hardware.GPU, prefill_s=0.5, load_s=0.0))
     nodes = [node("g0", Hardware.GPU, 80, perf).view()]
     r = request("x", arrival=0.0, ttft=1.0)
-    assert queueing_breaks_ttft(r, nodes, model("m"), perf, 0.48, CFG)  # 0.48 + 0.55 > 1
-    assert not queueing_breaks_ttft(r, nodes, model("m"), perf, 0.40, CFG)
+    # 0.48 + 0.55 > 1
+    assert queueing_breaks_ttft(r, nodes, model("m"), DecisionContext(nodes, perf, 0.48, CFG))
+    assert not queueing_breaks_ttft(r, nodes, model("m"), DecisionContext(nodes, perf, 0.40, CFG))
 
 
 # Grace for a request joining an instance that is still loading ---------------------------------

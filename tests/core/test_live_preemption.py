@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.consolidation import handover_seconds
 from shared.core.memory import MemOpKind
 from shared.core.placement import PlaceAction, place
@@ -61,7 +62,8 @@ def test_plan_goes_live_with_the_profiles_migration_time():
     perf = _perf()
     g0, g1, ib, isv, iso = _cluster(perf)
     g1.step(0.0)  # g1 is in an iteration: the destination starts the migration after it
-    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=MODELS)
+    plan = place(_newcomer(), BIG,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, MODELS))
     assert plan.action is PlaceAction.PREEMPT_AND_ROUTE and plan.preempt == (isv,)
     assert [(m.request_id, m.to_node, m.to_instance) for m in plan.migrations] == [("s", "g1", iso)]
     expected = g1.node.busy_until + perf.get("small", Hardware.GPU).migration_s(410)
@@ -72,12 +74,14 @@ def test_plan_goes_live_with_the_profiles_migration_time():
 def test_plan_falls_back_to_stop_and_resume_when_the_wait_breaks_the_ttft():
     perf = _perf(small_per_token=4e-3)  # recomputing s's 410 tokens takes ~1.6 s on g1
     g0, g1, *_ = _cluster(perf)
-    plan = place(_newcomer(ttft=0.6), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=MODELS)
+    plan = place(_newcomer(ttft=0.6), BIG,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, MODELS))
     assert plan.action is PlaceAction.PREEMPT_AND_ROUTE
     assert not plan.live and plan.handover_s > 1.0
     assert "stop-and-resume" in plan.preempt_why and AdmitReason.TTFT_MISS.value in plan.preempt_why
     # The same wait is fine for a newcomer with a looser TTFT.
-    loose = place(_newcomer(ttft=5.0), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=MODELS)
+    loose = place(_newcomer(ttft=5.0), BIG,
+                  DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, MODELS))
     assert loose.live
 
 
@@ -85,7 +89,7 @@ def test_a_victim_whose_engine_cannot_migrate_live_moves_stop_and_resume():
     perf = _perf()
     g0, g1, *_ = _cluster(perf)
     fixed = {**MODELS, "small": replace(SMALL, live_migration=False)}  # e.g. served by OpenVINO
-    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=fixed)
+    plan = place(_newcomer(), BIG, DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, fixed))
     assert plan.action is PlaceAction.PREEMPT_AND_ROUTE and not plan.live
     assert plan.preempt_why == "stop-and-resume: the engine of small cannot migrate live"
 
@@ -93,7 +97,8 @@ def test_a_victim_whose_engine_cannot_migrate_live_moves_stop_and_resume():
 def test_without_live_preemption_the_plan_is_as_before():
     perf = _perf()
     g0, g1, *_ = _cluster(perf, CoreConfig())
-    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, CoreConfig(), models=MODELS)
+    plan = place(_newcomer(), BIG,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, CoreConfig(), MODELS))
     assert plan.action is PlaceAction.PREEMPT_AND_ROUTE
     assert not plan.live and plan.handover_s == 0.0 and plan.preempt_why == ""
 
@@ -109,7 +114,8 @@ def test_handover_counts_a_loading_destinations_startup():
     from shared.core.consolidation import Migration
 
     moves = [Migration("s", isv, "g2", res.instance_id)]
-    h = handover_seconds([(isv, victim_req)], moves, [g0.view(), g2.view()], perf, 0.0)
+    h = handover_seconds([(isv, victim_req)], moves,
+                         DecisionContext([g0.view(), g2.view()], perf, 0.0, CoreConfig()))
     ready = g2.view().instance(res.instance_id).ready_at
     assert ready > 0.5
     assert h == pytest.approx(ready + perf.get("small", Hardware.GPU).migration_s(410))
@@ -118,7 +124,8 @@ def test_handover_counts_a_loading_destinations_startup():
 def test_node_keeps_the_victim_running_and_counted_until_the_handover():
     perf = _perf()
     g0, g1, ib, isv, _ = _cluster(perf)
-    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=MODELS)
+    plan = place(_newcomer(), BIG,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, MODELS))
     cap, victim_bytes = g0.ledger.capacity, g0.ledger.allocated(isv)
     res = g0.preempt_and_admit(list(plan.preempt), _newcomer(), ib, BIG, 0.0,
                                handover_s=plan.handover_s)
@@ -157,7 +164,8 @@ def test_node_keeps_the_victim_running_and_counted_until_the_handover():
 def test_a_request_left_on_the_victim_comes_back_for_stop_and_resume():
     perf = _perf()
     g0, g1, ib, isv, _ = _cluster(perf)
-    plan = place(_newcomer(), BIG, [g0.view(), g1.view()], perf, 0.0, LIVE, models=MODELS)
+    plan = place(_newcomer(), BIG,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, LIVE, MODELS))
     g0.preempt_and_admit(list(plan.preempt), _newcomer(), ib, BIG, 0.0, handover_s=plan.handover_s)
     left, ops = g0.finish_handover(isv, 5.0)  # its migration was refused
     assert [r.request_id for r in left] == ["s"] and ops

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from shared.core.context import DecisionContext
 from shared.core.admission import AdmitReason
 from shared.core.evaluate import evaluate
 from shared.core.iteration import IterationChoice, IterationKind, predict_seconds
@@ -238,7 +239,8 @@ def test_the_placer_routes_an_adapter_request_to_a_node_with_room_for_the_adapte
     adapter = AdapterSpec("ad", n0.ledger.capacity - n0.ledger.budget + 1)
     req = replace(request("r", ttft=60.0, tpot=30.0), lora_rank=8, adapter="ad")
     assert n0.admit(req, i0, spec, 0.0, adapter).admission.reason is AdmitReason.MEMORY
-    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=adapter)
+    plan = place(req, spec, DecisionContext([n0.view(), n1.view()], perf, 0.0, n0.config),
+                 adapter=adapter)
     assert (plan.action, plan.node_id, plan.instance_id) == (PlaceAction.ROUTE, "n1", i1)
     assert [(a.node_id, a.reason) for a in plan.attempts][:1] == [("n0", AdmitReason.MEMORY)]
     assert n1.admit(req, i1, spec, 0.0, adapter).admission.ok  # the node confirms it
@@ -252,13 +254,15 @@ def test_the_placer_counts_no_bytes_where_the_instance_holds_the_adapter_or_may_
                       held).start_ops)
     # n0 holds "held": a request through it needs no adapter bytes there.
     req = replace(request("r", ttft=60.0, tpot=30.0), lora_rank=8, adapter="held")
-    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=held)
+    plan = place(req, spec, DecisionContext([n0.view(), n1.view()], perf, 0.0, n0.config),
+                 adapter=held)
     assert (plan.node_id, plan.instance_id) == ("n0", i0)
     # Once idle, "held" is what n0 offloads for another adapter that only fits without it.
     n0.cancel("h", 0.0)
     other = AdapterSpec("other", free - free // 4)
     req = replace(request("o", ttft=60.0, tpot=30.0), lora_rank=8, adapter="other")
-    plan = place(req, spec, [n0.view(), n1.view()], perf, 0.0, n0.config, adapter=other)
+    plan = place(req, spec, DecisionContext([n0.view(), n1.view()], perf, 0.0, n0.config),
+                 adapter=other)
     assert (plan.node_id, plan.instance_id) == ("n0", i0)
     assert n0.admit(req, i0, spec, 0.0, other).admission.ok
     assert set(n0.node.instance(i0).adapters) == {"other"}

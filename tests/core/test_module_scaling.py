@@ -22,7 +22,7 @@ from shared.core.modules import layers_to_shed, stage_key
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
 from shared.core.types import Hardware, InstanceLayout, LayerRun, ModelSpec
 
-from .factories import GB, loaded, node, perf_for, request
+from .factories import GB, context, loaded, node, perf_for, request
 
 LAYERS = 8
 HEAD = GB // 4
@@ -105,8 +105,8 @@ def test_memory_pressure_sheds_the_fewest_layers_that_free_the_deficit_to_a_node
     owner, host, iid, perf = cluster()
     inst = owner.node.instance(iid)
     deficit = 2 * layer_weight_bytes(inst.model, LAYERS, HEAD)  # about two layers' worth
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                 [MemoryPressure("a", deficit)], SETTINGS)
     k = layers_to_shed(inst.model, inst.kv_bytes, LAYERS, LAYERS, HEAD, deficit)
     move = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, k, HEAD)
     assert plan == ModulePlan(ModuleAction.SHED, iid, "a", "b", LAYERS - k, LAYERS,
@@ -115,23 +115,23 @@ def test_memory_pressure_sheds_the_fewest_layers_that_free_the_deficit_to_a_node
     assert plan.host_bytes >= deficit
     # No node with that much free memory, or a move under way for it: no plan.
     full = node("b", Hardware.CPU, 0.01, perf)
-    assert plan_module_scaling([owner.view(), full.view()], perf, 0.0,
-                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG,
+    assert plan_module_scaling(context([owner.view(), full.view()], CONFIG, perf),
+                               [MemoryPressure("a", deficit)], SETTINGS) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", deficit)], SETTINGS,
                                busy=frozenset({iid})) == []
     # A deficit that even all but one layer would not cover: nothing moves.
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", 10 * GB)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", 10 * GB)], SETTINGS) == []
 
 
 def test_a_shed_that_would_break_the_batchs_tpot_with_its_hops_is_not_planned():
     owner, host, iid, perf = cluster(tpot=0.0225)  # 0.02 s a step, 10% overestimate: 0.022
     slow = ModuleSettings(hop_latency_s=0.01, link_bytes_per_s=1e10)
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", 1)], slow, CONFIG) == []
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", 1)], SETTINGS, CONFIG) != []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", 1)], slow) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", 1)], SETTINGS) != []
 
 
 def test_a_pressured_node_drops_the_replicas_it_hosts_before_shedding_its_own():
@@ -139,8 +139,8 @@ def test_a_pressured_node_drops_the_replicas_it_hosts_before_shedding_its_own():
     inst = owner.node.instance(iid)
     layout = InstanceLayout(inst.model, (LayerRun(0, 4, "b", "b:7", replica=True),), 1e-4, 1e10)
     drain(owner, owner.set_layout(iid, layout, 0.0)[1])
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                                 [MemoryPressure("b", 1)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                 [MemoryPressure("b", 1)], SETTINGS)
     assert (plan.action, plan.instance_id, plan.host_node, plan.address, plan.start, plan.end) == \
         (ModuleAction.DROP_REPLICA, iid, "b", "b:7", 0, 4)
 
@@ -151,7 +151,8 @@ def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_the_replicas_go_on
     owner, host, iid, _ = cluster(owner_gb=40, host_gb=40, requests=16,
                                   profile=proportional(per_request_s=0.01))
     perf = perf_for(proportional(per_request_s=0.02))
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0, [], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                 [], SETTINGS)
     assert plan.action is ModuleAction.REPLICATE and plan.host_node == "b"
     assert 0 <= plan.start < plan.end <= LAYERS and plan.host_bytes > 0
     inst = owner.node.instance(iid)
@@ -168,11 +169,13 @@ def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_the_replicas_go_on
     loaded(busy, None, request("own"), spec())
     fresh, _, _, _ = cluster(owner_gb=40, host_gb=40, requests=16,
                              profile=proportional(per_request_s=0.01))
-    assert plan_module_scaling([fresh.view(), busy.view()], perf, 0.0, [], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([fresh.view(), busy.view()], CONFIG, perf), [],
+                               SETTINGS) == []
     # The spike passes: 13 of the 16 requests finish; the step alone meets the SLO by far.
     for k in range(13):
         owner.cancel(f"r{k}", 1.0)
-    [back] = plan_module_scaling([owner.view(), host.view()], perf, 1.0, [], SETTINGS, CONFIG)
+    [back] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf, 1.0),
+                                 [], SETTINGS)
     assert (back.action, back.address, back.host_node) == (ModuleAction.DROP_REPLICA, "b:9", "b")
     assert back.layout_after(owner.node.instance(iid), "", SETTINGS).runs == ()
 
@@ -190,8 +193,8 @@ def test_models_without_a_layer_count_never_move():
     owner = node("a", Hardware.CPU, 4, perf)
     loaded(owner, None, request("r"), replace(spec(), layers=0))
     host = node("b", Hardware.CPU, 4, perf)
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", 1)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", 1)], SETTINGS) == []
     with pytest.raises(ValueError):
         ModuleSettings(relief=1.5)
 
@@ -231,8 +234,8 @@ def test_pessimistic_memory_never_exceeds_capacity_on_either_node_across_a_move(
 
     inst = owner.node.instance(iid)
     deficit = int(deficit_layers * layer_weight_bytes(inst.model, LAYERS, HEAD))
-    plans = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    plans = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                [MemoryPressure("a", deficit)], SETTINGS)
     safe()
     if not plans:
         return
@@ -273,16 +276,17 @@ def test_demand_for_a_model_replicates_its_busiest_lone_instance_onto_idle_fragm
     views = [owner.view(), fragment.view(), empty.view()]
     want = [request("new", ttft=5.0)]
     fragments_only = replace(SETTINGS, empty_hosts=False)
-    plans = plan_module_scaling(views, perf, 1.0, [], fragments_only, CONFIG, demand=want)
+    plans = plan_module_scaling(context(views, CONFIG, perf, 1.0), [], fragments_only,
+                                demand=want)
     assert [(p.action, p.instance_id, p.host_node) for p in plans] == \
         [(ModuleAction.REPLICATE, iid, "b")]
-    both = plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG, demand=want)
+    both = plan_module_scaling(context(views, CONFIG, perf, 1.0), [], SETTINGS, demand=want)
     assert sorted(p.host_node for p in both) == ["b", "c"]
     assert all(p.end > p.start for p in both)
     # No demand, no spike: nothing; replication off: nothing.
-    assert plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG) == []
-    assert plan_module_scaling(views, perf, 1.0, [], replace(SETTINGS, replicate=False), CONFIG,
-                               demand=want) == []
+    assert plan_module_scaling(context(views, CONFIG, perf, 1.0), [], SETTINGS) == []
+    assert plan_module_scaling(context(views, CONFIG, perf, 1.0), [],
+                               replace(SETTINGS, replicate=False), demand=want) == []
 
 
 def test_an_overloaded_host_loses_the_replicas_it_hosts():
@@ -290,12 +294,12 @@ def test_an_overloaded_host_loses_the_replicas_it_hosts():
     inst = owner.node.instance(iid)
     layout = InstanceLayout(inst.model, (LayerRun(0, 4, "b", "b:7", replica=True),), 1e-4, 1e10)
     drain(owner, owner.set_layout(iid, layout, 0.0)[1])
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0, [],
-                                 replace(SETTINGS, spikes=False), CONFIG, overloaded=["b"])
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                 [], replace(SETTINGS, spikes=False), overloaded=["b"])
     assert (plan.action, plan.address) == (ModuleAction.DROP_REPLICA, "b:7")
     quiet = replace(SETTINGS, spikes=False)  # (the batch is light: it would drop it anyway)
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0, [], quiet, CONFIG,
-                               overloaded=["a"]) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf), [],
+                               quiet, overloaded=["a"]) == []
 
 
 # -- the host's compute: a stage's work is the host's too --------------------------------------
@@ -320,26 +324,27 @@ def test_a_shed_goes_only_to_a_host_whose_own_requests_still_meet_their_tpot_wit
     # 9 requests at 0.02 s each: 0.198 s a round with the overestimate, 0.264 s once the stage
     # takes a quarter of the node (over 0.25 s); 7 requests: 0.205 s contended.
     loaded_host = busy_host(9, perf=perf)
-    assert plan_module_scaling([owner.view(), loaded_host.view()], perf, 0.0,
-                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([owner.view(), loaded_host.view()], CONFIG, perf),
+                               [MemoryPressure("a", deficit)], SETTINGS) == []
     lighter = busy_host(7, perf=perf)
-    [plan] = plan_module_scaling([owner.view(), lighter.view()], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), lighter.view()], CONFIG, perf),
+                                 [MemoryPressure("a", deficit)], SETTINGS)
     assert (plan.host_node, plan.end - plan.start, plan.load) == ("b", 2, pytest.approx(0.25))
     # A busy host with the most room loses to an idle one with enough.
     idle = node("c", Hardware.CPU, 4.0, perf)
-    [plan] = plan_module_scaling([owner.view(), loaded_host.view(), idle.view()], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), loaded_host.view(), idle.view()], CONFIG,
+                                         perf),
+                                 [MemoryPressure("a", deficit)], SETTINGS)
     assert plan.host_node == "c"
     # The stages a host holds already count: 0.3 more of its compute and even 7 miss.
     lighter.hold("x/layers/0:1", GB // 8, 0.0, load=0.3)
     assert lighter.view().stage_load == pytest.approx(0.3)
-    assert plan_module_scaling([owner.view(), lighter.view()], perf, 0.0,
-                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([owner.view(), lighter.view()], CONFIG, perf),
+                               [MemoryPressure("a", deficit)], SETTINGS) == []
     # An idle host takes moved stages up to max_host_load, no more.
-    assert plan_module_scaling([owner.view(), idle.view()], perf, 0.0,
+    assert plan_module_scaling(context([owner.view(), idle.view()], CONFIG, perf),
                                [MemoryPressure("a", deficit)],
-                               replace(SETTINGS, max_host_load=0.2), CONFIG) == []
+                               replace(SETTINGS, max_host_load=0.2)) == []
 
 
 def measured_busy(sched, iid: str, share: float, for_s: float = 100.0) -> None:
@@ -358,18 +363,18 @@ def test_a_stage_is_predicted_from_its_owners_measured_busy_fraction():
     deficit = plan_layer_move(inst.model, inst.kv_bytes, 0, LAYERS, LAYERS, 1, HEAD).dest_bytes + 1
     host = busy_host(9, perf=perf)
     measured_busy(owner, iid, 0.4, for_s=CONFIG.busy_window_s / 2)
-    assert plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                               [MemoryPressure("a", deficit)], SETTINGS, CONFIG) == []
+    assert plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                               [MemoryPressure("a", deficit)], SETTINGS) == []
     measured_busy(owner, iid, 0.4)
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                                 [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                 [MemoryPressure("a", deficit)], SETTINGS)
     # the hops make each step a little longer: 40% busy grows a little
     assert plan.host_node == "b" and 0.25 * 0.4 < plan.load < 0.25 * 0.45
     assert predicted_load(owner.view().instance(iid), proportional(),
                           plan.layout_after(inst, "b:1", SETTINGS), CONFIG, 0.0) == plan.load
     # idle since: the owner's fraction decays, and so does the prediction
-    [later] = plan_module_scaling([owner.view(), host.view()], perf, 20.0,
-                                  [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    [later] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf, 20.0),
+                                  [MemoryPressure("a", deficit)], SETTINGS)
     assert later.load < plan.load / 5
 
 
@@ -418,8 +423,8 @@ def test_no_planned_shed_makes_its_hosts_predicted_round_exceed_its_tightest_tpo
         drain(host, host.hold("x/layers/0:1", GB // 8, 0.0, load=held_load)[1])
     inst = owner.node.instance(iid)
     deficit = int(deficit_layers * layer_weight_bytes(inst.model, LAYERS, HEAD))
-    plans = plan_module_scaling([owner.view(), host.view()], perf, 0.0,
-                                [MemoryPressure("a", deficit)], SETTINGS, CONFIG)
+    plans = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf),
+                                [MemoryPressure("a", deficit)], SETTINGS)
     for plan in plans:
         assert plan.action is ModuleAction.SHED and plan.host_node == "b"
         load = held_load + plan.load
@@ -454,7 +459,7 @@ def test_shed_layers_come_back_once_their_node_has_room_with_headroom_to_spare()
     before = owner.ledger.allocated(iid)
     shed_to(owner, iid, 6, 8, "b", "b:1")
     views = [owner.view(), host.view()]
-    [plan] = plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context(views, CONFIG, perf, 1.0), [], SETTINGS)
     assert (plan.action, plan.instance_id, plan.owner_node, plan.host_node, plan.start,
             plan.end, plan.address) == (ModuleAction.TAKE, iid, "a", "b", 6, 8, "b:1")
     assert abs(plan.owner_bytes_after - before) <= LAYERS  # (the K/V pool's rounding)
@@ -464,15 +469,17 @@ def test_shed_layers_come_back_once_their_node_has_room_with_headroom_to_spare()
     free = owner.ledger.capacity - owner.ledger.budget
     tight = replace(SETTINGS, take_headroom=(free - (before - owner.ledger.allocated(iid)))
                     / owner.ledger.capacity + 0.01)
-    assert plan_module_scaling(views, perf, 1.0, [], tight, CONFIG) == []
-    assert ModuleAction.TAKE not in [p.action for p in plan_module_scaling(
-        views, perf, 1.0, [MemoryPressure("a", 1)], SETTINGS, CONFIG)]
-    assert plan_module_scaling(views, perf, 1.0, [], SETTINGS, CONFIG,
+    assert plan_module_scaling(context(views, CONFIG, perf, 1.0), [], tight) == []
+    pressed = plan_module_scaling(context(views, CONFIG, perf, 1.0), [MemoryPressure("a", 1)],
+                                  SETTINGS)
+    assert ModuleAction.TAKE not in [p.action for p in pressed]
+    assert plan_module_scaling(context(views, CONFIG, perf, 1.0), [], SETTINGS,
                                stay=frozenset({iid})) == []
-    assert plan_module_scaling(views, perf, 1.0, [], replace(SETTINGS, take=False),
-                               CONFIG) == []
+    assert plan_module_scaling(context(views, CONFIG, perf, 1.0), [],
+                               replace(SETTINGS, take=False)) == []
     # A host whose own requests run late gets its stage back without the headroom.
-    [back] = plan_module_scaling(views, perf, 1.0, [], tight, CONFIG, overloaded=["b"])
+    [back] = plan_module_scaling(context(views, CONFIG, perf, 1.0), [], tight,
+                                 overloaded=["b"])
     assert (back.action, back.address) == (ModuleAction.TAKE, "b:1")
 
 
@@ -481,7 +488,8 @@ def test_the_run_next_to_the_instances_own_layers_comes_back_first_and_memory_st
     shed_to(owner, iid, 6, 8, "b", "b:1")
     shed_to(owner, iid, 4, 6, "c", "c:1")
     inst = owner.node.instance(iid)
-    [plan] = plan_module_scaling([owner.view(), host.view()], perf, 1.0, [], SETTINGS, CONFIG)
+    [plan] = plan_module_scaling(context([owner.view(), host.view()], CONFIG, perf, 1.0),
+                                 [], SETTINGS)
     assert (plan.action, plan.start, plan.end, plan.host_node) == (ModuleAction.TAKE, 4, 6, "c")
     # Carried out as the node worker does: reserve the bytes, then the layout grows into them.
     need = plan.owner_bytes_after - owner.ledger.allocated(iid)

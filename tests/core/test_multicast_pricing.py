@@ -16,7 +16,7 @@ from shared.core.pipeline import (Holding, head_spans, layers_held, model_layout
                                   transfer_hops)
 from shared.core.startup import StartupMethod, choose_startup, multicast_arrive_s
 
-from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, tiered_gpu
+from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, context, tiered_gpu
 
 BLOCKS = 16
 # A link that moves one block per second and no setup: the price in seconds is the steps.
@@ -71,7 +71,8 @@ def test_a_dram_holder_pipeline_pays_the_hops_and_waits_the_steps_of_its_subgrou
     holders = [tiered_gpu(f"s{i}", link, {"m": "dram"}) for i in range(k)]
     on_way = [tiered_gpu(f"w{i}", link, arriving={"m": 1.0}) for i in range(receivers - 1)]
     fresh = tiered_gpu("r", link)
-    choice = choose_startup(fresh, SPLIT_SPEC, SPLIT_PROFILE, [*holders, *on_way, fresh], cfg)
+    choice = choose_startup(fresh, SPLIT_SPEC, SPLIT_PROFILE,
+                            context([*holders, *on_way, fresh], cfg))
     assert choice.method is StartupMethod.PIPELINE, choice
     serve, hops = holder_pipeline(k + receivers, k)
     assert choice.pipeline.hops == hops
@@ -91,6 +92,6 @@ def test_a_receiver_that_holds_middle_layers_first_pays_four_hops():
     link = 12.5 * GB
     holders = [tiered_gpu(f"s{i}", link, {"m": "dram"}) for i in range(2)]
     nodes = [*holders, tiered_gpu("w", link, arriving={"m": 1.0}), tiered_gpu("r", link)]
-    choice = choose_startup(nodes[-1], SPLIT_SPEC, SPLIT_PROFILE, nodes,
-                            replace(CoreConfig(), enable_pipeline=True))
+    choice = choose_startup(nodes[-1], SPLIT_SPEC, SPLIT_PROFILE,
+                            context(nodes, replace(CoreConfig(), enable_pipeline=True)))
     assert choice.method is StartupMethod.PIPELINE and choice.pipeline.hops == 4

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.cost import HopCost, instance_profile, pipeline_profile, stage_bytes
 from shared.core.evaluate import evaluate
 from shared.core.multicast import (Block, arrival_steps, binomial_steps, head_first, kway_orders,
@@ -22,8 +23,8 @@ from shared.core.readiness import load_seconds, new_instance_view
 from shared.core.startup import StartupMethod, choose_startup, with_startup
 from shared.core.types import Hardware
 
-from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, node, perf_for, request,
-                                  tiered_gpu)
+from tests.core.factories import (GB, SPLIT_PROFILE, SPLIT_SPEC, context, node, perf_for,
+                                  request, tiered_gpu)
 
 LINK = 12.5 * GB
 CFG = CoreConfig(enable_pipeline=True)
@@ -72,7 +73,7 @@ def test_a_receiver_can_head_a_pipeline_long_before_its_copy_is_whole():
 
 def test_a_receiver_serves_through_a_pipeline_sooner_than_its_copy_or_its_tiers():
     holder, fresh = gpu("g0", {"m": "dram"}), gpu("g1")
-    choice = choose_startup(fresh, SPEC, PROFILE, [holder, fresh], CFG)
+    choice = choose_startup(fresh, SPEC, PROFILE, context([holder, fresh], CFG))
     assert choice.method is StartupMethod.PIPELINE and choice.sources == ("g0",)
     mode = choice.pipeline
     assert mode.helpers == ("g0",) and mode.hops == 2 and mode.token_bytes == 8192
@@ -84,10 +85,11 @@ def test_a_receiver_serves_through_a_pipeline_sooner_than_its_copy_or_its_tiers(
     assert choice.arrive_s == pytest.approx(whole)
     assert choice.load_s < whole + 8 / 20 + PROFILE.engine_init_s
     # Off, or a model whose shape is unknown: the whole copy (multicast) as before.
-    off = choose_startup(fresh, SPEC, PROFILE, [holder, fresh], replace(CFG, enable_pipeline=False))
+    off = choose_startup(fresh, SPEC, PROFILE,
+                         context([holder, fresh], replace(CFG, enable_pipeline=False)))
     assert off.method is StartupMethod.MULTICAST and off.pipeline is None
     shapeless = replace(SPEC, layers=0)
-    assert choose_startup(fresh, shapeless, PROFILE, [holder, fresh], CFG).method \
+    assert choose_startup(fresh, shapeless, PROFILE, context([holder, fresh], CFG)).method \
         is StartupMethod.MULTICAST
 
 
@@ -96,17 +98,17 @@ def test_a_pipeline_needs_a_holder_with_room_for_the_stage():
     assert 31 * 7 * GB // 32 < need < 8 * GB  # every layer but one, their K/V
     cramped = gpu("g0", {"m": "dram"}, memory_gb=need / GB * 0.99)
     fresh = gpu("g1")
-    assert choose_startup(fresh, SPEC, PROFILE, [cramped, fresh], CFG).method \
+    assert choose_startup(fresh, SPEC, PROFILE, context([cramped, fresh], CFG)).method \
         is StartupMethod.MULTICAST
     roomy = gpu("g2", {"m": "dram"}, memory_gb=need / GB * 1.01)
-    choice = choose_startup(fresh, SPEC, PROFILE, [cramped, roomy, fresh], CFG)
+    choice = choose_startup(fresh, SPEC, PROFILE, context([cramped, roomy, fresh], CFG))
     assert choice.method is StartupMethod.PIPELINE and choice.pipeline.helpers == ("g2",)
     assert set(choice.sources) == {"g0", "g2"}  # both still send the model
 
 
 def test_an_instance_in_a_pipeline_is_validated_with_the_pipelines_cost_until_its_switch():
     holder, fresh = gpu("g0", {"m": "dram"}), gpu("g1")
-    choice = choose_startup(fresh, SPEC, PROFILE, [holder, fresh], CFG)
+    choice = choose_startup(fresh, SPEC, PROFILE, context([holder, fresh], CFG))
     view = with_startup(fresh, "m", choice)
     assert view.storage.arriving["m"] == choice.arrive_s
     assert load_seconds(view, SPEC, PROFILE) == pytest.approx(choice.load_s)  # its grace
@@ -120,7 +122,7 @@ def test_an_instance_in_a_pipeline_is_validated_with_the_pipelines_cost_until_it
     # A TPOT the local instance meets but the pipeline's two hops do not: the pipeline startup
     # is refused, the same node loading its whole copy admits it.
     tight = replace(CFG, pipeline_hop_latency_s=0.05)
-    slow = choose_startup(fresh, SPEC, PROFILE, [holder, fresh], tight)
+    slow = choose_startup(fresh, SPEC, PROFILE, context([holder, fresh], tight))
     assert slow.method is StartupMethod.PIPELINE  # the startup alone does not see the TPOT
     req = request("r", tpot=0.03)
     assert not evaluate(with_startup(fresh, "m", slow), None, req, SPEC, PERF, 0.0, tight).ok
@@ -130,7 +132,7 @@ def test_an_instance_in_a_pipeline_is_validated_with_the_pipelines_cost_until_it
 def test_the_placer_plans_a_new_instance_through_a_pipeline_with_its_grace():
     holder = gpu("g0", {"m": "dram"}, memory_gb=7)  # room for a stage, not for an instance
     fresh = [gpu(f"g{i}") for i in (1, 2)]
-    plan = place(request("x", ttft=1.0), SPEC, [holder, *fresh], PERF, 0.0, CFG)
+    plan = place(request("x", ttft=1.0), SPEC, DecisionContext([holder, *fresh], PERF, 0.0, CFG))
     assert plan.action is PlaceAction.NEW_INSTANCE and plan.node_id == "g1"
     assert plan.startup.method is StartupMethod.PIPELINE
     assert plan.startup.pipeline.helpers == ("g0",)
@@ -139,7 +141,7 @@ def test_the_placer_plans_a_new_instance_through_a_pipeline_with_its_grace():
 
 def test_the_node_admits_the_instance_in_pipeline_mode_and_publishes_it():
     holder, fresh = gpu("g0", {"m": "dram"}), gpu("g1")
-    choice = choose_startup(fresh, SPEC, PROFILE, [holder, fresh], CFG)
+    choice = choose_startup(fresh, SPEC, PROFILE, context([holder, fresh], CFG))
     sched = node("g1", Hardware.GPU, 80, PERF)
     sched.node.storage = with_startup(fresh, "m", choice).storage  # the node's own re-check
     res = sched.admit(request("r", arrival=10.0), None, SPEC, 10.0)

@@ -3,6 +3,7 @@ queue and drop."""
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware
 
@@ -24,7 +25,8 @@ def test_existing_cpu_instance_preferred_over_gpu():
     cpu, gpu = node("cpu0", Hardware.CPU, 256, perf), node("gpu0", Hardware.GPU, 80, perf)
     loaded(cpu, None, request("a", ttft=2), spec)
     loaded(gpu, None, request("b", ttft=2), spec)
-    plan = place(request("c", ttft=2, arrival=0), spec, [gpu.view(), cpu.view()], perf, 0.0, CFG)
+    plan = place(request("c", ttft=2, arrival=0), spec,
+                 DecisionContext([gpu.view(), cpu.view()], perf, 0.0, CFG))
     assert plan.action is PlaceAction.ROUTE and plan.node_id == "cpu0"
 
 
@@ -33,7 +35,8 @@ def test_cpu_without_matrix_accel_or_slo_is_skipped():
     slow_cpu = node("cpu0", Hardware.CPU, 256, perf)
     no_amx = node("cpu1", Hardware.CPU, 256, _perf("m"), matrix_accel=False)
     gpu = node("gpu0", Hardware.GPU, 80, perf)
-    plan = place(request("c", ttft=1.0), spec, [slow_cpu.view(), no_amx.view(), gpu.view()], perf, 0.0, CFG)
+    plan = place(request("c", ttft=1.0), spec,
+                 DecisionContext([slow_cpu.view(), no_amx.view(), gpu.view()], perf, 0.0, CFG))
     reasons = {a.node_id: a.reason for a in plan.attempts}
     assert reasons["cpu0"] is AdmitReason.SLO_INFEASIBLE
     assert reasons["cpu1"] is AdmitReason.NO_MATRIX_ACCEL
@@ -46,7 +49,8 @@ def test_binpacking_prefers_largest_batch():
     loaded(g0, None, request("a", ttft=5), spec)
     i1 = loaded(g1, None, request("b", ttft=5), spec)
     loaded(g1, i1, request("c", ttft=5), spec)
-    plan = place(request("d", ttft=5), spec, [g0.view(), g1.view()], perf, 0.0, CFG)
+    plan = place(request("d", ttft=5), spec,
+                 DecisionContext([g0.view(), g1.view()], perf, 0.0, CFG))
     assert plan.action is PlaceAction.ROUTE and plan.instance_id == i1
 
 
@@ -63,13 +67,15 @@ def test_preemption_of_smaller_neighbour_when_memory_blocks_growth():
     loaded(gpu, None, request("s", "small", ttft=5, max_tokens=1), small)
     view = gpu.view()
     view.instances[1].requests.clear()  # the neighbour finished its request: batch 0
-    plan = place(request("c", "big", input_len=900, ttft=5, max_tokens=100), big, [view], perf, 0.0,
-                 CFG, models={"small": small})
+    plan = place(request("c", "big", input_len=900, ttft=5, max_tokens=100), big,
+                 DecisionContext([view], perf, 0.0, CFG, {"small": small}))
     assert any(a.reason is AdmitReason.MEMORY for a in plan.attempts)
     assert plan.action is PlaceAction.PREEMPT_AND_ROUTE
     assert plan.instance_id == ib and len(plan.preempt) == 1
-    no_consolidation = place(request("c", "big", input_len=900, ttft=5, max_tokens=100), big, [view],
-                             perf, 0.0, CoreConfig(enable_consolidation=False), models={"small": small})
+    no_consolidation = place(request("c", "big", input_len=900, ttft=5, max_tokens=100), big,
+                             DecisionContext([view], perf, 0.0,
+                                             CoreConfig(enable_consolidation=False),
+                                             {"small": small}))
     assert no_consolidation.action is not PlaceAction.PREEMPT_AND_ROUTE
 
 
@@ -77,10 +83,11 @@ def test_new_instance_on_cpu_first_then_queue_then_drop():
     perf, spec = _perf("m"), model("m", weight_gb=100)  # fits nowhere: 100 GB > 80 and > 64
     cpu, gpu = node("c", Hardware.CPU, 64, perf), node("g", Hardware.GPU, 80, perf)
     fresh = request("r", ttft=2.0, arrival=0.0)
-    assert place(fresh, spec, [cpu.view(), gpu.view()], perf, 0.1, CFG).action is PlaceAction.QUEUE
-    assert place(fresh, spec, [cpu.view(), gpu.view()], perf, 10.0, CFG).action is PlaceAction.DROP
+    views = [cpu.view(), gpu.view()]
+    assert place(fresh, spec, DecisionContext(views, perf, 0.1, CFG)).action is PlaceAction.QUEUE
+    assert place(fresh, spec, DecisionContext(views, perf, 10.0, CFG)).action is PlaceAction.DROP
     small = model("m", weight_gb=1)
-    plan = place(fresh, small, [gpu.view(), cpu.view()], perf, 0.0, CFG)
+    plan = place(fresh, small, DecisionContext([gpu.view(), cpu.view()], perf, 0.0, CFG))
     assert plan.action is PlaceAction.NEW_INSTANCE and plan.node_id == "c"
 
 
@@ -88,8 +95,9 @@ def test_no_sharing_means_one_instance_per_node():
     perf = _perf("a", "b")
     gpu = node("g", Hardware.GPU, 80, perf)
     loaded(gpu, None, request("x", "a"), model("a"))
-    plan = place(request("y", "b"), model("b"), [gpu.view()], perf, 0.0,
-                 CoreConfig(enable_sharing=False, enable_consolidation=False))
+    plan = place(request("y", "b"), model("b"),
+                 DecisionContext([gpu.view()], perf, 0.0,
+                                 CoreConfig(enable_sharing=False, enable_consolidation=False)))
     assert plan.action is PlaceAction.QUEUE
     assert any(a.reason is AdmitReason.NOT_SHARED for a in plan.attempts)
 
@@ -112,7 +120,7 @@ def test_place_only_reads_the_views_it_is_given():
     before = [(v.busy_until, v.running, v.budget_bytes, copy_instances(v.instances)) for v in views]
     for r in (request("c", "big", input_len=500, ttft=5), request("d", "small", ttft=5),
               request("e", "other", ttft=5)):
-        place(r, big if r.model == "big" else small, views, perf, 0.0, CFG,
-              models={"big": big, "small": small})
+        place(r, big if r.model == "big" else small,
+              DecisionContext(views, perf, 0.0, CFG, {"big": big, "small": small}))
     after = [(v.busy_until, v.running, v.budget_bytes, copy_instances(v.instances)) for v in views]
     assert after == before

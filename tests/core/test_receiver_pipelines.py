@@ -20,7 +20,7 @@ from shared.core.cost import helper_bytes, hosted_layer_bytes, stage_bytes
 from shared.core.startup import StartupMethod, choose_startup, receivers_in_order, with_startup
 from shared.schemas import CommandKind, NodeCommand
 
-from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, perf_for, tiered_gpu
+from tests.core.factories import GB, SPLIT_PROFILE, SPLIT_SPEC, context, perf_for, tiered_gpu
 
 LINK = 2.5 * GB  # 20 Gb/s: a 0.5 GB block a 0.2 s step, well above the pipeline's setup
 CFG = CoreConfig(enable_pipeline=True, enable_receiver_pipelines=True)
@@ -92,10 +92,10 @@ def test_the_placer_sees_a_burst_receiver_serve_through_the_receiver_before_it()
     sources = [gpu("s0", {"m": "dram"}, memory_gb=cramped), gpu("s1", {"m": "dram"}, memory_gb=cramped)]
     first = gpu("g1")
     nodes = [*sources, first, gpu("g2")]
-    c1 = choose_startup(first, SPEC, PROFILE, nodes, CFG)
+    c1 = choose_startup(first, SPEC, PROFILE, context(nodes, CFG))
     assert c1.method is StartupMethod.MULTICAST  # nobody can host for it yet
     nodes[2] = with_startup(first, "m", c1)
-    c2 = choose_startup(nodes[3], SPEC, PROFILE, nodes, CFG)
+    c2 = choose_startup(nodes[3], SPEC, PROFILE, context(nodes, CFG))
     assert c2.method is StartupMethod.PIPELINE and c2.pipeline.helpers == ("g1",)
     mode = c2.pipeline
     assert mode.hops >= 2 and mode.until < c1.load_s
@@ -106,11 +106,12 @@ def test_the_placer_sees_a_burst_receiver_serve_through_the_receiver_before_it()
     sent = wire.decode(NodeCommand, wire.encode(NodeCommand(CommandKind.ADMIT, pipeline=mode)))
     assert sent.pipeline == mode  # the ranges travel with the ADMIT
     assert mode.until < c2.arrive_s < c1.load_s  # serves before its copy is even in
-    off = choose_startup(nodes[3], SPEC, PROFILE, nodes,
-                         replace(CFG, enable_receiver_pipelines=False))
+    off = choose_startup(nodes[3], SPEC, PROFILE,
+                         context(nodes, replace(CFG, enable_receiver_pipelines=False)))
     assert off.method is StartupMethod.MULTICAST
     full_g1 = replace(nodes[2], budget_bytes=nodes[2].memory_bytes)  # no room left on g1
-    assert choose_startup(nodes[3], SPEC, PROFILE, [*sources, full_g1, nodes[3]], CFG).method \
+    assert choose_startup(nodes[3], SPEC, PROFILE,
+                          context([*sources, full_g1, nodes[3]], CFG)).method \
         is StartupMethod.MULTICAST
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.readiness import cold_start_ready_at, load_seconds
 from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware, StorageView
@@ -42,7 +43,8 @@ def test_a_cold_start_goes_where_the_checkpoint_is_fast_enough_for_the_ttft():
     far.node.storage = StorageView(TIERS, {}, pending_s=3.0)  # registry read behind other loads
     # Packing alone would pick g1 (it is the fuller node), but its startup breaks the TTFT.
     far.node.budget_bytes = 40 * GB
-    plan = place(request("x", ttft=1.0), spec, [far.view(), near.view()], perf, 0.0, CoreConfig())
+    plan = place(request("x", ttft=1.0), spec,
+                 DecisionContext([far.view(), near.view()], perf, 0.0, CoreConfig()))
     assert plan.action is PlaceAction.NEW_INSTANCE and plan.node_id == "g0"
     by_node = {a.node_id: a.startup_s for a in plan.attempts if a.startup_s is not None}
     assert by_node["g0"] == pytest.approx(0.4)

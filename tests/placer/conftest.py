@@ -169,8 +169,8 @@ class Finals:
         return self.got[request_id]
 
 
-def settings(servers, **kw) -> PlacerSettings:
-    return PlacerSettings(servers["nats"].url, servers["redis"].url, CoreConfig(),
+def settings(servers, core: CoreConfig | None = None, **kw) -> PlacerSettings:
+    return PlacerSettings(servers["nats"].url, servers["redis"].url, core or CoreConfig(),
                           **{"admit_timeout_s": 1.0, **kw})
 
 

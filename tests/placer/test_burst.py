@@ -5,14 +5,21 @@ tests/multicast/test_burst_scaleout.py.)"""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from services.placer.burst import BurstStarter
 from services.placer.settings import burst_from_env
+from shared.cluster import model_spec, save_profile
 from shared.core.burst import recent_rate
 from shared.core.config import CoreConfig
-from shared.schemas import InferenceRequest
+from shared.core.node_scheduler import new_node
+from shared.core.perf_model import PerfModel
+from shared.core.types import SLO, Hardware, RequestView, StorageView
+from shared.registry import ModelRegistry
+from shared.schemas import CommandKind, InferenceRequest, ModelRecord
+from tests.placer.conftest import GB, FakeNode, flat_profile, publish, running_placer, until
 
 
 def _req(rid: str, model: str = "m", resumed: list[int] | None = None) -> InferenceRequest:
@@ -44,3 +51,59 @@ def test_the_arrivals_record_keeps_the_window_of_new_requests_per_model():
     off = BurstStarter(None, CoreConfig(), None, None)
     off.note(_req("c0"), 0.0)
     assert not off._arrivals  # nothing kept while burst scale-out is off
+
+
+async def test_the_placed_instance_is_admitted_with_its_arrival_in_the_bursts_multicast(
+        servers, conns):
+    """n0's instance of a 10 GB model is full; n1..n4 can receive it by multicast from n5 (100
+    Gb/s: a step is 0.05 s), n1 being where `place` starts the next instance, as a lone
+    receiver: 16 steps. The burst that comes with it makes n1 the first of four receivers of one
+    multicast, whose schedule brings n1 the model at step 17: the ADMIT to n1 carries that
+    arrival (its grace follows from it on the node), and the extra instances are started after
+    it, joining the same multicast."""
+    from shared.core.multicast import step_seconds, whole_steps
+
+    nc, redis = conns
+    record = ModelRecord("big", "/models/big", weight_bytes=10 * GB, kv_bytes_per_token=1024,
+                         max_context=1024)
+    profile = replace(flat_profile(record.name, Hardware.GPU, prefill_s=0.3, decode_s=0.01,
+                                   load_s=30.0), engine_init_s=0.2)
+    await ModelRegistry(redis).register(record)
+    await save_profile(redis, profile)
+    perf = PerfModel({(record.name, Hardware.GPU): profile})
+    core = CoreConfig(burst_scaleout=True)
+    scheds = [new_node(f"n{i}", Hardware.GPU, 80 * GB, perf, core) for i in range(6)]
+    for sched in scheds:
+        sched.node.storage = StorageView({"dram": 20 * GB, "registry": 0.5 * GB},
+                                         multicast_bytes_per_s=12.5 * GB)
+    scheds[5].node.storage.holds[record.name] = "dram"  # the holder, with no room to serve
+    scheds[5].node.memory_bytes = scheds[5].node.budget_bytes
+    now, iid = time.time(), None
+    for k in range(3):  # n0's instance of it holds 3 requests: a fourth misses its TTFT there
+        res = scheds[0].admit(RequestView(f"q{k}", record.name, 16, now, SLO(1.0, 0.25),
+                                          max_tokens=8), iid, model_spec(record), now)
+        assert res.admission.ok
+        iid = res.instance_id
+    nodes = [await FakeNode(nc, redis, s.view()).start() for s in scheds]
+    reqs = [InferenceRequest(f"r{k}", "t", record.name, [5] * 16, 8, time.time(), 3.0, 0.25)
+            for k in range(12)]
+    async with running_placer(servers, core=core):
+        for req in reqs:
+            await publish(nc, req)
+        await until(lambda: any(c.kind is CommandKind.START_INSTANCE
+                                for n in nodes for _, c in n.commands), what="a burst")
+    starts = [(t, n.node_id, c) for n in nodes for t, c in n.commands
+              if c.kind is CommandKind.START_INSTANCE]
+    burst_of = starts[0][2].request.request_id  # (earlier requests may have come alone)
+    [(at, placed_on, admit)] = [(t, n.node_id, c) for n in nodes for t, c in n.commands
+                                if c.kind is CommandKind.ADMIT
+                                and c.request.request_id == burst_of]
+    assert placed_on == "n1" and admit.instance_id is None
+    step = step_seconds(record.weight_bytes, core.multicast_blocks, 12.5 * GB)
+    alone, group = whole_steps(2, 1, core.multicast_blocks), whole_steps(5, 1, core.multicast_blocks)
+    assert admit.multicast_s == pytest.approx(core.multicast_setup_s + group[1] * step)
+    assert admit.multicast_s > core.multicast_setup_s + alone[1] * step
+    started = [(t, node_id) for t, node_id, c in starts if c.request.request_id == burst_of]
+    assert sorted(n for _, n in started) == ["n2", "n3", "n4"] and all(t > at for t, _ in started)
+    for node in nodes:
+        await node.stop()

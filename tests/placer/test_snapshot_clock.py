@@ -11,6 +11,7 @@ import pytest
 
 from shared.cluster import decode_node, decode_reply, encode_node, encode_reply
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.placement import place
 from shared.core.types import Hardware, NodeView
 from shared.schemas import NodeReply
@@ -41,8 +42,8 @@ def _node_view(offset: float) -> NodeView:
 
 
 def _plan(view: NodeView, arriving: float):
-    plan = place(request("c", "m", arrival=arriving, ttft=1.0), SPEC, [view], PERF, T,
-                 CoreConfig())
+    plan = place(request("c", "m", arrival=arriving, ttft=1.0), SPEC,
+                 DecisionContext([view], PERF, T, CoreConfig()))
     return plan.action, plan.node_id, plan.instance_id, plan.admission, \
         [(a.node_id, a.instance_id, a.reason) for a in plan.attempts]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shared import wire
+from shared.core.context import DecisionContext
 from shared.core.node_scheduler import NodeScheduler
 from shared.core.placement import PlaceAction, place
 from shared.core.types import Hardware, InstanceStatus, NodeView
@@ -52,7 +53,7 @@ def services_plan(nodes: list[NodeView]):
     """The placer's decision (`Placer._place_one`): `place` with the core configuration the
     placer and the nodes build from an environment that sets nothing."""
     core = burst_from_env(core_config_from_env(env={}), env={})
-    return place(NEWCOMER, BIG, nodes, PERF, 0.0, core, models=MODELS)
+    return place(NEWCOMER, BIG, DecisionContext(nodes, PERF, 0.0, core, MODELS))
 
 
 def simulator_plan(nodes: list[NodeView]):
@@ -160,7 +161,7 @@ def test_the_placers_module_planner_is_given_the_demand_the_simulators_is():
     ours = system.cocoserve.scale_up_plans(new)
     assert [p.action for p in ours] == [ModuleAction.REPLICATE]
     core = SimConfig().core_config()
-    plan = place(new, models["m"], nodes, perf, 0.0, core, models=models)
+    plan = place(new, models["m"], DecisionContext(nodes, perf, 0.0, core, models))
     assert plan.action is PlaceAction.NEW_INSTANCE  # the simulator offers it to its planner
     scaler = ModuleScaler(None, system.cocoserve.settings, interval_s=1.0)
     scaler.note(plan, new, models["m"], nodes)  # what `Placer._place_one` tells it
@@ -305,3 +306,66 @@ def test_the_simulators_preloading_defaults_are_the_services(monkeypatch):
     system, _ = lora.build_system(cfg, lora.layout(cfg))
     assert system.preloading.interval_s == placer_s
     assert system.preloading.valid_s == plan_valid_s(placer_s)
+
+
+# -- burst scale-out (λScale): the placer's burst is the simulator's ------------------------------
+
+def _burst_state():
+    """g0 serves m with 3 requests (full for a fourth: 0.3 s prefills, 1 s TTFT); g1..g4 are
+    empty and can receive m by multicast from g5, which holds it in DRAM with no room to serve."""
+    from shared.core.types import StorageView
+    from tests.core.factories import GB
+
+    spec = model("m", weight_gb=10.0)
+    perf = perf_for(replace(flat_profile("m", Hardware.GPU, prefill_s=0.3, load_s=30.0),
+                            engine_init_s=0.2))
+    scheds = [node(f"g{i}", Hardware.GPU, 80 if i < 5 else 1, perf) for i in range(6)]
+    for s in scheds:
+        s.node.storage = StorageView({"dram": 20 * GB, "registry": 0.5 * GB},
+                                     multicast_bytes_per_s=12.5 * GB)
+    scheds[5].node.storage.holds["m"] = "dram"
+    iid = None
+    for k in range(3):
+        iid = loaded(scheds[0], iid, request(f"q{k}"), spec)
+    nodes = [wire.decode(NodeView, wire.encode(s.view())) for s in scheds]
+    return nodes, perf, {"m": spec}
+
+
+def test_the_simulator_and_the_placer_plan_the_same_burst_for_one_recorded_state():
+    """The burst is planned before the placed instance is committed on both sides, on the views
+    `place` decided on: the same extra instances, the same group, the same price of the placed
+    instance in it."""
+    from services.placer.burst import BurstStarter
+    from shared.cluster import request_view
+    from shared.core.burst import BurstPlan
+    from shared.schemas import InferenceRequest
+
+    nodes, perf, models = _burst_state()
+    env = {"SLINFER_BURST_SCALEOUT": "true"}
+    core = burst_from_env(core_config_from_env(env={}), env=env)
+    assert SimConfig(extra={"burst": {}}).core_config() == core
+    wire_req = InferenceRequest("r", "t", "m", [5] * 100, 128, 0.5, 3.0, 0.25)
+    view = request_view(wire_req)
+    arrivals = [0.5 - 0.05 * k for k in range(10)]
+
+    starter = BurstStarter(None, core, None, lambda model, rid: 0)
+    system = SlinferSystem(nodes, perf, dict(models), core)
+    for at in arrivals:
+        starter.note(replace(wire_req, request_id=f"a{at}"), at)
+        system.note_arrival("m", at)
+    ctx = DecisionContext(nodes, perf, 0.5, core, models)
+    plan = place(view, models["m"], ctx)
+    assert plan == system.decide(view, 0.5) and plan.action is PlaceAction.NEW_INSTANCE
+    theirs = starter.plan(wire_req, plan, _record(models["m"]), ctx)
+    ours = system.decide_burst(plan, view, 0.5)
+    assert isinstance(ours, BurstPlan) and len(ours.receivers) > 1  # a group, the placed first
+    assert ours == theirs
+    assert ours.receivers[0] == plan.node_id
+    assert ours.placed.startup.arrive_s > plan.startup.arrive_s  # first of the group, not alone
+
+
+def _record(spec):
+    from shared.schemas import ModelRecord
+
+    return ModelRecord(spec.name, f"/models/{spec.name}", weight_bytes=spec.weight_bytes,
+                       kv_bytes_per_token=spec.kv_bytes_per_token, max_context=spec.max_context)
