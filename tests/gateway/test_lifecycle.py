@@ -163,7 +163,7 @@ async def test_a_model_with_a_profile_is_ready_at_once_and_a_replaced_checkpoint
 
 
 @pytest.mark.parametrize("code,status_code,retry", [("model_not_ready", 503, "5"),
-                                                     ("model_failed", 503, None)])
+                                                     ("model_failed", 500, None)])
 async def test_the_placers_not_ready_errors_reach_the_client_as_such(
         gateway, responder, code, status_code, retry):
     message = "The model 'tiny' is not ready yet: profiling on cpu (profiling on torch, 40%)."
