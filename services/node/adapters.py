@@ -71,5 +71,7 @@ class Adapters:
                 for live in waiting:
                     self.requests.engine_add(live)
             return
-        await self.failures.ended(self.records.get(name), "LoRA adapter", done.error, waiting)
+        # The core counted the load done: detach it before anything awaits, or a request
+        # admitted meanwhile would run through an adapter the engine does not have.
         self.rt.start_ops(self.rt.sched.detach_adapter(instance_id, name, time.time()))
+        await self.failures.ended(self.records.get(name), "LoRA adapter", done.error, waiting)

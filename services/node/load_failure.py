@@ -57,8 +57,8 @@ class LoadFailures:
                                    hide=(record.path,))
         else:
             message = f"{what} failed to load: {error}"
-        # Between two iterations: the core counts the load as done, so an iteration could pick a
-        # waiting request the engine never got before it ends.
+        # Between two iterations: the core still holds the waiting requests (the engine never
+        # got them); no iteration may pick one before it has ended.
         async with self.rt.iter_lock:
             finals = [await self.requests.finish(live, FinishReason.ERROR, message)
                       for live in waiting]

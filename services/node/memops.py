@@ -223,9 +223,11 @@ class MemOps:
     async def _after_load(self, instance_id: str, done: MemOpCompletion) -> None:
         waiting = [lv for lv in self.book.live.values() if lv.instance_id == instance_id]
         if not done.ok:
+            # The core counted the load done: unload it before anything awaits, or a request
+            # routed to it meanwhile would run on an engine that is not there.
+            self.rt.start_ops(self.rt.sched.preempt([instance_id], time.time())[1])
             await self.failures.ended(self.rt.records.get(instance_id), "model", done.error,
                                       waiting)
-            self.rt.start_ops(self.rt.sched.preempt([instance_id], time.time())[1])
             return
         for live in waiting:
             self.requests.engine_add(live)
