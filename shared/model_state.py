@@ -307,6 +307,39 @@ def lifecycle_error(code: str, message: str) -> str:
     return f"[{code}] {message}"
 
 
+def failed_message(model: str, status: ModelStatus, kinds: list[str],
+                   hide: tuple[str, ...] = ()) -> str:
+    """What a request for `model` is told once its lifecycle failed on `kinds`, by whoever finds
+    out (the placer's readiness gate; the node whose load, or the gateway whose tokenizer, found
+    the files broken), so the client reads one answer for one cause. `hide`: server paths kept
+    out of it."""
+    message = f"The model {model!r} could not be made servable: {status.describe(kinds)}."
+    for path in hide:
+        message = message.replace(path, "<model directory>")
+    return message
+
+
+def failed_error(model: str, status: ModelStatus, kinds: list[str],
+                 hide: tuple[str, ...] = ()) -> str:
+    """`failed_message` as an error text coded `model_failed` (placer and node answers)."""
+    return lifecycle_error(FAILED, failed_message(model, status, kinds, hide))
+
+
+def files_failure(problem: str, found_by: str) -> str:
+    """A lifecycle reason: a load (`found_by`: "node n0", "the gateway") found the model's files
+    missing or broken. Serving it again takes fixed files and a new registration (which
+    restarts the lifecycle)."""
+    return (f"files missing or unreadable (found by {found_by}): {problem}; fix them, then "
+            "register the model again (replace=true)")
+
+
+def failed_locally(kinds: list[str], reason: str) -> ModelStatus:
+    """The failed status to answer with when Redis could not store it."""
+    steps = {k: KindStatus(ModelState.FAILED, reason) for k in kinds}
+    return ModelStatus(ModelState.FAILED, reason,
+                       hardware={k: ModelState.FAILED.value for k in kinds}, kinds=steps)
+
+
 def parse_lifecycle_error(error: str | None) -> tuple[str, str] | None:
     """(code, message) of an error made by `lifecycle_error`, else None."""
     match = _CODED.fullmatch(error or "")

@@ -215,6 +215,48 @@ def model_record_from_dir(
     )
 
 
+def files_problem(path: str | Path, adapter: bool = False) -> str | None:
+    """What keeps the model (or LoRA adapter) directory at `path` from being loaded, in words
+    that name the path: gone, unreadable, its config or a weight file broken or truncated. None
+    when its files look whole. A node asks after a load failed, to tell a broken directory (the
+    model cannot be served until someone fixes it) from any other failure."""
+    directory = Path(path)
+    try:
+        if not directory.is_dir():
+            return f"{path} does not exist or is not a directory"
+        config = "adapter_config.json" if adapter else "config.json"
+        if not (directory / config).is_file():
+            return f"{path} has no {config}"
+        _read_json(directory / config)
+        weights = sorted(directory.glob("adapter_model.*" if adapter else "*"))
+        weights = [w for w in weights if w.suffix in (".safetensors", ".bin")]
+        if not weights:
+            return f"{path} has no weight files (*.safetensors or *.bin)"
+        for file in weights:
+            _check_weight_file(file)
+    except ModelDirError as exc:
+        return f"{path}: {exc}"
+    except OSError as exc:
+        return f"{path}: {exc}"
+    return None
+
+
+def _check_weight_file(file: Path) -> None:
+    """Raise ModelDirError unless `file` can be read and, for safetensors, holds every byte its
+    header promises (a copy cut short loads as garbage or not at all)."""
+    if file.suffix != ".safetensors":
+        with file.open("rb") as fh:
+            fh.read(1)
+        return
+    length, header = _safetensors_header(file)
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"
+            and isinstance(t, dict) and isinstance(t.get("data_offsets"), list)
+            and len(t["data_offsets"]) == 2 and isinstance(t["data_offsets"][1], int)]
+    expected, size = 8 + length + max(ends, default=0), file.stat().st_size
+    if size < expected:
+        raise ModelDirError(f"{file.name} is truncated ({size} of {expected} bytes)")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -258,18 +300,22 @@ def _dtype_bytes(config: dict[str, Any], directory: Path) -> int:
 
 
 def _safetensors_headers(directory: Path) -> list[dict[str, Any]]:
-    headers = []
-    for file in sorted(directory.glob("*.safetensors")):
-        try:
-            with file.open("rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                if length > 100 << 20:
-                    raise ModelDirError(f"{file.name}: implausible safetensors header ({length} bytes)")
-                header = json.loads(fh.read(length))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelDirError(f"{file.name} is not a safetensors file: {exc}") from exc
-        headers.append(header)
-    return headers
+    return [_safetensors_header(file)[1] for file in sorted(directory.glob("*.safetensors"))]
+
+
+def _safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """(length, header) of a safetensors file's JSON header."""
+    try:
+        with file.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > 100 << 20:
+                raise ModelDirError(f"{file.name}: implausible safetensors header ({length} bytes)")
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelDirError(f"{file.name} is not a safetensors file: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelDirError(f"{file.name} is not a safetensors file: its header is not an object")
+    return length, header
 
 
 def _weight_bytes_from_files(directory: Path) -> int | None:

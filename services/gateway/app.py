@@ -73,7 +73,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             watchdog = WatchdogConfig(quiet_s=settings.stream_quiet_s,
                                       max_resumes=settings.max_resumes)
             service = GatewayService(settings, registry, InferenceBackend(nc, js, redis, watchdog),
-                                     TokenizerCache(), metrics)
+                                     TokenizerCache(), metrics, redis)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
             if settings.metrics_port is not None:

@@ -90,8 +90,10 @@ def model_not_ready(message: str) -> APIError:
 
 
 def model_failed(message: str) -> APIError:
-    """A registered model whose lifecycle failed: retrying does not help, the operator must."""
-    return APIError(503, message, type="server_error", param="model", code="model_failed")
+    """A registered model whose lifecycle failed (its profiling, or its files found missing or
+    broken by a load): retrying does not help, the operator must. A 500, not a 503: nothing is
+    overloaded or temporarily away, and clients back off and retry on a 503."""
+    return APIError(500, message, type="server_error", param="model", code="model_failed")
 
 
 def backend_unavailable(detail: str) -> APIError:

@@ -18,8 +18,9 @@ from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
 from shared.cluster import read_nodes
-from shared.model_state import (KindStatus, ModelState, ModelStatus, all_statuses, forget,
-                                get_status, mark_ready, request_profiles, set_hardware_state)
+from shared.model_state import (KindStatus, ModelState, ModelStatus, all_statuses,
+                                files_failure, forget, get_status, mark_ready, request_profiles,
+                                set_hardware_state)
 from shared.schemas import ModelRecord
 from shared.subjects import PROFILES_HASH, profile_field
 
@@ -65,6 +66,22 @@ async def start(nc: NATS, redis: Redis, record: ModelRecord, previous: ModelReco
     log.info("lifecycle of %s: profiling on %s, ready on %s", record.name, todo or "nothing",
              sorted(profiled) or "nothing")
     return await get_status(redis, record.name)
+
+
+async def files_broken(redis: Redis, record: ModelRecord, problem: str,
+                       default_kinds: tuple[str, ...]) -> tuple[ModelStatus, list[str]]:
+    """The gateway found `record`'s files missing or broken (its tokenizer would not load from
+    them): its lifecycle fails on every kind it has (without one, the kinds it would be
+    profiled on), as a node's failed load fails it on the node's kind. (status, those kinds)."""
+    status = await get_status(redis, record.name)
+    kinds = sorted(status.hardware) if status is not None and status.hardware else \
+        kinds_to_profile({n.hardware.value for n in await read_nodes(redis)}, default_kinds)
+    reason = files_failure(problem, "the gateway")
+    for kind in kinds:
+        status = await set_hardware_state(redis, record.name, kind, ModelState.FAILED, reason)
+    log.error("lifecycle of %s: failed on %s: %s", record.name, kinds, reason)
+    assert status is not None, "at least one kind"
+    return status, kinds
 
 
 async def _profiled(redis: Redis, model: str, kinds: list[str]) -> set[str]:

@@ -37,10 +37,11 @@ _ERROR_TEXT = {
     409: "A model of that name exists already.",
     413: "The request body is larger than the limit.",
     429: "A limit of the caller's tenant or of the model is reached; see Retry-After.",
-    500: "The gateway or the inference backend failed.",
+    500: "The gateway or the inference backend failed, or the model failed to become "
+         "servable (model_failed: its profiling failed, or its files are missing or broken).",
     503: "The inference backend or the registry is unavailable, the request was dropped "
          "(it could not meet its SLO), or the model is not ready yet (model_not_ready: still "
-         "converting or profiling) or failed to become servable (model_failed).",
+         "converting or profiling).",
     504: "The request did not finish within the gateway's timeout.",
 }
 

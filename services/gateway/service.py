@@ -4,12 +4,14 @@ may use, tokenize, check lengths against the model, build the `InferenceRequest`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
+from redis.asyncio import Redis
 from transformers import PreTrainedTokenizerBase
 
-from services.gateway import errors
+from services.gateway import errors, lifecycle
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, InferenceBackend
 from services.gateway.generation import Generation
@@ -27,9 +29,12 @@ from services.gateway.tokenization import (
 from services.gateway.validation import ChatInput, CompletionInput, SamplingParams
 from shared.core.types import slo_for_class
 from shared.engine_features import unsupported
-from shared.registry import ModelRegistry
+from shared.model_state import failed_locally, failed_message, files_failure
+from shared.registry import ModelRegistry, display_name, files_problem
 from shared.schemas import InferenceRequest, ModelRecord, TokenBias
 from shared.telemetry import GenAIMetrics
+
+log = logging.getLogger("slinfer.gateway")
 
 
 @dataclass(frozen=True)
@@ -45,9 +50,11 @@ class Prepared:
 
 class GatewayService:
     def __init__(self, settings: GatewaySettings, registry: ModelRegistry, backend: InferenceBackend,
-                 tokenizers: TokenizerCache, metrics: GenAIMetrics) -> None:
+                 tokenizers: TokenizerCache, metrics: GenAIMetrics,
+                 redis: Redis | None = None) -> None:
         self.settings = settings
         self.registry = registry
+        self.redis = redis  # model lifecycles (None: a failure found here is only answered)
         self.backend = backend
         self.tokenizers = tokenizers
         self.metrics = metrics
@@ -63,16 +70,34 @@ class GatewayService:
 
     async def tokenizer_for(self, record: ModelRecord) -> PreTrainedTokenizerBase:
         # A LoRA adapter uses its base model's tokenizer unless it ships its own.
-        path = record.path
+        source = record
         if record.base_model is not None:
             base = await self.registry.get(record.base_model)  # the base's registry id
             if base is not None:
-                path = base.path
+                source = base
         try:
-            return await self.tokenizers.get(path)
+            return await self.tokenizers.get(source.path)
         except TokenizerLoadError as exc:
+            problem = await asyncio.to_thread(files_problem, source.path)
+            if problem is not None:  # the model's files are broken: one answer for that cause
+                raise await self._files_broken(source, problem) from exc
             raise errors.APIError(500, f"The tokenizer of model {record.name!r} cannot be loaded.",
                                   type="server_error", code="tokenizer_unavailable") from exc
+
+    async def _files_broken(self, record: ModelRecord, problem: str) -> errors.APIError:
+        """`record`'s lifecycle fails with the problem (services/gateway/lifecycle.py), and the
+        request gets the answer a node or the placer would give for it."""
+        kinds, status = list(self.settings.profile_hardware), None
+        if self.redis is not None:
+            try:
+                status, kinds = await lifecycle.files_broken(self.redis, record, problem,
+                                                             tuple(kinds))
+            except Exception as exc:  # Redis down: the answer says so all the same
+                log.warning("could not mark %s failed in its lifecycle: %r", record.name, exc)
+        if status is None:
+            status = failed_locally(kinds, files_failure(problem, "the gateway"))
+        return errors.model_failed(failed_message(display_name(record), status, kinds,
+                                                  hide=(record.path,)))
 
     async def prepare(self, model: str, tenant: str, params: SamplingParams,
                       prompt: CompletionInput | ChatInput) -> Prepared:

@@ -4,7 +4,8 @@ A request for an adapter comes with `model` = its backbone and `adapter` = the a
 id. It is admitted to a backbone instance; where that instance lacks the adapter, the core holds
 the adapter's bytes and issues a LOAD memory op for it (its key names the instance and the
 adapter), executed like any other memory op (`run_op`): the request joins the engine once the
-adapter is loaded (`after_load`). Instance unloads take their adapters with them.
+adapter is loaded (`after_load`), or fails with it (`LoadFailures`: broken files fail the
+adapter's lifecycle too). Instance unloads take their adapters with them.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import time
 from services.node.book import RequestBook
 from services.node.engines.base import ServesAdapters
 from services.node.lifecycle import RequestLifecycle
+from services.node.load_failure import LoadFailures
 from services.node.runtime import NodeRuntime
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.types import AdapterSpec
 from shared.registry import ModelRegistry
-from shared.schemas import FinishReason, InferenceRequest, MemOpCompletion, ModelRecord, NodeReply
+from shared.schemas import InferenceRequest, MemOpCompletion, ModelRecord, NodeReply
 
 
 class Adapters:
-    def __init__(self, rt: NodeRuntime, book: RequestBook, requests: RequestLifecycle) -> None:
-        self.rt, self.book, self.requests = rt, book, requests
+    def __init__(self, rt: NodeRuntime, book: RequestBook, requests: RequestLifecycle,
+                 failures: LoadFailures) -> None:
+        self.rt, self.book, self.requests, self.failures = rt, book, requests, failures
         self.records: dict[str, ModelRecord] = {}  # adapters by registry id
 
     async def spec(self, req: InferenceRequest,
@@ -68,7 +71,7 @@ class Adapters:
                 for live in waiting:
                     self.requests.engine_add(live)
             return
-        for live in waiting:
-            await self.requests.finish(live, FinishReason.ERROR,
-                                       f"LoRA adapter failed to load: {done.error}")
+        # The core counted the load done: detach it before anything awaits, or a request
+        # admitted meanwhile would run through an adapter the engine does not have.
         self.rt.start_ops(self.rt.sched.detach_adapter(instance_id, name, time.time()))
+        await self.failures.ended(self.records.get(name), "LoRA adapter", done.error, waiting)

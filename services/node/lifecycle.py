@@ -65,8 +65,10 @@ class RequestLifecycle:
         return True
 
     async def finish(self, live: Live, reason: FinishReason, error: str | None = None,
-                     count_in_core: bool = True, prefill_s: float | None = None) -> None:
-        """Send the final message (whole output, so the gateway can fill gaps) and forget it."""
+                     count_in_core: bool = True, prefill_s: float | None = None) -> TokenMessage:
+        """Send the final message (whole output, so the gateway can fill gaps) and forget it.
+        Before its first await, the request is gone from the book and the core. Returns the
+        final message."""
         rid = live.request.request_id
         self.book.live.pop(rid, None)
         self._release(live.instance_id, rid)
@@ -82,6 +84,7 @@ class RequestLifecycle:
         self.book.remember(live, RequestState.FINISHED, final)
         await self.rt.outbox.token(final)
         self.rt.obs.ended(rid, reason.value, live.generated_here, error)
+        return final
 
     async def drop_ended(self) -> None:
         """Finish what must not run on: cancelled, refused by its engine, or past its deadline."""

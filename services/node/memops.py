@@ -21,6 +21,7 @@ from services.node.engines import create_engine
 from services.node.engines.base import Engine, load_info
 from services.node.layer_moves import LayerMoves
 from services.node.lifecycle import RequestLifecycle
+from services.node.load_failure import LoadFailures
 from services.node.load_record import LoadRecord
 from services.node.pipeline_mode import PipelineStarts
 from services.node.runtime import NodeRuntime
@@ -30,7 +31,7 @@ from shared.core.node_scheduler import AdmitResult
 from shared.core.readiness import load_seconds
 from shared.cluster import model_spec
 from shared.core.types import adapter_owner
-from shared.schemas import FinishReason, MemOpCompletion, ModelRecord
+from shared.schemas import MemOpCompletion, ModelRecord
 
 log = logging.getLogger("slinfer.node")
 HISTORY_LEN = 4096
@@ -45,8 +46,8 @@ EngineFactory = Callable[..., Engine]  # create_engine's signature
 class MemOps:
     def __init__(self, rt: NodeRuntime, book: RequestBook, requests: RequestLifecycle,
                  adapters: Adapters, layers: LayerMoves, pipelines: PipelineStarts,
-                 engine_factory: EngineFactory | None = None) -> None:
-        self.rt, self.book, self.requests = rt, book, requests
+                 failures: LoadFailures, engine_factory: EngineFactory | None = None) -> None:
+        self.rt, self.book, self.requests, self.failures = rt, book, requests, failures
         self.adapters, self.layers, self.pipelines = adapters, layers, pipelines
         self.engine_factory = engine_factory  # None: `create_engine`, looked up at each load
         self.ops: dict[int, MemOp] = {}
@@ -83,7 +84,26 @@ class MemOps:
             await self.done(done)
 
     def run(self, op: MemOp) -> None:
-        """(Worker thread) Carry out one memory op, by what it acts on and its kind."""
+        """(Worker thread) Carry out one memory op, by what it acts on and its kind. A load
+        that fails on the model's broken files raises `FilesBroken` (load_failure.py)."""
+        try:
+            self._run(op)
+        except Exception as exc:
+            record = self._loaded_record(op) if op.kind is MemOpKind.LOAD else None
+            broken = self.failures.problem(record) if record is not None else None
+            if broken is None:
+                raise
+            raise broken from exc
+
+    def _loaded_record(self, op: MemOp) -> ModelRecord | None:
+        """The model (or LoRA adapter) whose files a LOAD op reads; None: a hosted stage's."""
+        if (owner := adapter_owner(op.instance_id)) is not None:
+            return self.adapters.records.get(owner[1])
+        if self.layers.owns_op(op.instance_id):
+            return None
+        return self.rt.records.get(op.instance_id)
+
+    def _run(self, op: MemOp) -> None:
         if (owner := adapter_owner(op.instance_id)) is not None:  # LoRA (issue 12)
             self.adapters.run_op(op, *owner)
             return
@@ -203,10 +223,11 @@ class MemOps:
     async def _after_load(self, instance_id: str, done: MemOpCompletion) -> None:
         waiting = [lv for lv in self.book.live.values() if lv.instance_id == instance_id]
         if not done.ok:
-            for live in waiting:
-                await self.requests.finish(live, FinishReason.ERROR,
-                                           f"model failed to load: {done.error}")
+            # The core counted the load done: unload it before anything awaits, or a request
+            # routed to it meanwhile would run on an engine that is not there.
             self.rt.start_ops(self.rt.sched.preempt([instance_id], time.time())[1])
+            await self.failures.ended(self.rt.records.get(instance_id), "model", done.error,
+                                      waiting)
             return
         for live in waiting:
             self.requests.engine_add(live)

@@ -43,6 +43,7 @@ from services.node.engines.base import Engine
 from services.node.intake import CommandIntake
 from services.node.layer_moves import LAYER_KINDS, LayerMoves
 from services.node.lifecycle import RequestLifecycle
+from services.node.load_failure import LoadFailures
 from services.node.load_record import LoadRecord
 from services.node.memops import EngineFactory, MemOps
 from services.node.migration_destination import MigrationDestination
@@ -80,11 +81,12 @@ class NodeWorker:
         self.rt = rt = NodeRuntime(settings, nc, redis, obs)
         self.book = book = RequestBook()
         self.requests = requests = RequestLifecycle(rt, book)
-        self.adapters = adapters = Adapters(rt, book, requests)
+        failures = LoadFailures(rt, requests)  # a failed load told by its cause
+        self.adapters = adapters = Adapters(rt, book, requests, failures)
         self.pipelines = PipelineStarts(rt)  # execute-while-load (λScale)
         self.layers = LayerMoves(rt, self.pipelines)  # CoCoServe: layers hosted here or moved
         self.memops = memops = MemOps(rt, book, requests, adapters, self.layers, self.pipelines,
-                                      engine_factory)
+                                      failures, engine_factory)
         self.sync = sync = ClusterSync(rt, self.layers.tend, self._sample)
         self.source = source = MigrationSource(rt, book, requests, sync.publish_view)
         self.destination = dest = MigrationDestination(rt, book, requests, adapters, memops, sync,

@@ -43,6 +43,7 @@ class Pending:
     tries: int = 0  # nodes that refused it so far
     next_try: float = 0.0  # back off after a refusal: the next view may be fresher
     last_refusal: str = ""
+    refused_by_fault: bool = False  # the last refusal was a node's error, not its load
     last_progress: float = 0.0  # last in_progress() sent to JetStream
     trace_parent: Context = field(default_factory=Context)  # from the message's headers
     queue_decisions: int = 0  # QUEUE plans so far

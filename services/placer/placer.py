@@ -66,6 +66,9 @@ from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRec
 log = logging.getLogger("slinfer.placer")
 KEEPER_CHECK_S = 1.0  # how often the registry/profile copy is refreshed (and Redis checked for loss)
 MAX_REFUSALS = 8  # a request refused this often is failed with the nodes' reason, not retried forever
+# A node's refusal that is its fault (its handler raised; it could not read what it needed), not
+# its load: a request last refused so is failed with that reason, never dropped as overload.
+NODE_FAULTS = ("error:", "bad_command:")
 MAX_BACKOFF_S = 2.0  # the run loop's back-off while Redis or NATS fails
 
 
@@ -188,7 +191,8 @@ class Placer:
                 await self.intake.fail(p, FinishReason.ERROR,
                                        f"model {p.request.model!r} is not registered")
             return nodes
-        ready = await self.readiness.check(record, nodes, self.perf)
+        adapter = records.get(p.request.adapter) if p.request.adapter else None
+        ready = await self.readiness.check(record, nodes, self.perf, adapter)
         if ready.verdict is not Verdict.SERVE:  # not profiled yet, or its lifecycle failed
             await hold_or_fail(self.port, self.intake, p, ready)
             return nodes
@@ -208,7 +212,10 @@ class Placer:
                     pass
             return nodes  # still ours: the intake renews the claim every turn
         with decision_span(p, plan) as outcome:
-            if plan.action is PlaceAction.DROP:
+            if plan.action is PlaceAction.DROP and p.refused_by_fault:
+                # A node failed it; the time its retries took is not overload: say what failed.
+                await self.intake.fail(p, FinishReason.ERROR, _refused_message(p))
+            elif plan.action is PlaceAction.DROP:
                 await self.intake.fail(p, FinishReason.DROPPED, _drop_message(plan))
             else:
                 nodes = await self._carry_out(p, plan, record, ctx, outcome, adapter)
@@ -280,10 +287,10 @@ class Placer:
     async def _refused(self, p: Pending, node_id: str, reason: str) -> None:
         p.tries += 1
         p.last_refusal = f"{node_id}: {reason}"
+        p.refused_by_fault = reason.startswith(NODE_FAULTS)
         log.info("node %s refused %s: %s", node_id, p.request.request_id, reason)
         if p.tries >= MAX_REFUSALS:
-            await self.intake.fail(p, FinishReason.ERROR,
-                                   f"refused {p.tries} times (last: {p.last_refusal})")
+            await self.intake.fail(p, FinishReason.ERROR, _refused_message(p))
         else:
             p.next_try = time.time() + min(1.0, 0.02 * 2**p.tries)
 
@@ -310,6 +317,10 @@ def _command_for(p: Pending, plan: PlacementPlan, record: ModelRecord) -> NodeCo
                            handover_s=plan.handover_s if plan.live else None)
     return NodeCommand(CommandKind.ADMIT, request=p.request, instance_id=plan.instance_id,
                        model=record if new else None)
+
+
+def _refused_message(p: Pending) -> str:
+    return f"refused {p.tries} times (last: {p.last_refusal})"
 
 
 def _drop_message(plan: PlacementPlan) -> str:

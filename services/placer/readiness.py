@@ -10,7 +10,9 @@ request as if the cluster were overloaded; instead:
   progress;
 - its lifecycle failed on every kind the cluster has: it fails at once, with the reason;
 - it has no profile and no lifecycle (registered around the admin API and never profiled): it
-  fails at once and says how to profile it.
+  fails at once and says how to profile it;
+- its LoRA adapter's lifecycle failed (a node found the adapter's files broken): it fails at
+  once, with the reason (`judge_adapter`).
 
 The errors carry a code (`shared.model_state.lifecycle_error`) the gateway maps to a 503 with
 `model_not_ready` or `model_failed`. `judge` is the pure rule; `ReadinessGate` feeds it.
@@ -30,7 +32,7 @@ from services.placer.tracing import decision_span
 from shared.cluster import request_view
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, NodeView
-from shared.model_state import (FAILED, NOT_READY, ModelState, ModelStatus, get_status,
+from shared.model_state import (NOT_READY, ModelState, ModelStatus, failed_error, get_status,
                                 lifecycle_error)
 from shared.registry import display_name
 from shared.schemas import FinishReason, ModelRecord
@@ -74,11 +76,23 @@ def judge(model: str, status: ModelStatus | None, profiled: set[str], present: s
     if any(s is not None and s.state in _WAITING for s in steps.values()):
         return Readiness(Verdict.WAIT, _not_ready(model, status, kinds))
     if kinds:  # every kind the cluster has failed
-        return Readiness(Verdict.FAIL, lifecycle_error(FAILED, (
-            f"The model {model!r} could not be made servable: {status.describe(kinds)}.")))
+        return Readiness(Verdict.FAIL, failed_error(model, status, kinds))
     return Readiness(Verdict.FAIL, lifecycle_error(NOT_READY, (
         f"The model {model!r} is not profiled for the hardware of the live nodes "
         f"({', '.join(sorted(present))}); its lifecycle: {status.describe()}.")))
+
+
+def judge_adapter(adapter: str, status: ModelStatus | None, present: set[str]) -> Readiness:
+    """A LoRA adapter runs on its backbone's profile and lifecycle; its own lifecycle only says
+    whether a node found its files broken (`shared.model_state.files_failure`): failed on every
+    kind the cluster has (on every kind it names, with no node up), the request fails with why."""
+    if status is None:
+        return Readiness(Verdict.SERVE)
+    kinds = sorted(present & set(status.hardware)) if present else sorted(status.hardware)
+    steps = [status.kind(k) for k in kinds]
+    if steps and all(s is not None and s.state is ModelState.FAILED for s in steps):
+        return Readiness(Verdict.FAIL, failed_error(adapter, status, kinds))
+    return Readiness(Verdict.SERVE)
 
 
 def _not_ready(model: str, status: ModelStatus, kinds: list[str]) -> str:
@@ -94,17 +108,36 @@ class ReadinessGate:
         self._redis = redis
         self._cache: dict[str, tuple[float, ModelStatus | None]] = {}
 
-    async def check(self, record: ModelRecord, nodes: list[NodeView], perf: PerfModel) -> Readiness:
+    async def check(self, record: ModelRecord, nodes: list[NodeView], perf: PerfModel,
+                    adapter: ModelRecord | None = None) -> Readiness:
+        """`record`'s readiness; with `adapter` (the request's LoRA adapter), the adapter's too.
+        A failure is final for the request: it is never judged on a cached state (the model may
+        have been registered again, fixed, a moment ago)."""
         present = {n.hardware.value for n in nodes}
         profiled = {hw.value for hw in Hardware if perf.get(record.name, hw) is not None}
-        ready = judge(display_name(record), await self._status(record.name), profiled, present)
-        # The client sees the message: the server's path (in a failure's reason) stays out.
-        return replace(ready, message=ready.message.replace(record.path, "<model directory>"))
+        ready = await self._judge(record, adapter, profiled, present, fresh=False)
+        if ready.verdict is Verdict.FAIL:
+            ready = await self._judge(record, adapter, profiled, present, fresh=True)
+        # The client sees the message: the server's paths (in a failure's reason) stay out.
+        message = ready.message
+        for path in (record.path, adapter.path if adapter is not None else None):
+            if path:
+                message = message.replace(path, "<model directory>")
+        return replace(ready, message=message)
 
-    async def _status(self, model: str) -> ModelStatus | None:
+    async def _judge(self, record: ModelRecord, adapter: ModelRecord | None, profiled: set[str],
+                     present: set[str], fresh: bool) -> Readiness:
+        ready = judge(display_name(record), await self._status(record.name, fresh), profiled,
+                      present)
+        if ready.verdict is Verdict.SERVE and adapter is not None:
+            ready = judge_adapter(display_name(adapter), await self._status(adapter.name, fresh),
+                                  present)
+        return ready
+
+    async def _status(self, model: str, fresh: bool = False) -> ModelStatus | None:
         now = time.monotonic()
         cached = self._cache.get(model)
-        if cached is not None and now - cached[0] < STATUS_TTL_S:
+        if cached is not None and now - cached[0] < STATUS_TTL_S and not fresh:
             return cached[1]
         status = await get_status(self._redis, model)
         self._cache[model] = (now, status)

@@ -1,8 +1,8 @@
 """A registered model becomes servable by itself: `POST /admin/models` starts its lifecycle (one
 profiling job per hardware kind on the JetStream work queue), `GET /admin/models` and
 `GET /admin/models/{name}` show it per kind with progress and, for failed, the reason (a tenant
-without server paths), and the gateway answers the placer's not-ready and failed errors as 503s
-that say so. A stand-in profiler drives the states here; the last test runs the whole path with
+without server paths), and the gateway answers the placer's not-ready errors as 503s and its
+failed errors as 500s that say so. A stand-in profiler drives the states here; the last test runs the whole path with
 the real profiler service, placer and node: register, profile, serve."""
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ async def test_a_model_with_a_profile_is_ready_at_once_and_a_replaced_checkpoint
 
 
 @pytest.mark.parametrize("code,status_code,retry", [("model_not_ready", 503, "5"),
-                                                     ("model_failed", 503, None)])
+                                                     ("model_failed", 500, None)])
 async def test_the_placers_not_ready_errors_reach_the_client_as_such(
         gateway, responder, code, status_code, retry):
     message = "The model 'tiny' is not ready yet: profiling on cpu (profiling on torch, 40%)."

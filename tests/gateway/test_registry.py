@@ -13,6 +13,7 @@ from shared.registry import (
     ModelExistsError,
     ModelRegistry,
     display_name,
+    files_problem,
     model_id,
     model_record_from_dir,
     strip_owner,
@@ -96,6 +97,48 @@ def test_adapter_needs_adapter_config(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"r": "big"}')
     with pytest.raises(ModelDirError, match="r must be a rank"):
         model_record_from_dir("a", tmp_path, base=base)
+
+
+def _safetensors(path, data_bytes: int, cut: int = 0) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [data_bytes // 4],
+                               "data_offsets": [0, data_bytes]}}).encode()
+    path.write_bytes((struct.pack("<Q", len(header)) + header + b"\0" * data_bytes)[:-cut or None])
+
+
+def test_files_problem_names_what_keeps_a_directory_from_loading(tmp_path):
+    """A whole directory has none; each fault a load can meet is named with the path."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    _safetensors(model / "model.safetensors", 64)
+    assert files_problem(model) is None
+    _safetensors(model / "model.safetensors", 64, cut=10)
+    size = (model / "model.safetensors").stat().st_size
+    assert files_problem(model) == \
+        f"{model}: model.safetensors is truncated ({size} of {size + 10} bytes)"
+    (model / "model.safetensors").write_bytes(b"garbage")
+    assert "model.safetensors is not a safetensors file" in files_problem(model)
+    (model / "model.safetensors").unlink()
+    assert files_problem(model) == f"{model} has no weight files (*.safetensors or *.bin)"
+    (model / "pytorch_model.bin").write_bytes(b"\0")
+    assert files_problem(model) is None
+    (model / "config.json").write_text("{ not json")
+    assert "cannot read config.json" in files_problem(model)
+    (model / "config.json").unlink()
+    assert files_problem(model) == f"{model} has no config.json"
+    gone = tmp_path / "gone"
+    assert files_problem(gone) == f"{gone} does not exist or is not a directory"
+
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    (adapter / "config.json").write_text("{}")  # an adapter's config is adapter_config.json
+    assert files_problem(adapter, adapter=True) == f"{adapter} has no adapter_config.json"
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    assert "has no weight files" in files_problem(adapter, adapter=True)
+    _safetensors(adapter / "adapter_model.safetensors", 32)
+    assert files_problem(adapter, adapter=True) is None
+    _safetensors(adapter / "adapter_model.safetensors", 32, cut=1)
+    assert "adapter_model.safetensors is truncated" in files_problem(adapter, adapter=True)
 
 
 def test_private_ids_and_display_names():

@@ -11,8 +11,11 @@ else on the node is harmed: its other requests finish in full and it goes on adm
 3. An engine exception in prefill or decode: that request ends with an `engine error` final
    message; the node serves the next requests.
 4. A failed load (a model directory that is missing or holds a corrupt checkpoint): the waiting
-   request ends with `model failed to load`, the instance and its memory are gone, the node serves
-   another model.
+   request ends with the coded `model_failed` error that says the files are missing or
+   unreadable (kept in Redis too), the model's lifecycle says `failed` on the node's kind with
+   the path, the instance and its memory are gone, the node serves another model. A load that
+   fails with whole files (the engine's fault) ends it with `model failed to load` and leaves
+   the lifecycle alone.
 5. Preempt and take-back: PREEMPT_ADMIT with no destination hands the victim's request back to the
    request stream with every token it streamed; a redelivered copy of the old admission is not run
    twice, and the handed-back copy, admitted again, streams on with no gap and no duplicate.
@@ -30,10 +33,13 @@ from dataclasses import replace
 
 import pytest
 
+from services.node.engines import create_engine
 from shared import wire
 from shared.cluster import model_spec, request_view, save_profile
 from shared.core.cost import kv_demand
 from shared.core.memory import watermark_target
+from shared.model_state import FAILED, ModelState, forget, get_status, parse_lifecycle_error
+from shared.outcomes import read_outcome
 from shared.schemas import CommandKind, FinishReason, InferenceRequest, NodeCommand, RequestState
 from shared.subjects import REQUEST_SUBJECT
 
@@ -192,18 +198,26 @@ def _corrupt_copy(model_dir: str, dest) -> str:
 async def test_a_failed_load_ends_the_waiting_request_and_frees_the_instance(
         connections, model_dir, profile, tmp_path, fault):
     nc, redis = connections
-    await save_profile(redis, replace(profile, model="broken"))
+    model = f"broken-{fault}"
+    await save_profile(redis, replace(profile, model=model))
+    await forget(redis, model)
     h = Harness(nc, redis, model_dir, 512 * MiB, f"err-load-{fault}")
     path = str(tmp_path / "gone") if fault == "missing" else _corrupt_copy(model_dir, tmp_path / "bad")
-    h.records["broken"] = replace(h.records["alpha"], name="broken", path=path)
+    h.records[model] = replace(h.records["alpha"], name=model, path=path)
     await h.worker.start()
     try:
-        req, reply = await h.admit("broken", 64, 20, ttft=30.0)
+        req, reply = await h.admit(model, 64, 20, ttft=30.0)
         if reply.accepted:  # a cold start: the load itself finds the fault
             await h.wait([req])
             final = h.finals[req.request_id]
-            assert final.finish_reason is FinishReason.ERROR
-            assert final.error.startswith("model failed to load: ") and final.output_token_ids == []
+            assert final.finish_reason is FinishReason.ERROR and final.output_token_ids == []
+            code, message = parse_lifecycle_error(final.error)
+            assert code == FAILED and f"The model {model!r} could not be made servable: " \
+                "failed on cpu: files missing or unreadable (found by node " in message
+            assert path not in message and "<model directory>" in message
+            assert await read_outcome(redis, req.request_id, req.attempt) == final
+            step = (await get_status(redis, model)).kind("cpu")
+            assert step.state is ModelState.FAILED and path in step.reason
             iid = reply.instance_id
             await until(lambda: h.worker.sched.node.instance(iid) is None, what="the unload")
             assert iid not in h.worker.engines and iid not in h.worker.records
@@ -213,6 +227,44 @@ async def test_a_failed_load_ends_the_waiting_request_and_frees_the_instance(
         good = await _admitted(h, "alpha", 64, 20)
         await h.wait([good])
         assert _served_in_full(h, good)
+    finally:
+        await h.worker.stop()
+
+
+class _LoadFails:
+    """An engine factory whose engines fail to load with whole files (out of memory, say)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def __call__(self, *args, **kwargs):
+        engine = self.real(*args, **kwargs)
+
+        def load() -> None:
+            raise RuntimeError("injected: out of memory while loading")
+
+        engine.load = load
+        return engine
+
+
+async def test_a_load_that_fails_with_whole_files_leaves_the_lifecycle_alone(
+        connections, model_dir, profile):
+    nc, redis = connections
+    await save_profile(redis, replace(profile, model="unlucky"))
+    await forget(redis, "unlucky")
+    h = Harness(nc, redis, model_dir, 512 * MiB, "err-load-engine")
+    h.records["unlucky"] = replace(h.records["alpha"], name="unlucky")
+    h.worker.memops.engine_factory = _LoadFails(create_engine)
+    await h.worker.start()
+    try:
+        req, reply = await h.admit("unlucky", 64, 20, ttft=30.0)
+        assert reply.accepted, reply.reason
+        await h.wait([req])
+        final = h.finals[req.request_id]
+        assert final.finish_reason is FinishReason.ERROR
+        assert final.error == "model failed to load: injected: out of memory while loading"
+        assert await get_status(redis, "unlucky") is None  # nothing says it cannot be served
+        assert await read_outcome(redis, req.request_id, req.attempt) is None
     finally:
         await h.worker.stop()
 

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from services.placer.readiness import Verdict, judge
+from services.placer.readiness import ReadinessGate, Verdict, judge, judge_adapter
 from shared.cluster import save_profile
+from shared.core.perf_model import PerfModel
 from shared.model_state import (FAILED, NOT_READY, KindStatus, ModelState, ModelStatus,
                                 overall, parse_lifecycle_error, request_profiles,
                                 set_hardware_state)
@@ -66,6 +67,20 @@ def test_failed_on_every_present_kind_fails_with_the_reason():
     assert parse_lifecycle_error(r.message) == (FAILED, "The model 'm' could not be made servable: "
                                                 "failed on cpu: OSError: no weights.")
     assert judge("m", status, set(), {"cpu", "gpu"}).verdict is Verdict.WAIT
+
+
+def test_an_adapter_fails_only_when_its_lifecycle_failed_on_every_present_kind():
+    reason = "files missing or unreadable (found by node n0): /a does not exist"
+    failed = _status(cpu=(ModelState.FAILED, reason, 0.0), gpu=(ModelState.READY, "", 1.0))
+    r = judge_adapter("ad", failed, {"cpu"})
+    assert r.verdict is Verdict.FAIL
+    assert parse_lifecycle_error(r.message) == (
+        FAILED, f"The model 'ad' could not be made servable: failed on cpu: {reason}.")
+    assert judge_adapter("ad", failed, {"cpu", "gpu"}).verdict is Verdict.SERVE  # a GPU serves
+    assert judge_adapter("ad", failed, set()).verdict is Verdict.SERVE  # not failed everywhere
+    assert judge_adapter("ad", None, {"cpu"}).verdict is Verdict.SERVE  # no lifecycle: as before
+    ready = _status(cpu=(ModelState.READY, "LoRA adapter: served by its base model m", 1.0))
+    assert judge_adapter("ad", ready, {"cpu"}).verdict is Verdict.SERVE
 
 
 def test_no_lifecycle_and_no_profile_fails_and_says_how_to_fix_it():
@@ -156,3 +171,42 @@ async def test_a_profiled_model_without_a_lifecycle_is_served_as_before(servers,
         await publish(nc, req)
         await until(lambda: node.commanded(req.request_id), 15, "placed")
     await node.stop()
+
+
+async def test_a_request_for_an_adapter_whose_lifecycle_failed_errors_at_once(servers, conns):
+    """A node found the adapter's files broken: the placer fails its next requests without
+    sending them to a node, with the reason and without the adapter's path."""
+    nc, redis = conns
+    adapter = dataclasses.replace(MODEL, name="ad", path="/adapters/ad", base_model=MODEL.name,
+                                  weight_bytes=1024)
+    await ModelRegistry(redis).register(adapter)
+    await set_hardware_state(redis, "ad", "gpu", ModelState.FAILED,
+                             "files missing or unreadable (found by node g0): /adapters/ad does "
+                             "not exist")
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    finals = Finals(nc)
+    req = request("via-adapter", ttft=30.0, adapter="ad")
+    await finals.watch(req.request_id)
+    async with running_placer(servers):
+        await publish(nc, req)
+        final = await finals.wait(req.request_id, 20)
+    code, message = parse_lifecycle_error(final.error)
+    assert code == FAILED and "'ad' could not be made servable: failed on gpu: files missing" \
+        in message
+    assert "/adapters/ad" not in message and "<model directory> does not exist" in message
+    assert node.commands == []
+    await node.stop()
+
+
+async def test_a_model_registered_again_after_failing_is_not_failed_from_a_cached_state(
+        servers, conns):
+    """Readiness caches lifecycle states briefly; a failure is final for its request, so it is
+    never judged on the cache: a model fixed and registered a moment ago serves."""
+    nc, redis = conns
+    gate = ReadinessGate(redis)
+    nodes, perf = [empty_gpu("g0")], PerfModel()
+    perf.add(gpu_profile(MODEL.name))
+    await set_hardware_state(redis, MODEL.name, "gpu", ModelState.FAILED, "files missing")
+    assert (await gate.check(MODEL, nodes, perf)).verdict is Verdict.FAIL  # now in the cache
+    await set_hardware_state(redis, MODEL.name, "gpu", ModelState.READY, "registered again", 1.0)
+    assert (await gate.check(MODEL, nodes, perf)).verdict is Verdict.SERVE

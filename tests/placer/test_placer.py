@@ -62,6 +62,30 @@ async def test_refusals_back_off_then_fail_the_request_at_the_limit(servers, con
     await node.stop()
 
 
+@pytest.mark.parametrize("refusal", ["error: boom", "bad_command: 'x' is not a LoRA adapter of 'm'",
+                                     "headroom"])
+async def test_a_node_fault_is_never_answered_as_overload(servers, conns, refusal):
+    """A node that keeps refusing for its own fault (its handler raised) makes the retries run
+    past a tight TTFT: the request fails with that refusal, as it would at the refusal limit,
+    not as a 503 "overloaded ... ttft_miss". A refusal for load still ends as a drop."""
+    nc, redis = conns
+    node = await FakeNode(nc, redis, empty_gpu("g0"),
+                          answer=lambda c: NodeReply(False, refusal)).start()
+    finals = Finals(nc)
+    req = request(f"fault-{len(refusal)}", ttft=0.5)
+    await finals.watch(req.request_id)
+    async with running_placer(servers):
+        await publish(nc, req)
+        final = await finals.wait(req.request_id)
+    tries = len(node.commanded(req.request_id))
+    if refusal == "headroom":
+        assert final.finish_reason is FinishReason.DROPPED and "ttft_miss" in final.error
+    else:
+        assert final.finish_reason is FinishReason.ERROR
+        assert final.error == f"refused {tries} times (last: g0: {refusal})"
+    await node.stop()
+
+
 async def test_unregistered_model_fails_with_a_clear_error(servers, conns):
     nc, redis = conns
     node = await FakeNode(nc, redis, empty_gpu("g0")).start()
