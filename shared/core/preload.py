@@ -23,7 +23,7 @@ them again five seconds later, and queued their loads behind cold starts' regist
 - adapters go only into the room left beside each instance's next KV scale-up
   (`lora.preload_room`), in the placer's plan and again on the node;
 - none whose load would wait for the node's I/O queue or for memory (it would hold its
-  instance up for the whole wait);
+  instance up for the whole wait), and one a turn onto an instance serving requests;
 - none for `PRESSURE_HOLD_S` after the node gave adapters up for memory (`PressureWatch`).
 """
 
@@ -194,16 +194,23 @@ def adapters_to_attach(plan: NodePreload, node: NodeView, sizes: Mapping[str, in
     (`preload_room`: the placer planned on a view that may be stale); none whose load would not
     start at once. A load behind the node's I/O queue (a cold start's read) or parked for memory
     holds its instance up for all that wait, a request routed there meanwhile waiting with it;
-    an adapter a request asks for later is loaded then, at its own cost."""
+    an adapter a request asks for later is loaded then, at its own cost. An instance serving
+    requests gets one adapter a turn: `may_hold` validates each load alone, while a turn's loads
+    onto one instance follow one another on the node's I/O and hold its batch for their sum."""
     watch.look(node, now)
     if watch.holding(now):
         return ()
     room = preload_room(node, watermark)
-    chosen = []
+    chosen: list[tuple[str, str]] = []
+    held: set[str] = set()  # instances with requests that got their one adapter this turn
     for iid, name in plan.adapters:
         nbytes = sizes[name]
-        if nbytes > room or adapter_ready_at(node, nbytes, now) > now + adapter_load_s(nbytes):
+        if nbytes > room or iid in held \
+                or adapter_ready_at(node, nbytes, now) > now + adapter_load_s(nbytes):
             continue
+        inst = node.instance(iid)
+        if inst is not None and inst.requests:
+            held.add(iid)
         room -= nbytes
         chosen.append((iid, name))
     return tuple(chosen)

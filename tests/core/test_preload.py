@@ -144,16 +144,19 @@ def test_a_preloaded_adapter_never_takes_the_memory_the_next_join_grows_into():
     for memory_gb, preloads in ((6.0, 0), (8.0, 8)):
         sched = node(memory_gb=memory_gb, perf=perf_for(flat_profile("m", Hardware.GPU)))
         iid = loaded(sched, None, request("p", input_len=600, ttft=5.0), spec)
-        view = sched.view()
-        plan = node_preload(view, [Preloadable("m", spec.weight_bytes)], known,
-                            _adapter_rates(*names).rate, sched.perf, 1.0, 0,
-                            ready_backbones(view), sched.config.watermark)
-        chosen = adapters_to_attach(plan, view, {a.name: a.bytes for a in known},
-                                    sched.config.watermark, 1.0, PressureWatch())
-        for inst_id, name in chosen:
-            ops = sched.preload_adapter(inst_id, AdapterSpec(name, 100 * MB), 1.0)
-            while ops:  # loaded by the time the join comes
-                ops.extend(sched.memop_done(ops.pop(0), 1.2))
+        watch = PressureWatch()
+        for turn in range(8):  # one adapter a turn onto the serving instance
+            now = 1.0 + 0.1 * turn
+            view = sched.view()
+            plan = node_preload(view, [Preloadable("m", spec.weight_bytes)], known,
+                                _adapter_rates(*names).rate, sched.perf, now, 0,
+                                ready_backbones(view), sched.config.watermark)
+            for inst_id, name in adapters_to_attach(plan, view, {a.name: a.bytes for a in known},
+                                                    sched.config.watermark, now, watch):
+                ops = sched.preload_adapter(inst_id, AdapterSpec(name, 100 * MB), now)
+                watch.attached(inst_id, name)
+                while ops:  # loaded before the next turn
+                    ops.extend(sched.memop_done(ops.pop(0), now + 0.05))
         assert len(sched.node.instance(iid).adapters) == preloads
         join = sched.admit(request("q", input_len=900, ttft=5.0, max_tokens=100), iid, spec, 2.0)
         assert join.admission.ok and join.admission.kv_target_bytes is not None  # it grew
@@ -207,3 +210,16 @@ def test_adapters_that_left_with_their_instance_are_no_memory_pressure():
                               5.0, watch) == (("i2", "warm"),)
     assert adapters_to_attach(plan, _node("a", [_instance("i2", "bb")]), sizes, 0.25, 10.0,
                               watch) == (("i2", "warm"),)
+
+
+def test_an_instance_serving_requests_gets_one_preloaded_adapter_per_turn():
+    """Each pre-load passed `may_hold` alone, but a turn's loads onto one instance queue after one
+    another on the node's I/O: a turn pre-loaded 11 adapters onto one serving CPU instance in a
+    tiered run, holding its batch ~0.35 s, and a token came late."""
+    serving = _instance("i1", "bb")
+    serving.requests.append(request("r0", "bb", input_len=100))
+    node_view = _node("a", [serving, _instance("i2", "bb")], free_gb=10.0)
+    plan = NodePreload((), (("i1", "hot"), ("i1", "warm"), ("i2", "cool"), ("i2", "cold")))
+    sizes = dict.fromkeys(("hot", "warm", "cool", "cold"), 50 * MB)
+    assert adapters_to_attach(plan, node_view, sizes, 0.25, 1.0, PressureWatch()) == \
+        (("i1", "hot"), ("i2", "cool"), ("i2", "cold"))
