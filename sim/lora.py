@@ -142,7 +142,8 @@ class LoraSlinferSystem(SlinferSystem):
         self.rank = rank  # every adapter's: its requests' iterations cost what the profile says
         self._function: dict[str, str] = {}  # request id -> its function (adapter)
         self.waited_for_adapter: set[str] = set()  # requests whose first token waited for one
-        self.preloading = Preloading(preloadables(lay), self.perf, preload_s) if preload_s else None
+        self.preloading = (Preloading(preloadables(lay), self.perf, self.config.watermark,
+                                      preload_s) if preload_s else None)
 
     def bind(self, loop: EventLoop, rec: Recorder) -> None:
         super().bind(loop, rec)

@@ -10,8 +10,10 @@ functions, sim/preload.py; this file keeps the I/O), then:
   ones are touched least valuable first, so the tier's LRU gives up what the plan left out
   before any of them; the next cold start of a planned backbone is a DRAM-tier load;
 - attaches the planned adapters to a ready instance of their backbone before any request asks
-  for them (the core's `preload_adapter`: their own LOAD op, within the node's free budget), so
-  the next request through one starts without the adapter's load.
+  for them (the core's `preload_adapter`: their own LOAD op), so the next request through one
+  starts without the adapter's load; only what `adapters_to_attach` lets through: within the
+  room beside its instances' next KV scale-ups, not while its I/O queue would delay the load,
+  and not for a while after it offloaded adapters for memory.
 
 The placer sees every request and plans the same for the whole cluster
 (services/placer/preloader.py): while the plan it sent this node is fresh, the node carries that
@@ -36,8 +38,9 @@ from dataclasses import dataclass
 from services.node.runtime import NodeRuntime
 from shared import wire
 from shared.core.lora import NodePreload
-from shared.core.preload import (Preloadable, accept_cluster_plan, checkpoint_steps,
-                                 node_preload, plan_fresh, ready_backbones)
+from shared.core.preload import (Preloadable, PressureWatch, accept_cluster_plan,
+                                 adapters_to_attach, checkpoint_steps, node_preload, plan_fresh,
+                                 ready_backbones)
 from shared.core.types import AdapterSpec
 from shared.registry import ModelRegistry
 from shared.schemas import ModelRecord, PreloadPlan
@@ -69,6 +72,7 @@ class Preloader:
         self.records: deque[PreloadRecord] = deque(maxlen=HISTORY_LEN)
         # The placer's latest pre-loading plan for this node and when it came (monotonic).
         self.cluster: tuple[float, PreloadPlan] | None = None
+        self.watch = PressureWatch()  # when the node last offloaded adapters (no pre-loads then)
 
     def known(self) -> tuple[list[Preloadable], list[Preloadable]]:
         """The torch-engine backbones this node has been asked for, and the adapters of any
@@ -88,8 +92,7 @@ class Preloader:
         backbones, adapters = self.known()
         dram = loader.settings.dram_cache_bytes if loader is not None else 0
         return node_preload(sched.node, backbones, adapters, sched.rate, self.rt.base_perf, now,
-                            dram, sched.ledger.capacity - sched.ledger.budget,
-                            self.ready_instances())
+                            dram, self.ready_instances(), sched.config.watermark)
 
     async def _record(self, name: str) -> ModelRecord | None:
         try:
@@ -136,12 +139,16 @@ class Preloader:
         now = time.time()
         chosen, source = await self.choose(now)
         attached = []
-        for iid, name in chosen.adapters:
-            spec = AdapterSpec(name, self.adapters[name].weight_bytes)
+        sizes = {name: self.adapters[name].weight_bytes for _, name in chosen.adapters}
+        rt.refresh_storage()  # the I/O queue an adapter's load would wait behind, as it is now
+        for iid, name in adapters_to_attach(chosen, rt.sched.node, sizes,
+                                            rt.sched.config.watermark, now, self.watch):
+            spec = AdapterSpec(name, sizes[name])
             rt.start_ops(rt.sched.preload_adapter(iid, spec, now))
             inst = rt.sched.node.instance(iid)
             if inst is not None and name in inst.adapters:  # attached now (its load may be parked)
                 attached.append(name)
+                self.watch.attached(iid, name)
         read = []
         loader = rt.loader
         steps = () if loader is None else checkpoint_steps(

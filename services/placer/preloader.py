@@ -63,7 +63,8 @@ class ClusterPreloader:
         now = time.time()
         nodes = await read_nodes(self.p.redis)
         known = preloadables({r.name: r for r in await self.p.registry.list()})
-        plans = cluster_preload(called, known, self.rates, nodes, self.p.perf, now)
+        plans = cluster_preload(called, known, self.rates, nodes, self.p.perf, now,
+                                self.p.s.core.watermark)
         valid_s = plan_valid_s(self.interval_s)
         for node_id, chosen in plans.items():
             plan = PreloadPlan(node_id, now, valid_s, list(chosen.checkpoints),

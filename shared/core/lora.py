@@ -10,7 +10,7 @@
   its own admissions show: which backbones' checkpoints to keep in its DRAM tier (a knapsack over
   the tier's bytes, a backbone worth the calls of its adapters too) and which adapters to attach
   to a backbone instance it holds before any request asks for them (a knapsack over the node's
-  free memory budget).
+  free memory beside its instances' next KV scale-ups, `preload_room`).
 - Across the cluster (`plan_cluster_preload`): the paper's Pre-Loading Scheduler in the controller.
   The placer sees every request, so it plans from cluster-wide rates which node's DRAM tier keeps
   each backbone's checkpoint and which node attaches each adapter; a node carries out the plan it
@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
+from shared.core.cost import request_tokens
 from shared.core.evaluate import contended, evaluate, node_profiles
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import cold_start_ready_at
@@ -298,8 +299,31 @@ def plan_node_preload(backbones: Iterable[Artifact], adapters: Iterable[Artifact
                        tuple((instances[wanted[n].backbone], n) for n in attach if n in wanted))
 
 
+def preload_room(node: NodeView, watermark: float) -> int:
+    """The memory a node may pre-load adapters into: its free budget less the next KV scale-up of
+    each instance. A join that outgrows an instance's cache scales it to (1 + w) x (the cache + the
+    newcomer) (§VII-B); the room for that with a newcomer like the instance's average request stays
+    free. Pre-loaded adapters do give way under pressure (§4.3), but their offload holds up the
+    admission that needed the bytes, a KV growth in the token loop that finds no room evicts
+    instead, and the next turn pre-loaded them again: they take only memory no admitted demand
+    is about to want."""
+    reserve = 0
+    for inst in node.instances:
+        if inst.status is InstanceStatus.UNLOADING:
+            continue
+        spec = inst.model
+        average = (spec.kv_bytes_per_token * sum(request_tokens(r, spec.avg_output_len,
+                                                                spec.kv_block_tokens)
+                                                 for r in inst.requests) / len(inst.requests)
+                   if inst.requests else 0)
+        reserve += int(watermark * inst.kv_bytes + (1 + watermark) * average)
+    used = max(node.budget_bytes, node.pessimistic_bytes)
+    return max(0, node.memory_bytes - used - reserve)
+
+
 def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact],
-                         adapters: Iterable[Artifact]) -> dict[str, NodePreload]:
+                         adapters: Iterable[Artifact],
+                         watermark: float) -> dict[str, NodePreload]:
     """The Pre-Loading Scheduler's decision (§3, §4.1) for the whole cluster, from the rates the
     placer sees (every request passes through it): node -> what that node pre-loads.
 
@@ -307,9 +331,9 @@ def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact
     the most valuable per byte first, on a node whose tier already holds it when one has room (no
     read), else on the node with the most room left. Planned from scratch over the tiers' whole
     capacity, so a backbone that became hot displaces one that cooled. Adapters: attached to a
-    ready instance of their backbone on the node with the most free budget, by the same greedy
-    (`preload_plan`, precedence: the backbone held there). A node whose view lacks a DRAM tier
-    gets no checkpoints."""
+    ready instance of their backbone on the node with the most room (`preload_room`, with the
+    core's KV `watermark`), by the same greedy (`preload_plan`, precedence: the backbone held
+    there). A node whose view lacks a DRAM tier gets no checkpoints."""
     nodes = sorted(nodes, key=lambda n: n.node_id)
     backbones, adapters = list(backbones), list(adapters)
     dram = _place_checkpoints(_called_checkpoints(backbones, adapters), nodes)
@@ -322,7 +346,7 @@ def plan_cluster_preload(nodes: Iterable[NodeView], backbones: Iterable[Artifact
                 resident.setdefault(node.node_id, set()).update({inst.model.name, *inst.adapters})
     held_anywhere = {b for by in ready.values() for b in by}
     wanted = [a for a in adapters if a.backbone in held_anywhere and a.value > 0]
-    free = {n.node_id: max(0, n.memory_bytes - n.budget_bytes) for n in nodes if n.node_id in ready}
+    free = {n.node_id: preload_room(n, watermark) for n in nodes if n.node_id in ready}
     # Adapters only: a backbone among the items would be placed on paper on a node that does not
     # run it (the one with the most room), and its adapters after it, with no instance there.
     attach = preload_plan(wanted, free, resident)

@@ -13,8 +13,18 @@ loop), so a pre-load seen in a simulation is the one the services make.
   `plan_valid_s(interval_s)`.
 - A node re-plans every interval: while the placer's plan is fresh (`plan_fresh`) it carries out
   what of it it can (`accept_cluster_plan`), else it plans from its own admissions' rates
-  (`node_preload`). Adapters attach through `NodeScheduler.preload_adapter` (their own LOAD op);
-  checkpoints are read into or touched in the DRAM tier (`checkpoint_steps`).
+  (`node_preload`). Of either plan's adapters it attaches now only what `adapters_to_attach`
+  lets through, each by `NodeScheduler.preload_adapter` (its own LOAD op); checkpoints are read
+  into or touched in the DRAM tier (`checkpoint_steps`).
+
+Pre-loading only uses memory and I/O no admission is about to want (issue 22 follow-up: the LoRA
+runs pre-loaded adapters into the whole free budget, offloaded them for the next join, pre-loaded
+them again five seconds later, and queued their loads behind cold starts' registry reads):
+- adapters go only into the room left beside each instance's next KV scale-up
+  (`lora.preload_room`), in the placer's plan and again on the node;
+- none whose load would wait for the node's I/O queue or for memory (it would hold its
+  instance up for the whole wait), and one a turn onto an instance serving requests;
+- none for `PRESSURE_HOLD_S` after the node gave adapters up for memory (`PressureWatch`).
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shared.core.lora import (Artifact, CallRates, NodePreload, adapter_load_s,
-                              plan_cluster_preload, plan_node_preload)
+from shared.core.lora import (Artifact, CallRates, NodePreload, adapter_load_s, adapter_ready_at,
+                              plan_cluster_preload, plan_node_preload, preload_room)
 from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware, InstanceStatus, NodeView
 
@@ -33,6 +43,10 @@ PRELOAD_INTERVAL_S = 5.0
 # A node follows a cluster plan for this many of the placer's intervals: two plans may be lost
 # before the node falls back on its own rates.
 VALID_INTERVALS = 3
+# A node that gave up adapters for memory pre-loads none for this long (`PressureWatch`). In the
+# simulated LoRA runs an adapter pre-loaded unused waited a median 10-40 s before the pressure
+# that offloaded it; a minute spans that and lets the admissions that wanted the memory finish.
+PRESSURE_HOLD_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,14 @@ def cluster_artifacts(called: Iterable[str], known: Mapping[str, Preloadable], r
 
 
 def cluster_preload(called: Iterable[str], known: Mapping[str, Preloadable], rates: CallRates,
-                    nodes: Iterable[NodeView], perf: PerfModel,
-                    now: float) -> dict[str, NodePreload]:
+                    nodes: Iterable[NodeView], perf: PerfModel, now: float,
+                    watermark: float) -> dict[str, NodePreload]:
     """The Pre-Loading Scheduler's turn: node -> its part of the plan, over the nodes that are
-    not draining (a draining node is about to go: nothing is worth pre-loading there)."""
+    not draining (a draining node is about to go: nothing is worth pre-loading there).
+    `watermark`: the core's KV watermark (the room each node keeps for its next scale-ups)."""
     live = [n for n in nodes if not n.draining]
     backbones, adapters = cluster_artifacts(called, known, rates, live, perf, now)
-    return plan_cluster_preload(live, backbones, adapters)
+    return plan_cluster_preload(live, backbones, adapters, watermark)
 
 
 # --- a node: its own plan, or the placer's -------------------------------------------------
@@ -115,13 +130,15 @@ def node_artifacts(backbones: Iterable[Preloadable], adapters: Iterable[Preloada
 
 def node_preload(node: NodeView, backbones: Iterable[Preloadable],
                  adapters: Iterable[Preloadable], rate: Callable[[str, float], float],
-                 perf: PerfModel, now: float, dram_bytes: int, free_bytes: int,
-                 ready: dict[str, str]) -> NodePreload:
+                 perf: PerfModel, now: float, dram_bytes: int, ready: dict[str, str],
+                 watermark: float) -> NodePreload:
     """A node's own plan (no fresh cluster plan): `plan_node_preload` over what it knows, with
-    its DRAM tier's capacity, its free memory budget and its ready backbone instances."""
+    its DRAM tier's capacity, the room its admitted demand leaves (`preload_room`) and its ready
+    backbone instances."""
     arts, adapter_arts = node_artifacts(backbones, adapters, rate, perf, node.hardware, now)
     attached = {i.instance_id: set(i.adapters) for i in node.instances}
-    return plan_node_preload(arts, adapter_arts, dram_bytes, ready, attached, free_bytes)
+    return plan_node_preload(arts, adapter_arts, dram_bytes, ready, attached,
+                             preload_room(node, watermark))
 
 
 def accept_cluster_plan(sent: NodePreload, node: NodeView, ready: Collection[str],
@@ -139,6 +156,64 @@ def accept_cluster_plan(sent: NodePreload, node: NodeView, ready: Collection[str
                 and item.backbone == inst.model.name:
             attach.append((iid, name))
     return NodePreload(checkpoints, tuple(attach))
+
+
+class PressureWatch:
+    """When a node last gave up adapters for memory (dynamic offloading, §4.3), as its
+    pre-loading turns see it: an adapter attached at one turn (`look`, `attached`) and gone at a
+    later one from an instance that is still there and not unloading. Whatever took it (an
+    admission's offload, or a failed load the node detached), the node's memory was wanted: the
+    node pre-loads nothing for `PRESSURE_HOLD_S` after (`holding`), instead of attaching again at
+    the next turn what the next admission offloads again."""
+
+    def __init__(self) -> None:
+        self._attached: dict[str, set[str]] = {}  # instance -> its adapters at the last look
+        self.pressure_at: float | None = None
+
+    def look(self, node: NodeView, now: float) -> None:
+        live = {i.instance_id: set(i.adapters) for i in node.instances
+                if i.status is not InstanceStatus.UNLOADING}
+        if any(names - live[iid] for iid, names in self._attached.items() if iid in live):
+            self.pressure_at = now
+        self._attached = live
+
+    def attached(self, instance_id: str, adapter: str) -> None:
+        """An adapter the turn attached after its look."""
+        self._attached.setdefault(instance_id, set()).add(adapter)
+
+    def holding(self, now: float) -> bool:
+        return self.pressure_at is not None and now - self.pressure_at < PRESSURE_HOLD_S
+
+
+def adapters_to_attach(plan: NodePreload, node: NodeView, sizes: Mapping[str, int],
+                       watermark: float, now: float,
+                       watch: PressureWatch) -> tuple[tuple[str, str], ...]:
+    """The planned adapters (either plan's) a node attaches now, in the plan's order (most
+    valuable per byte first): none while `watch` holds pre-loading back (it looks at the node
+    first; the caller tells it what attached, `PressureWatch.attached`); within the node's room
+    (`preload_room`: the placer planned on a view that may be stale); none whose load would not
+    start at once. A load behind the node's I/O queue (a cold start's read) or parked for memory
+    holds its instance up for all that wait, a request routed there meanwhile waiting with it;
+    an adapter a request asks for later is loaded then, at its own cost. An instance serving
+    requests gets one adapter a turn: `may_hold` validates each load alone, while a turn's loads
+    onto one instance follow one another on the node's I/O and hold its batch for their sum."""
+    watch.look(node, now)
+    if watch.holding(now):
+        return ()
+    room = preload_room(node, watermark)
+    chosen: list[tuple[str, str]] = []
+    held: set[str] = set()  # instances with requests that got their one adapter this turn
+    for iid, name in plan.adapters:
+        nbytes = sizes[name]
+        if nbytes > room or iid in held \
+                or adapter_ready_at(node, nbytes, now) > now + adapter_load_s(nbytes):
+            continue
+        inst = node.instance(iid)
+        if inst is not None and inst.requests:
+            held.add(iid)
+        room -= nbytes
+        chosen.append((iid, name))
+    return tuple(chosen)
 
 
 def checkpoint_steps(checkpoints: Sequence[str], tier_of: Callable[[str], str | None],

@@ -126,14 +126,14 @@ def test_the_cluster_spreads_hot_checkpoints_over_the_nodes_dram_tiers():
 
     a, b = _node("a", 4.5), _node("b", 4.5)
     hot, warm, cool = _backbone("hot", 3.0), _backbone("warm", 2.0), _backbone("cool", 1.0)
-    plan = plan_cluster_preload([a, b], [cool, warm, hot, _backbone("uncalled", 0.0)], [])
+    plan = plan_cluster_preload([a, b], [cool, warm, hot, _backbone("uncalled", 0.0)], [], 0.25)
     # Two 2 GB checkpoints per 4.5 GB tier: all three called ones find a place, each once,
     # where one node alone (plan_node_preload) would keep two and lose the third.
     placed = [c for p in plan.values() for c in p.checkpoints]
     assert sorted(placed) == ["cool", "hot", "warm"]
     # A node whose tier already holds a checkpoint keeps it there (no read) when it has room.
     plan = plan_cluster_preload([_node("a", 4.5), _node("b", 4.5, holds={"cool": "dram"})],
-                                [cool, warm, hot], [])
+                                [cool, warm, hot], [], 0.25)
     assert "cool" in plan["b"].checkpoints
 
 
@@ -145,7 +145,7 @@ def test_the_cluster_plan_attaches_adapters_where_their_backbone_runs_and_only_c
     b = _node("b", 0.0, free_gb=50.0)  # room, but no instance of the backbone
     arts = [adapter("hot", 5.0), adapter("cold", 0.0), adapter("on", 3.0),
             adapter("elsewhere", 9.0, backbone="qwen")]
-    plan = plan_cluster_preload([a, b], [bb], arts)
+    plan = plan_cluster_preload([a, b], [bb], arts, 0.25)
     assert plan["a"].adapters == (("i1", "hot"),) and plan["b"].adapters == ()
 
 
@@ -159,8 +159,21 @@ def test_the_cluster_plan_attaches_no_adapter_beside_another_backbone_with_more_
     bb, qwen = _backbone("llama-8b", 1.0), _backbone("qwen", 1.0)
     a = _node("a", 0.0, instances=[_instance("i1", "llama-8b")], free_gb=5.0)
     b = _node("b", 0.0, instances=[_instance("j1", "qwen")], free_gb=50.0)
-    plan = plan_cluster_preload([a, b], [bb, qwen], [adapter("hot", 5.0)])
+    plan = plan_cluster_preload([a, b], [bb, qwen], [adapter("hot", 5.0)], 0.25)
     assert plan["a"].adapters == (("i1", "hot"),) and plan["b"].adapters == ()
+
+
+def test_the_cluster_plan_leaves_each_nodes_next_kv_scale_up_free():
+    """The plan used to count a node's whole free budget as room: the node with the most of it
+    got the adapter, then offloaded it for the next join that grew a KV cache."""
+    from shared.core.lora import plan_cluster_preload
+
+    spec = ModelSpec("llama-8b", 2 * GB, 10**6, 1024, 64.0)
+    big_cache = InstanceView("i1", spec, "", kv_bytes=4 * GB)  # its next scale-up: 1 GB at w 0.25
+    a = _node("a", 0.0, instances=[big_cache], free_gb=1.0)
+    b = _node("b", 0.0, instances=[_instance("j1", "llama-8b")], free_gb=0.5)
+    plan = plan_cluster_preload([a, b], [_backbone("llama-8b", 1.0)], [adapter("hot", 5.0)], 0.25)
+    assert plan["a"].adapters == () and plan["b"].adapters == (("j1", "hot"),)
 
 
 @settings(max_examples=60, deadline=None)
@@ -171,7 +184,7 @@ def test_a_cluster_plan_never_overfills_a_tier_nor_places_a_checkpoint_twice(art
 
     backbones = [Artifact(f"b{i}", int(gb * GB), 1.0, rate) for i, (rate, gb) in enumerate(arts)]
     nodes = [_node(f"n{i}", gb) for i, gb in enumerate(tiers)]
-    plan = plan_cluster_preload(nodes, backbones, [])
+    plan = plan_cluster_preload(nodes, backbones, [], 0.25)
     size = {b.name: b.bytes for b in backbones}
     placed = [c for p in plan.values() for c in p.checkpoints]
     assert len(placed) == len(set(placed))
