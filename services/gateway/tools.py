@@ -40,17 +40,17 @@ RESULT_OPEN = "<tool_response>"
 RESULT_CLOSE = "</tool_response>"
 NEWLINE = "\n"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+SHOWN = ("name", "description", "parameters")  # of a function, in the tools system prompt
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
 
-# For templates that do not render tools. The function list is JSON, one function per line.
+# For templates that do not render tools: short, since every request with tools pays its prefill.
+# The function list is JSON, one function per line.
 TOOLS_SYSTEM_PROMPT = (
-    "You can call functions to help answer. They are listed below as JSON, each with the JSON "
-    "Schema of its arguments.\n<tools>\n{tools}\n</tools>\n"
-    "To call a function, answer with a block like this for each call, and nothing else:\n"
-    f"{CALL_OPEN}\n{{\"name\": \"<function name>\", \"arguments\": {{<arguments as JSON>}}}}\n"
-    f"{CALL_CLOSE}\n"
-    "If no function is needed, answer in plain text."
+    "You can call these functions (JSON Schema arguments):\n<tools>\n{tools}\n</tools>\n"
+    f"To call one, answer only with\n{CALL_OPEN}\n"
+    '{"name": "<function name>", "arguments": {<arguments>}}'
+    f"\n{CALL_CLOSE}\nfor each call. Otherwise answer in text."
 )
 
 
@@ -171,7 +171,8 @@ def _described(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> l
             out.append({k: v for k, v in m.items() if k != "tool_call_id"})
     if not tools:
         return out
-    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    listed = "\n".join(json.dumps({k: t["function"][k] for k in SHOWN if k in t["function"]},
+                                   ensure_ascii=False) for t in tools)
     system = TOOLS_SYSTEM_PROMPT.replace("{tools}", listed)
     if out and out[0]["role"] in ("system", "developer"):
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}

@@ -1,6 +1,8 @@
-"""The tool-call parser (services/gateway/tool_calls.py) on its own: a streamed output, cut into
-pieces anywhere, must give what the whole output gives; content around blocks, blocks that are
-no call, other layouts of a call, and outputs that end inside a block."""
+"""Tools without a server. The tool-call parser (services/gateway/tool_calls.py): a streamed
+output, cut into pieces anywhere, must give what the whole output gives; content around blocks,
+blocks that are no call, other layouts of a call, and outputs that end inside a block. The prompt
+(services/gateway/tools.py): a template that renders tools gets Hugging Face's shapes, one that
+does not gets them written out."""
 
 from __future__ import annotations
 
@@ -89,3 +91,60 @@ def test_arguments_stream_before_the_block_closes():
                                                        "arguments": '{"city": "Pa'}
     assert stream.feed('ris"}')[1] == [{"index": 0, "function": {"arguments": 'ris"}'}}]
     assert stream.feed("}\n</tool_call>") == ("", [])
+
+
+# -- the prompt (services/gateway/tools.py) ----------------------------------------------------------
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": {"type": "object"}, "strict": True}}]
+# A template that renders tools itself, reading a call's arguments as an object (as Qwen2.5's).
+TOOL_TEMPLATE = (
+    "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }})"
+    "{% endfor %}\n{% endfor %}")
+
+
+def test_a_template_that_renders_tools_gets_them_in_hugging_faces_shapes():
+    from services.gateway.tools import prompt_messages
+
+    messages, tools = prompt_messages(TOOL_TEMPLATE, CONVERSATION, TOOLS)
+    assert tools == TOOLS
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[1]["content"] == "" and messages[2]["role"] == "tool"
+
+
+def test_a_template_without_tools_gets_them_written_out():
+    from services.gateway.tools import CALL_OPEN, RESULT_OPEN, prompt_messages
+
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    messages, tools = prompt_messages(plain, CONVERSATION, TOOLS)
+    assert tools is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert '"name": "get_weather"' in messages[0]["content"]
+    assert '"strict"' not in messages[0]["content"]  # only name, description, parameters
+    assert messages[2]["content"].startswith(CALL_OPEN) and "Paris" in messages[2]["content"]
+    assert messages[3]["content"].startswith(RESULT_OPEN) and "sunny" in messages[3]["content"]
+    # a system message of the client's keeps its text, the tools follow it
+    with_system = [{"role": "system", "content": "Be brief."}, *CONVERSATION]
+    assert prompt_messages(plain, with_system, TOOLS)[0][0]["content"].startswith("Be brief.\n\n")
+    # no tools and no calls: the messages as they came
+    assert prompt_messages(plain, CONVERSATION[:1], None) == (CONVERSATION[:1], None)
+
+
+def test_the_rendered_prompt_through_a_tokenizer(hf_tokenizer):
+    from services.gateway.tokenization import render_chat
+
+    hf_tokenizer.chat_template, saved = TOOL_TEMPLATE, hf_tokenizer.chat_template
+    try:
+        text = render_chat(hf_tokenizer, CONVERSATION, TOOLS)
+    finally:
+        hf_tokenizer.chat_template = saved
+    assert text.startswith("TOOL get_weather\n") and "CALL get_weather(Paris)" in text
+    assert "tool: sunny" in text
