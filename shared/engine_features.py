@@ -16,13 +16,20 @@ PRESENCE_PENALTY = "presence_penalty"
 FREQUENCY_PENALTY = "frequency_penalty"
 LOGIT_BIAS = "logit_bias"
 MIN_P = "min_p"
+# Constrained decoding (a token mask each step): asked by response_format json_object/json_schema,
+# or by a required or named tool_choice. The request's OutputGrammar says which one asked.
+RESPONSE_FORMAT = "response_format"
+TOOL_CHOICE = "tool_choice"
+GRAMMAR_FEATURES = frozenset({RESPONSE_FORMAT, TOOL_CHOICE})
 
-ALL_FEATURES = frozenset({LOGPROBS, PRESENCE_PENALTY, FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P})
+ALL_FEATURES = frozenset({LOGPROBS, PRESENCE_PENALTY, FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P,
+                          *GRAMMAR_FEATURES})
 
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
     "torch": ALL_FEATURES,
-    # OpenVINO GenAI and vLLM have their own versions of some of these; their adapters here do
-    # not pass them on yet, so they refuse them rather than sample without them.
+    # OpenVINO GenAI and vLLM have their own versions of some of these (vLLM's guided decoding,
+    # OpenVINO GenAI's structured output among them); their adapters here do not pass them on
+    # yet, so they refuse them rather than sample without them.
     "openvino": frozenset(),
     "vllm": frozenset(),
 }
@@ -32,12 +39,13 @@ ENGINE_FEATURES["auto"] = ENGINE_FEATURES["torch"]
 
 
 def asked_features(logprobs: int | None, presence_penalty: float, frequency_penalty: float,
-                   logit_bias: Sized, min_p: float) -> list[str]:
-    """The features a request's values ask for (a neutral value asks for none)."""
+                   logit_bias: Sized, min_p: float, grammar_param: str | None = None) -> list[str]:
+    """The features a request's values ask for (a neutral value asks for none); `grammar_param`:
+    the parameter whose output grammar the request carries (None: none)."""
     asked = {LOGPROBS: logprobs is not None, PRESENCE_PENALTY: presence_penalty != 0,
              FREQUENCY_PENALTY: frequency_penalty != 0, LOGIT_BIAS: len(logit_bias) > 0,
              MIN_P: min_p != 0}
-    return [name for name, on in asked.items() if on]
+    return [name for name, on in asked.items() if on] + ([grammar_param] if grammar_param else [])
 
 
 def unsupported(engine: str, asked: Iterable[str]) -> list[str]:

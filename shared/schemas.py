@@ -45,6 +45,18 @@ class TokenBias:
 
 
 @dataclass(frozen=True)
+class OutputGrammar:
+    """A constraint on a request's output, enforced token by token (constrained decoding): at
+    each step the engine masks every token the grammar does not allow next (shared/grammar.py)."""
+
+    kind: str  # "json_schema": `text` is a JSON Schema; "lark": an llguidance Lark grammar
+    text: str
+    # The request parameter that asked for it (response_format, tool_choice): an engine that
+    # cannot mask logits refuses the request by that name.
+    param: str = "response_format"
+
+
+@dataclass(frozen=True)
 class InferenceRequest:
     """One generation request: gateway -> request stream -> placer -> node."""
 
@@ -97,6 +109,9 @@ class InferenceRequest:
     frequency_penalty: float = 0.0
     logit_bias: list[TokenBias] = field(default_factory=list)
     min_p: float = 0.0
+    # response_format json_object/json_schema, or a required or named tool_choice: the output
+    # must match this grammar (only engines that mask logits honour it).
+    grammar: OutputGrammar | None = None
 
 
 class FinishReason(str, enum.Enum):

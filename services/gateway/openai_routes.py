@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -10,12 +11,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from services.gateway.deps import RawBody, Registry, Service, Tenant
-from services.gateway.errors import model_not_found
+from services.gateway.errors import invalid_request, model_not_found
 from services.gateway.logprobs import LogprobsRenderer, token_texts
 from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
                                            MODEL_LIST, READ_ERRORS, json_body)
 from services.gateway.responses import ChatFormat, CompletionFormat
 from services.gateway.stream import respond
+from services.gateway.tools import tool_use
 from services.gateway.validation import (
     IGNORED_FIELDS_HEADER,
     ChatBody,
@@ -77,12 +79,20 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
 async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
     body = parse_body(ChatBody, raw)
     params = sampling_params(body, *chat_max_tokens(body))
-    prepared = await service.prepare(body.model, tenant, params, chat_input(body))
+    tools = tool_use(body)
+    if tools.grammar is not None:
+        if params.grammar is not None:
+            raise invalid_request("response_format cannot be combined with a required or named "
+                                  "tool_choice: both constrain the output.",
+                                  param="response_format", code="invalid_value")
+        params = dataclasses.replace(params, grammar=tools.grammar)
+    chat = dataclasses.replace(chat_input(body), tools=tools.tools)
+    prepared = await service.prepare(body.model, tenant, params, chat)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = await service.start(prepared, request_id, tenant, "chat")
     fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
                      continuous_usage=params.continuous_usage,
-                     logprobs=_renderer(prepared.tokenizer, params.logprobs))
+                     logprobs=_renderer(prepared.tokenizer, params.logprobs), tools=tools.parse)
     response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)

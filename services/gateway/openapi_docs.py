@@ -97,10 +97,22 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str  # "function"
+    function: CalledFunctionOut
+
+
 class ChatMessageOut(BaseModel):
     role: str
-    content: str
+    content: str | None  # null when the answer is tool calls only
     refusal: None
+    tool_calls: list[ToolCallOut] | None = None  # a request with tools: the calls it made
 
 
 class TopLogprob(BaseModel):

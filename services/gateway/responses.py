@@ -3,6 +3,11 @@
 A request that asked for logprobs has a `LogprobsRenderer`: each body then carries the logprobs of
 the tokens it covers (a whole response all of them, a chunk those that arrived since the last; a
 chunk that covers none, such as chat's role chunk or a closing chunk, has "logprobs": null).
+
+A chat request with tools has its output parsed for tool calls (tool_calls.py): the message's
+`tool_calls`, or the chunks' `delta.tool_calls`, and finish_reason "tool_calls" where the model
+stopped after calling. A chunk whose text is all held back (it may begin a call) is not sent;
+its logprobs go with the next one.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.logprobs import LogprobsRenderer, TokenEntry
+from services.gateway.tool_calls import ToolCallStream, parse
 
 Entries = Sequence[TokenEntry]
 
@@ -67,7 +73,8 @@ class CompletionFormat:
     def opening(self, use: Usage = None) -> list[dict[str, Any]]:
         return []
 
-    def delta(self, text: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
+    def delta(self, text: str, use: Usage = None,
+              entries: Entries = ()) -> dict[str, Any] | None:
         return self._chunk(text, None, use, entries)
 
     def closing(self, finish_reason: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
@@ -86,7 +93,10 @@ class ChatFormat:
     include_usage: bool = False
     continuous_usage: bool = False
     logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
+    tools: bool = False  # parse tool calls out of the output
     created: int = field(default_factory=lambda: int(time.time()))
+    _calls: ToolCallStream = field(default_factory=ToolCallStream)  # the stream's, with tools
+    _held: list[TokenEntry] = field(default_factory=list)  # logprobs of a chunk not sent
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -94,26 +104,55 @@ class ChatFormat:
     def _logprobs(self, entries: Entries) -> dict[str, Any] | None:
         return None if self.logprobs is None else self.logprobs.chat(list(entries))
 
+    def _finish(self, finish_reason: str, called: bool) -> str:
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
     def whole(self, text: str, finish_reason: str, use: dict[str, int],
               entries: Entries = ()) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        calls: list[dict[str, Any]] = []
+        if self.tools:
+            message["content"], calls = parse(text)
+            if calls:
+                message["tool_calls"] = calls
         return {**self._base("chat.completion"), "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": self._logprobs(entries), "finish_reason": finish_reason}], "usage": use}
+            "index": 0, "message": message, "logprobs": self._logprobs(entries),
+            "finish_reason": self._finish(finish_reason, bool(calls))}], "usage": use}
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None, use: Usage,
                entries: Entries) -> dict[str, Any]:
+        entries = [*self._held, *entries]
+        self._held = []
         return _with_usage({**self._base("chat.completion.chunk"), "choices": [
             {"index": 0, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
              "finish_reason": finish_reason}]}, use, self.include_usage)
 
+    def _parsed(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     def opening(self, use: Usage = None) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None, use, ())]
 
-    def delta(self, text: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
-        return self._chunk({"content": text}, None, use, entries)
+    def delta(self, text: str, use: Usage = None,
+              entries: Entries = ()) -> dict[str, Any] | None:
+        """The chunk of a text delta; None where tool-call parsing holds all of it back."""
+        if not self.tools:
+            return self._chunk({"content": text}, None, use, entries)
+        delta = self._parsed(*self._calls.feed(text))
+        if not delta:
+            self._held += entries
+            return None
+        return self._chunk(delta, None, use, entries)
 
     def closing(self, finish_reason: str, use: Usage = None, entries: Entries = ()) -> dict[str, Any]:
-        return self._chunk({}, finish_reason, use, entries)
+        if not self.tools:
+            return self._chunk({}, finish_reason, use, entries)
+        delta = self._parsed(*self._calls.finish())
+        return self._chunk(delta, self._finish(finish_reason, self._calls.calls > 0), use,
+                           entries)
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": use}

@@ -26,7 +26,8 @@ from services.gateway.tokenization import (
     tokenizer_eos_ids,
     vocab_size,
 )
-from services.gateway.validation import ChatInput, CompletionInput, SamplingParams
+from services.gateway.validation import (ChatInput, CompletionInput, SamplingParams,
+                                         check_grammar_fits)
 from shared.core.types import slo_for_class
 from shared.engine_features import unsupported
 from shared.model_state import failed_locally, failed_message, files_failure
@@ -105,7 +106,8 @@ class GatewayService:
         record = await self.visible_model(model, tenant)
         tokenizer = await self.tokenizer_for(record)
         if isinstance(prompt, ChatInput):
-            prompt_ids = await asyncio.to_thread(encode_chat, tokenizer, prompt.messages)
+            prompt_ids = await asyncio.to_thread(encode_chat, tokenizer, prompt.messages,
+                                                 prompt.tools)
             param = "messages"
         elif prompt.text is not None:
             prompt_ids = await asyncio.to_thread(encode_text, tokenizer, prompt.text)
@@ -121,6 +123,7 @@ class GatewayService:
             raise errors.invalid_request("The prompt is empty after tokenization.", param=param,
                                          code="empty_prompt")
         await self._check_engine(record, params)
+        check_grammar_fits(params)
         self._check_token_ids(params, vocab_size(tokenizer))
         max_tokens = self._max_tokens(record, len(prompt_ids), params.max_tokens, param)
         if params.min_tokens > max_tokens:
@@ -207,7 +210,7 @@ class GatewayService:
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
             logprobs=params.logprobs, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, min_p=params.min_p,
-            logit_bias=[TokenBias(t, b) for t, b in params.logit_bias],
+            logit_bias=[TokenBias(t, b) for t, b in params.logit_bias], grammar=params.grammar,
         )
 
     async def start(self, prepared: Prepared, request_id: str, tenant: str,

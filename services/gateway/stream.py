@@ -144,13 +144,13 @@ async def _sse_chunks(gen: Generation, deltas: AsyncIterator[str], first: Any, f
         for chunk in fmt.opening(so_far()):
             yield sse(chunk)
         if first is not _END:
-            # A delta whose text is held back (half a character, a possible stop sequence)
-            # sends nothing; its tokens' logprobs go with the next chunk that has text.
-            if first:
-                yield sse(fmt.delta(first, so_far(), gen.take_logprobs()))
+            # A delta whose text is held back (half a character, a possible stop sequence, the
+            # start of a tool call) sends nothing; its tokens' logprobs go with the next chunk.
+            if first and (chunk := fmt.delta(first, so_far(), gen.take_logprobs())) is not None:
+                yield sse(chunk)
             async for text in deltas:
-                if text:
-                    yield sse(fmt.delta(text, so_far(), gen.take_logprobs()))
+                if text and (chunk := fmt.delta(text, so_far(), gen.take_logprobs())) is not None:
+                    yield sse(chunk)
         assert gen.finish_reason is not None
         yield sse(fmt.closing(gen.finish_reason, so_far(), gen.take_logprobs()))
         if include_usage:

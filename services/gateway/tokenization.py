@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.gateway.errors import invalid_request
+from services.gateway.tools import prompt_messages
 
 log = logging.getLogger("slinfer.gateway")
 
@@ -54,17 +59,28 @@ def _load(path: str) -> PreTrainedTokenizerBase:
         raise TokenizerLoadError(f"cannot load the tokenizer from {path!r}: {exc}") from exc
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt of a conversation, with the tools it may call (tools.py: rendered by the
+    template where it knows tools, else written into the messages)."""
     template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=True)
+    messages, template_tools = prompt_messages(template, messages, tools)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=template_tools,
+                                             chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as exc:  # a template's own check (roles must alternate, ...)
+        raise invalid_request(f"The model's chat template cannot render these messages: {exc}",
+                              param="messages", code="invalid_value") from None
     assert isinstance(text, str)
     return text
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     # The template writes BOS itself where the model wants one.
-    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+    return list(tokenizer.encode(render_chat(tokenizer, messages, tools),
+                                 add_special_tokens=False))
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -12,15 +12,18 @@ dropped. The checks that need the model (context length, vocabulary) live with t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from urllib.parse import quote
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import invalid_request, validation_error
 from shared.engine_features import asked_features
+from shared.grammar import ANY_JSON_OBJECT, GrammarError, compile_grammar, json_schema_grammar
+from shared.schemas import OutputGrammar
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
@@ -81,7 +84,25 @@ def _neutral(*values: Any) -> Any:
     return _doc(enum=[None, *values])
 
 
+class JsonSchemaFormat(_Lenient):
+    """response_format's json_schema: the output must be a JSON document valid against `schema`
+    (enforced whether `strict` is true or not: decoding is constrained either way)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema
+
+
 class _Common(_Lenient):
+    # OpenAI parameters a body type implements although _Common declares them unimplemented.
+    implemented: ClassVar[frozenset[str]] = frozenset()
     model: str
     max_tokens: JSONInt | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0, maximum=2)
@@ -115,12 +136,13 @@ class _Common(_Lenient):
     best_of: Any = _neutral(1)
     echo: Any = _neutral(False)
     suffix: Any = _neutral("")
-    tools: Any = _neutral([])
+    # Constrained decoding (shared/grammar.py): text, any JSON object, or a JSON Schema.
+    response_format: ResponseFormat | None = None
+    tools: Any = _neutral([])  # chat only (ChatBody)
     tool_choice: Any = _neutral("none")
     parallel_tool_calls: Any = _neutral()
     functions: Any = _neutral([])
     function_call: Any = _neutral("none")
-    response_format: Any = _neutral({"type": "text"})
     service_tier: Any = _neutral("auto", "default")
     store: Any = _neutral(False)
     metadata: Any = _neutral({})
@@ -161,19 +183,61 @@ class TextPart(_Lenient):
     text: str | None = Field(None, json_schema_extra=_not_null)
 
 
+class CalledFunction(_Lenient):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Lenient):
+    """A call an earlier assistant message made (sent back with the tool's answer)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
-    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_require("content"))
+    # content may be null or absent on an assistant message that made tool calls; the checks
+    # in chat_input require it everywhere else.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(None, json_schema_extra=_not_null)
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = _neutral()
-    tool_call_id: Any = _neutral()
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
     function_call: Any = _neutral()
     refusal: Any = None
 
 
+class FunctionDef(_Lenient):
+    name: str = Field(json_schema_extra={"pattern": "^[A-Za-z0-9_-]{1,64}$"})
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; absent: no parameters
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatBody(_Common):
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice",
+                                                       "parallel_tool_calls"})
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    # Function tools (services/gateway/tools.py): described to the model by its chat template,
+    # its calls parsed into tool_calls; a required or named tool_choice is a grammar.
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # default true: several calls in one answer
     max_completion_tokens: JSONInt | None = _doc(minimum=1)
     logprobs: bool | None = None
     top_logprobs: JSONInt | None = _doc(minimum=0, maximum=MAX_TOP_LOGPROBS)  # with logprobs
@@ -207,7 +271,6 @@ _NEUTRAL = {
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: v is None or v is False,
     "metadata": lambda v: v in (None, {}),
@@ -243,11 +306,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # end the output like EOS (their text is not shown)
+    grammar: OutputGrammar | None = None  # the output must match it (constrained decoding)
 
     def features(self) -> list[str]:
         """What it asks of the engine beyond plain sampling (shared/engine_features.py)."""
         return asked_features(self.logprobs, self.presence_penalty, self.frequency_penalty,
-                              self.logit_bias, self.min_p)
+                              self.logit_bias, self.min_p,
+                              self.grammar.param if self.grammar else None)
 
 
 @dataclass(frozen=True)
@@ -258,7 +323,10 @@ class CompletionInput:
 
 @dataclass(frozen=True)
 class ChatInput:
-    messages: list[dict[str, str]]  # {"role", "content"} (+ "name"), content flattened to text
+    # {"role", "content"} (+ "name"), content flattened to text; an assistant message's
+    # "tool_calls" and a tool message's "tool_call_id" as OpenAI writes them
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions the model is shown
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -305,6 +373,8 @@ def ignored_fields_header(names: list[str]) -> str:
 def reject_unsupported(body: _Common) -> None:
     for name, neutral in _NEUTRAL.items():
         value = getattr(body, name, None)
+        if name in body.implemented:
+            continue
         if name in body.model_fields_set and not neutral(value):
             raise invalid_request(f"Unsupported parameter: {name!r} is not supported by slinfer "
                                   f"(got {value!r}).", param=name, code="unsupported_parameter")
@@ -359,7 +429,45 @@ def _extensions(body: _Common) -> dict[str, Any]:
             "stop_token_ids": _stop_token_ids(body.stop_token_ids),
             "presence_penalty": _penalty(body.presence_penalty, "presence_penalty"),
             "frequency_penalty": _penalty(body.frequency_penalty, "frequency_penalty"),
-            "logit_bias": _logit_bias(body.logit_bias), "logprobs": _logprobs(body)}
+            "logit_bias": _logit_bias(body.logit_bias), "logprobs": _logprobs(body),
+            "grammar": _response_format(body.response_format)}
+
+
+def _response_format(fmt: ResponseFormat | None) -> OutputGrammar | None:
+    """The grammar response_format asks for: none for text, any JSON object for json_object,
+    the schema's documents for json_schema (a schema it cannot compile is a 400 saying why)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json_schema_grammar(ANY_JSON_OBJECT)
+    if fmt.json_schema is None:
+        raise invalid_request("response_format of type json_schema needs its json_schema.",
+                              param="response_format.json_schema",
+                              code="missing_required_parameter")
+    grammar = json_schema_grammar(fmt.json_schema.json_schema or ANY_JSON_OBJECT)
+    check_grammar(grammar, "response_format.json_schema.schema")
+    return grammar
+
+
+def check_grammar(grammar: OutputGrammar, param: str) -> None:
+    """A 400 naming `param` for a grammar that cannot constrain an output."""
+    try:
+        compile_grammar(grammar)
+    except GrammarError as exc:
+        raise invalid_request(f"{param} cannot be enforced: {exc}", param=param,
+                              code="invalid_value") from None
+
+
+def check_grammar_fits(params: SamplingParams) -> None:
+    """A constrained output ends when its grammar is complete, with an end token: ignore_eos
+    and min_tokens would keep it going where the grammar allows nothing more."""
+    if params.grammar is None:
+        return
+    for name, on in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens > 0)):
+        if on:
+            raise invalid_request(f"{name} cannot be combined with {params.grammar.param}: a "
+                                  "constrained output ends when its grammar is complete.",
+                                  param=name, code="invalid_value")
 
 
 def _penalty(value: float | None, name: str) -> float:
@@ -462,35 +570,62 @@ def chat_input(body: ChatBody | TokenizeBody) -> ChatInput:
     if not body.messages:
         raise invalid_request("'messages' must contain at least one message.", param="messages",
                               code="empty_messages")
-    out: list[dict[str, str]] = []
-    for i, m in enumerate(body.messages):
-        where = f"messages[{i}]"
-        for extra in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(m, extra) is not None:
-                raise invalid_request(f"Unsupported parameter: {where}.{extra} (tool calling is not "
-                                      "supported by slinfer).", param=f"{where}.{extra}",
-                                      code="unsupported_parameter")
-        if m.content is None:
-            raise invalid_request(f"{where}.content is required.", param=f"{where}.content",
-                                  code="missing_required_parameter")
-        if isinstance(m.content, str):
-            text = m.content
-        else:
-            pieces = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise invalid_request(f"Unsupported content part type {part.type!r} in "
-                                          f"{where}.content[{j}]: only text is supported.",
-                                          param=f"{where}.content[{j}]", code="unsupported_parameter")
-                pieces.append(part.text)
-            text = "".join(pieces)
-        message = {"role": m.role, "content": text}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    if not any(m["content"] for m in out):
+    out = [_chat_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)]
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise invalid_request("'messages' must contain some text.", param="messages", code="empty_messages")
     return ChatInput(messages=out)
+
+
+def _chat_message(m: ChatMessage, where: str) -> dict[str, Any]:
+    """One message as the prompt builder takes it: text content (None only on an assistant
+    message that made tool calls), and the tool-call fields where the role has them."""
+    if m.function_call is not None:
+        raise invalid_request(f"Unsupported parameter: {where}.function_call (the deprecated "
+                              "functions API; use tools).", param=f"{where}.function_call",
+                              code="unsupported_parameter")
+    for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+        if getattr(m, name) is not None and m.role != role:
+            raise invalid_request(f"{where}.{name} belongs on a message of role {role!r}, not "
+                                  f"{m.role!r}.", param=f"{where}.{name}", code="invalid_value")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise invalid_request(f"{where}.tool_call_id is required on a tool message.",
+                              param=f"{where}.tool_call_id", code="missing_required_parameter")
+    if m.content is None and not m.tool_calls:
+        raise invalid_request(f"{where}.content is required.", param=f"{where}.content",
+                              code="missing_required_parameter")
+    message: dict[str, Any] = {"role": m.role, "content": _text(m.content, where)}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [_called(call, f"{where}.tool_calls[{j}]")
+                                 for j, call in enumerate(m.tool_calls)]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _text(content: str | list[TextPart] | None, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    pieces = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise invalid_request(f"Unsupported content part type {part.type!r} in "
+                                  f"{where}.content[{j}]: only text is supported.",
+                                  param=f"{where}.content[{j}]", code="unsupported_parameter")
+        pieces.append(part.text)
+    return "".join(pieces)
+
+
+def _called(call: ToolCall, where: str) -> dict[str, Any]:
+    """An earlier tool call, its arguments JSON checked (a chat template writes them out)."""
+    try:
+        json.loads(call.function.arguments)
+    except ValueError:
+        raise invalid_request(f"{where}.function.arguments must be JSON text.",
+                              param=f"{where}.function.arguments", code="invalid_value") from None
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}
 
 
 def chat_max_tokens(body: ChatBody) -> tuple[int | None, str]:

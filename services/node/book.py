@@ -94,7 +94,7 @@ def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
                           presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty,
                           logit_bias=tuple((b.token, b.bias) for b in req.logit_bias),
-                          min_p=req.min_p, prior_output=output_len)
+                          min_p=req.min_p, prior_output=output_len, grammar=req.grammar)
 
 
 def wire_logprobs(logprobs: TokenLogprobs | None) -> list[TokenLogprob]:

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from services.profiler.measure import ProfilePlan
 from services.stack import Stack, running_stack
+from shared.default_model import NAME
 from shared.modelgen import ensure_demo_model
+
+# The real model's profile only has to let the placer admit one request at a time: a small one
+# keeps the start short (its full profile takes minutes on two cores).
+REAL_PLAN = ProfilePlan(max_len=128, max_batch=2, repeats=1, warmup=1, passes=1, lora_ranks=())
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +28,11 @@ def demo_model_dir(tmp_path_factory) -> Path:
 def stack(tmp_path_factory, demo_model_dir) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def real_stack(tmp_path_factory, real_model_dir: Path) -> Iterator[Stack]:
+    """The stack serving the default real model (SmolLM2-135M-Instruct) under its own name."""
+    with running_stack(tmp_path_factory.mktemp("real-stack"), real_model_dir, plan=REAL_PLAN,
+                       model=NAME) as stack:
+        yield stack

@@ -4,28 +4,14 @@ gateway does not know (OpenWebUI's num_ctx)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 
-from services.profiler.measure import ProfilePlan
-from services.stack import Stack, running_stack
+from services.stack import Stack
 from shared.default_model import NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-# The profile only has to let the placer admit one request at a time: a small one keeps the
-# start short (the real model's full profile takes minutes on two cores).
-PLAN = ProfilePlan(max_len=128, max_batch=2, repeats=1, warmup=1, passes=1, lora_ranks=())
-
-
-@pytest.fixture(scope="module")
-def real_stack(tmp_path_factory, real_model_dir: Path) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("real-stack"), real_model_dir, plan=PLAN,
-                       model=NAME) as stack:
-        yield stack
 
 
 def _client(stack: Stack) -> openai.OpenAI:

@@ -83,10 +83,15 @@ CASES = [
     (COMPL, compl(echo=True), 400, "echo", "unsupported_parameter"),
     (COMPL, compl(suffix="end"), 400, "suffix", "unsupported_parameter"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias", "invalid_value"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     "unsupported_parameter"),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice", "invalid_value"),  # no tools
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400,
+     "tools[0].function.name", "invalid_value"),
     (CHAT, chat(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}), 400,
+     "response_format.json_schema.schema", "invalid_value"),
+    (COMPL, compl(response_format={"type": "json_object"}, ignore_eos=True), 400, "ignore_eos",
+     "invalid_value"),
     (CHAT, chat(presence_penalty=2.5), 400, "presence_penalty", "invalid_value"),
     (COMPL, compl(prompt=["one", "two"]), 400, "prompt", "unsupported_parameter"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

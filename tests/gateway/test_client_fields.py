@@ -87,11 +87,11 @@ async def test_odd_unknown_names_cannot_break_the_header(gateway, responder):
 
 @pytest.mark.parametrize(("path", "body", "param"), [
     (CHAT, chat_body(num_ctx=1, n=2), "n"),
-    (CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CHAT, chat_body(functions=[{"name": "f"}]), "functions"),
     (COMPL, {"model": PUBLIC_MODEL, "prompt": "x", "echo": True, "num_ctx": 1}, "echo"),
     (CHAT, {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "x",
-                                                  "tool_call_id": "t"}]},
-     "messages[0].tool_call_id"),
+                                                  "function_call": {"name": "f"}}]},
+     "messages[0].function_call"),
 ])
 async def test_known_but_unsupported_values_stay_a_400_by_name(gateway, path, body, param):
     resp = await _post(gateway.url, path, body)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from shared import engine_features
+from shared.schemas import OutputGrammar
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -47,6 +48,9 @@ class SamplingParams:
     # The last `prior_output` of the tokens given to add_request are output already (resumed
     # or migrated): the penalties count them as output, not prompt.
     prior_output: int = 0
+    # The output must match this grammar (constrained decoding); None = free. It ends with one
+    # of eos_token_ids, so it needs some and neither ignore_eos nor min_tokens.
+    grammar: OutputGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ def asked_features(params: SamplingParams) -> list[str]:
     """The features of shared/engine_features.py that `params` asks for."""
     return engine_features.asked_features(params.logprobs, params.presence_penalty,
                                           params.frequency_penalty, params.logit_bias,
-                                          params.min_p)
+                                          params.min_p,
+                                          params.grammar.param if params.grammar else None)
 
 
 class RequestBook:
@@ -193,6 +198,11 @@ class RequestBook:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         if not 0 <= params.prior_output <= tokens:
             raise ValueError(f"prior_output must be in 0..{tokens}, got {params.prior_output}")
+        if params.grammar is not None and (params.ignore_eos or params.min_tokens
+                                           or not params.eos_token_ids):
+            # A complete output ends with an end token, the only one its grammar then allows.
+            raise ValueError("an output grammar needs end tokens, and neither ignore_eos nor "
+                             "min_tokens")
 
     def evict(self, request_id: str) -> list[int]:
         """Drop the request, free its KV, and return prompt + generated tokens (to resume)."""

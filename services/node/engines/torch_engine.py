@@ -14,7 +14,9 @@ of each step taken from a torch.Generator seeded from (params.seed, token positi
 request is therefore reproducible, and also continues identically after an evict and re-add. The
 logit processors (logit_bias, min_tokens' EOS ban, the repetition, presence and frequency
 penalties; sampling.py) change the logits first, for greedy rows too; min_p filters sampled rows
-after temperature.
+after temperature. A request with an output grammar (response_format, a forced tool call) has its
+row masked last to the tokens the grammar allows next (grammar.py), so greedy and sampled rows
+alike produce only output that matches it.
 
 LoRA adapters (lora.py) are loaded beside the backbone with `load_adapter(name, dir)` and applied
 unmerged, per request (`SamplingParams.adapter`): a decode step orders its rows by adapter and adds
@@ -38,6 +40,7 @@ from shared.engine_features import ENGINE_FEATURES
 from ..loader import CheckpointLoader, LoaderSettings
 from .base import (KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepResult,
                    TokenLogprobs)
+from .grammar import Grammars, TokenGrammar, mask_rows
 from .kv_cache import PagedKVCache
 from .lora import LoraAdapter, LoraBatch, group_by_adapter, read_adapter
 from .sampling import add_logit_bias, keep_min_p, penalize_output
@@ -62,6 +65,7 @@ class _Request:
     generated: int = 0  # tokens sampled since add_request
     adapter: LoraAdapter | None = None  # params.adapter's weights; None: the plain base
     prompt_len: int = 0  # tokens before the output (the penalties count only the output)
+    grammar: TokenGrammar | None = None  # params.grammar's matcher, where the request has one
 
     @property
     def output(self) -> list[int]:
@@ -99,6 +103,7 @@ class TorchEngine(RequestBook):
         self._remote_layers = list(remote_layers or [])
         self._weights = weights
         self.split: Split | None = None  # once some layers run elsewhere (or have replicas)
+        self._grammars: Grammars | None = None  # made with the first constrained request
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -326,8 +331,15 @@ class TorchEngine(RequestBook):
         if params.adapter is not None and self.split is not None:
             raise ValueError("LoRA adapters are not served by an instance split across stages")
         adapter = None if params.adapter is None else self.adapters[params.adapter]
+        prompt_len = len(token_ids) - params.prior_output
+        grammar = None
+        if params.grammar is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.model_dir, self.config.vocab_size)
+            grammar = self._grammars.start(params.grammar, params.eos_token_ids,
+                                           list(token_ids[prompt_len:]))
         self.requests[request_id] = _Request(list(token_ids), params, seed, adapter=adapter,
-                                             prompt_len=len(token_ids) - params.prior_output)
+                                             prompt_len=prompt_len, grammar=grammar)
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -442,12 +454,16 @@ class TorchEngine(RequestBook):
         reserve_step(cache, spec)
         try:
             request.tokens = [*old[:n], *token_ids]  # penalties and draws see the true sequence
+            if request.grammar is not None:
+                request.grammar.follow(request.output)
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(n, n + m, device=self.device)[None]
             logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
             (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             request.tokens = old
+            if request.grammar is not None:
+                request.grammar.follow(request.output)
             abort_step(cache, spec)
             raise
         finish_step(cache, spec)
@@ -518,6 +534,8 @@ class TorchEngine(RequestBook):
     # -- helpers -------------------------------------------------------------------------------
 
     def _append(self, request: _Request, token: int, computed: int) -> None:
+        if request.grammar is not None:
+            request.grammar.advance(token)
         request.tokens.append(token)
         request.computed = computed
         request.generated += 1
@@ -562,9 +580,11 @@ def _token_logprobs(logits: torch.Tensor, request_ids: list[str], requests: list
 
 def _process_logits(logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
     """The per-request logit processors, on a float32 copy when any row needs one, in vLLM's
-    order: logit_bias, the EOS ban of min_tokens, then the penalties."""
+    order: logit_bias, the EOS ban of min_tokens, then the penalties; last, the output
+    grammars' token masks."""
     rows = [(i, r.params) for i, r in enumerate(requests) if _processed(r)]
-    if not rows:
+    constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows and not constrained:
         return logits
     logits = logits.to(torch.float32, copy=True)  # the model's output stays as it was
     vocab = logits.shape[-1]
@@ -581,6 +601,7 @@ def _process_logits(logits: torch.Tensor, requests: list[_Request]) -> torch.Ten
                                           score / params.repetition_penalty)
         penalize_output(logits[i], requests[i].output, params.presence_penalty,
                         params.frequency_penalty)
+    mask_rows(logits, constrained)
     return logits
 
 

@@ -1,0 +1,195 @@
+"""Constrained decoding on the torch engine (services/node/engines/grammar.py): the tiny model's
+weights are random, so whatever it would say freely is nonsense; under an output grammar its
+greedy and sampled outputs must still parse and validate against the schema, end by themselves
+with an end token, survive an eviction and a migration's catch-up, and leave the unconstrained
+rows of a batch alone. Engines that cannot mask logits refuse a grammar by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema_rs
+import pytest
+
+from services.node.engines.base import RequestBook, SamplingParams
+from shared.grammar import ANY_JSON_OBJECT, GrammarError, compile_grammar, json_schema_grammar
+from shared.schemas import OutputGrammar
+from tests.engines import engine_checks as checks
+
+PROMPT = list(range(100, 120))
+LIMIT = 120  # tokens; every schema below is complete well before (its strings are bounded)
+
+ENUM = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]},
+    "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["color", "size"], "additionalProperties": False}
+NESTED = {"type": "object", "properties": {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"], "additionalProperties": False}},
+    "required": ["person"], "additionalProperties": False}
+ARRAY = {"type": "object", "properties": {
+    "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+           "minItems": 1, "maxItems": 4}},
+    "required": ["xs"], "additionalProperties": False}
+# Pydantic's shape (what the openai client's parse() sends): $defs and $ref, an optional field
+# that strict mode makes required-but-nullable.
+REFS = {"$defs": {"Pet": {"type": "object", "properties": {
+    "kind": {"enum": ["cat", "dog"]},
+    "age": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 30}, {"type": "null"}]}},
+    "required": ["kind", "age"], "additionalProperties": False}},
+    "type": "object", "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"},
+                                              "maxItems": 3}},
+    "required": ["pets"], "additionalProperties": False}
+SCHEMAS = {"enum": ENUM, "nested": NESTED, "array": ARRAY, "refs": REFS}
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine(dtype="float32")
+
+
+def constrained(engine, schema, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=LIMIT, eos_token_ids=engine.eos_token_ids,
+                          grammar=json_schema_grammar(schema), **kwargs)
+
+
+def run_to_end(engine, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request(rid, ids, params)
+    out = [engine.prefill(rid).tokens[rid]]
+    while not engine.is_finished(rid):
+        out.append(engine.decode([rid]).tokens[rid])
+    engine.release(rid)
+    return out
+
+
+def document(tokenizer, engine, out: list[int]):
+    """The output as JSON: it must have ended with an end token, before max_tokens."""
+    assert out[-1] in engine.eos_token_ids and len(out) < LIMIT, out
+    return json.loads(tokenizer.decode(out[:-1]))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_greedy_and_sampled_outputs_validate_against_the_schema(engine, tokenizer, name):
+    schema = SCHEMAS[name]
+    validator = jsonschema_rs.validator_for(schema)
+    params = [constrained(engine, schema)]
+    params += [constrained(engine, schema, temperature=1.0, seed=seed) for seed in range(3)]
+    for i, p in enumerate(params):
+        value = document(tokenizer, engine, run_to_end(engine, f"{name}-{i}", PROMPT, p))
+        validator.validate(value)
+
+
+def test_free_output_does_not_parse_so_the_mask_did_the_work(engine, tokenizer):
+    free = checks.run_alone(engine, "free", PROMPT, 20, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError):
+        json.loads(tokenizer.decode(free))
+
+
+def test_json_object_is_any_object(engine, tokenizer):
+    # The random model's strings are unbounded here: a seed whose object closes early.
+    params = constrained(engine, ANY_JSON_OBJECT, temperature=1.0, seed=3)
+    value = document(tokenizer, engine, run_to_end(engine, "obj", PROMPT, params))
+    assert isinstance(value, dict)
+
+
+def test_a_stop_token_id_ends_a_complete_output(engine, tokenizer):
+    """The request's own end tokens replace the tokenizer's EOS in the mask: here only a stop
+    token the client named, and the output ends with it."""
+    stop = 42
+    params = dataclasses.replace(constrained(engine, ENUM), eos_token_ids=(stop,))
+    out = run_to_end(engine, "stop", PROMPT, params)
+    assert out[-1] == stop and not set(engine.eos_token_ids) & set(out)
+    jsonschema_rs.validate(ENUM, json.loads(tokenizer.decode(out[:-1])))
+
+
+def test_a_constrained_row_leaves_its_batch_neighbours_alone(engine):
+    plain = SamplingParams(max_tokens=12)
+    alone = checks.run_alone(engine, "alone", PROMPT, 12, plain)
+    engine.add_request("free", PROMPT, plain)
+    engine.add_request("json", PROMPT, constrained(engine, ARRAY))
+    free = [engine.prefill("free").tokens["free"]]
+    engine.prefill("json")
+    while len(free) < 12:
+        free.append(engine.decode(["json", "free"]).tokens["free"])
+    assert free == alone
+
+
+def test_an_evicted_request_resumes_inside_its_grammar(engine):
+    """Re-added with its output as prior_output (a migration by tokens), the matcher catches
+    up on that output, and greedy decoding goes on exactly as if it had never moved."""
+    params = constrained(engine, NESTED)
+    whole = run_to_end(engine, "whole", PROMPT, params)
+    engine.add_request("m", PROMPT, params)
+    first = [engine.prefill("m").tokens["m"]]
+    first += [engine.decode(["m"]).tokens["m"] for _ in range(5)]
+    tokens = engine.evict("m")
+    moved = dataclasses.replace(params, max_tokens=LIMIT - len(first), prior_output=len(first))
+    assert first + run_to_end(engine, "m", tokens, moved) == whole
+
+
+def test_a_migration_catch_up_rewinds_the_grammar(engine):
+    """`extend` replaces the request's last sampled token with the source's tokens: the matcher
+    rolls back that token and follows the source's, and the result matches a plain run."""
+    params = constrained(engine, ENUM)
+    whole = run_to_end(engine, "whole", PROMPT, params)
+    engine.add_request("d", PROMPT, params)
+    engine.prefill("d")  # the destination sampled one token of its own
+    tokens = [engine.extend("d", whole[:4]).tokens["d"]]
+    while not engine.is_finished("d"):
+        tokens.append(engine.decode(["d"]).tokens["d"])
+    engine.release("d")
+    assert whole[:4] + tokens == whole
+
+
+def test_the_compiled_grammar_is_shared_by_requests(engine):
+    from services.node.engines import grammar
+
+    grammar._initial.cache_clear()
+    for i in range(3):
+        engine.add_request(f"c{i}", PROMPT, constrained(engine, ENUM))
+    assert grammar._initial.cache_info().misses == 1
+    for i in range(3):
+        engine.release(f"c{i}")
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [{"ignore_eos": True}, {"min_tokens": 2}, {"eos_token_ids": ()}])
+def test_a_grammar_needs_an_end_it_can_reach(engine, bad):
+    with pytest.raises(ValueError, match="output grammar needs end tokens"):
+        engine.add_request("bad", PROMPT, dataclasses.replace(constrained(engine, ENUM), **bad))
+
+
+def test_a_schema_llguidance_cannot_compile_is_refused_with_its_reason(engine):
+    with pytest.raises(GrammarError, match="not"):
+        compile_grammar(json_schema_grammar({"not": {"type": "string"}}))
+    with pytest.raises(ValueError, match="Invalid type"):
+        engine.add_request("bad", PROMPT, constrained(engine, {"type": "nonsense"}))
+    assert "bad" not in engine.requests
+
+
+class _NoMask(RequestBook):
+    name = "nomask"
+
+    def __init__(self) -> None:
+        self.requests = {}
+
+
+@pytest.mark.parametrize("param", ["response_format", "tool_choice"])
+def test_an_engine_that_cannot_mask_refuses_the_grammar_by_the_parameter_that_asked(param):
+    grammar = OutputGrammar("json_schema", "{}", param)
+    params = SamplingParams(max_tokens=4, eos_token_ids=(2,), grammar=grammar)
+    with pytest.raises(ValueError, match=f"{param} not served by the nomask engine"):
+        _NoMask().check_new("r", [1, 2], params, max_context=64, vocab_size=100)
+
+
+def test_only_the_torch_engine_masks_logits():
+    from shared.engine_features import GRAMMAR_FEATURES, unsupported
+
+    asked = sorted(GRAMMAR_FEATURES)
+    assert unsupported("torch", asked) == []
+    assert unsupported("openvino", asked) == asked
+    assert unsupported("vllm", asked) == asked
