@@ -56,6 +56,7 @@ from pathlib import Path
 
 from .base import (KVCacheFull, MemoryReport, PipelinedRequest, RequestBook, SamplingParams,
                    StepResult, blocks)
+from shared.schemas import OutputGrammar
 
 __all__ = ["VllmEngine"]
 
@@ -213,7 +214,13 @@ def _params_to_json(params: SamplingParams) -> dict:
 
 
 def _params_from_json(plain: dict) -> SamplingParams:
-    return SamplingParams(**{**plain, "eos_token_ids": tuple(plain["eos_token_ids"])})
+    """The inverse of `_params_to_json`: JSON gives lists and dicts back where the dataclass
+    holds tuples and an `OutputGrammar`; restore them so the child sees the parent's value."""
+    grammar = plain.get("grammar")
+    return SamplingParams(**{
+        **plain, "eos_token_ids": tuple(plain["eos_token_ids"]),
+        "logit_bias": tuple((int(t), float(b)) for t, b in plain.get("logit_bias", ())),
+        "grammar": OutputGrammar(**grammar) if grammar is not None else None})
 
 
 def vllm_sampling_kwargs(params: SamplingParams, seed: int, generated: int,
