@@ -29,9 +29,13 @@ def binpack_order(candidates: list[tuple[NodeView, InstanceView]]) -> list[tuple
 
 
 def idle_instances(node: NodeView, now: float, keep_alive_s: float) -> list[InstanceView]:
+    """Ready instances without requests whose keep-alive has expired by `now`. Expiry is
+    `last_active + keep_alive_s`, the sum `NodeScheduler.next_reclaim_at` announces: at that
+    very time `now - last_active` can round below the keep-alive (0.4 + 1.0 - 0.4 < 1.0), and a
+    caller woken then would find nothing to reclaim and be told the same time again."""
     return [i for i in node.instances
             if i.status is InstanceStatus.READY and not i.requests
-            and now - i.last_active >= keep_alive_s]
+            and now >= i.last_active + keep_alive_s]
 
 
 @dataclass(frozen=True)

@@ -370,12 +370,31 @@ def kv_ceiling(inst: InstanceView) -> int | None:
     grow them beyond what their hosts' ledgers approved. So its pool may grow (back) only to
     what each run's reservation covers, per layer, for its local layers; a run whose
     reservation is not known holds it at the pool it has (a request that needs more goes
-    elsewhere, or waits until the layers are back)."""
-    if inst.layout is None or not inst.layout.runs:
-        return None
-    local = inst.layout.local_layers()
-    return min(r.kv_bytes * local // (r.end - r.start) if r.kv_bytes > 0 else inst.kv_bytes
-               for r in inst.layout.runs)
+    elsewhere, or waits until the layers are back).
+    The same holds for an instance serving through an execution pipeline (λScale): its helpers'
+    stages mirror its block count too, and the placer had them reserve K/V for one full context
+    (`stage_bytes`, `hosted_layer_bytes`), so until it runs alone its pool stays within that."""
+    ceilings = []
+    if inst.pipeline is not None and inst.pipeline.helpers:
+        ceilings.append(inst.model.kv_bytes_per_token * inst.model.max_context)
+    if inst.layout is not None and inst.layout.runs:
+        local = inst.layout.local_layers()
+        ceilings += [r.kv_bytes * local // (r.end - r.start) if r.kv_bytes > 0 else inst.kv_bytes
+                     for r in inst.layout.runs]
+    return min(ceilings, default=None)
+
+
+def reservations_cover(inst: InstanceView, layout: InstanceLayout) -> bool:
+    """Do the hosts of the runs `layout` adds to `inst` hold their layers' share of its K/V pool
+    as it is now? A run's reservation (`LayerRun.kv_bytes`) is that share when the move was
+    planned (`stage_share_bytes`, `plan_layer_move`); a pool that grew in between (a join
+    admitted while the host took the layers) would have the new stage mirror more than its host
+    reserved. A run whose reservation is not known is taken as it is (`kv_ceiling`)."""
+    here = inst.layout.local_layers() if inst.layout is not None else inst.model.layers
+    known = set(inst.layout.runs) if inst.layout is not None else set()
+    per_layer = inst.kv_bytes // max(1, here)
+    return all(r.kv_bytes <= 0 or (r.end - r.start) * per_layer <= r.kv_bytes
+               for r in layout.runs if r not in known)
 
 
 def stage_share_bytes(inst: InstanceView, layers: int) -> int:

@@ -8,12 +8,13 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.cost import budget_room, contended, instance_profile, kv_ceiling, kv_demand
+from shared.core.cost import (budget_room, contended, instance_profile, kv_ceiling, kv_demand,
+                              serves)
 from shared.core.memory import watermark_target
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.readiness import (NEW_INSTANCE_ID, blocked_while_growing, cold_start_ready_at,
                                    join_grace, load_seconds, new_instance_view)
-from shared.core.shadow import shadow_validate
+from shared.core.shadow import admitted_hold, shadow_hold, shadow_validate
 from shared.core.types import Hardware, InstanceStatus, InstanceView, ModelSpec, NodeView, RequestView
 
 
@@ -77,6 +78,58 @@ def node_profiles(node: NodeView, perf: PerfModel, extra: InstanceView | None = 
             return None
         profiles[inst.instance_id] = p
     return profiles
+
+
+def keeps_promises(node: NodeView, instances: list[InstanceView], load: float, perf: PerfModel,
+                   config: CoreConfig, now: float) -> bool:
+    """Would the requests `node` already admitted still meet their deadlines, and its busy
+    instances one decode round within their tightest TPOT, with its instances as `instances`
+    (one of them with its layers shed, say) and the stages it hosts taking `load` of its
+    compute (`shadow.admitted_hold`, as its own validation would see it)? What a node must
+    answer before it takes on a stage of another node's instance: a CoCoServe shed's or a
+    λScale pipeline's."""
+    if load >= 1:
+        return not any(serves(i) for i in instances)
+    profiles = node_profiles(replace(node, instances=instances), perf)
+    if profiles is None:
+        return False
+    return admitted_hold(instances, profiles, now, node.busy_until, contended(config, load),
+                         node.running) is AdmitReason.ADMITTED
+
+
+def may_hold(node: NodeView, instance_id: str, until: float, perf: PerfModel, now: float,
+             config: CoreConfig) -> bool:
+    """May the instance run nothing until `until` (an adapter pre-loaded onto it, ServerlessLoRA
+    §4.1; a lazy scale-down of its K/V pool, `may_shrink`) without making a request on the node
+    late? An instance without requests holds nobody up; one with requests is validated as an
+    admission would be (`shadow.shadow_hold`)."""
+    inst = node.instance(instance_id)
+    if inst is None or not inst.requests:
+        return True
+    profiles = node_profiles(node, perf)
+    if profiles is None:
+        return False
+    if node.stage_load >= 1:
+        return False  # its hosted stages may take all its compute: nothing can be promised
+    held = [replace(i, ready_at=max(i.ready_at, until)) if i.instance_id == instance_id else i
+            for i in node.instances]
+    verdict = shadow_hold(held, profiles, instance_id, now, node.busy_until,
+                          contended(config, node.stage_load), node.running)
+    return verdict is AdmitReason.ADMITTED
+
+
+def may_shrink(node: NodeView, inst: InstanceView, kv_bytes: int, perf: PerfModel, now: float,
+               config: CoreConfig) -> bool:
+    """May `inst` shrink its K/V pool to `kv_bytes` now (SLINFER's lazy scale-down, §VII-B,
+    once requests left it)? The resize holds it up like any memory op: it runs after what the
+    instance waits for already and takes the profile's resize time, and the requests it keeps
+    must be able to wait that long (`may_hold`). A scale-down put off only keeps memory a while
+    longer: the next request that leaves asks again."""
+    profile = perf.get(inst.model.name, node.hardware)
+    if profile is None:
+        return False
+    until = max(now, inst.ready_at) + profile.kv_scale_s(inst.kv_bytes, kv_bytes)
+    return may_hold(node, inst.instance_id, until, perf, now, config)
 
 
 def evaluate(node: NodeView, instance_id: str | None, request: RequestView, model: ModelSpec,

@@ -19,7 +19,7 @@
   trials and the placer all use (`admission_through`): the adapter's bytes where the instance
   lacks it, its load (`adapter_load_s`, at the core's one adapter rate) holding the instance
   up in the shadow validation, and the idle adapters offloading would free. Pre-loading onto a
-  serving instance only where its requests can wait for the load (`may_hold`).
+  serving instance only where its requests can wait for the load (`evaluate.may_hold`).
 - Dynamic offloading (§4.3): under memory pressure, the least valuable resident artifacts go
   first, never an adapter with requests in flight nor a backbone an active adapter uses
   (`offload_order`).
@@ -35,10 +35,9 @@ from dataclasses import dataclass, replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.cost import request_tokens
-from shared.core.evaluate import contended, evaluate, node_profiles
+from shared.core.evaluate import evaluate
 from shared.core.perf_model import PerfModel
 from shared.core.readiness import cold_start_ready_at
-from shared.core.shadow import shadow_hold
 from shared.core.types import AdapterSpec, InstanceStatus, ModelSpec, NodeView, RequestView
 
 
@@ -152,26 +151,6 @@ def _adapter_fits(node: NodeView, instance_id: str | None, model: ModelSpec,
     elif kv is not None:
         budget += kv - node.instance(instance_id).kv_bytes
     return budget + need <= node.memory_bytes
-
-
-def may_hold(node: NodeView, instance_id: str, until: float, perf: PerfModel, now: float,
-             config: CoreConfig) -> bool:
-    """May the instance run nothing until `until` (an adapter pre-loaded onto it, §4.1) without
-    making a request on the node late? An instance without requests holds nobody up; one with
-    requests is validated as an admission would be (`shadow.shadow_hold`)."""
-    inst = node.instance(instance_id)
-    if inst is None or not inst.requests:
-        return True
-    profiles = node_profiles(node, perf)
-    if profiles is None:
-        return False
-    if node.stage_load >= 1:
-        return False  # its hosted stages may take all its compute: nothing can be promised
-    held = [replace(i, ready_at=max(i.ready_at, until)) if i.instance_id == instance_id else i
-            for i in node.instances]
-    verdict = shadow_hold(held, profiles, instance_id, now, node.busy_until,
-                          contended(config, node.stage_load), node.running)
-    return verdict is AdmitReason.ADMITTED
 
 
 RATE_USES = 32  # calls a model's or an adapter's invocation rate is taken over

@@ -30,7 +30,7 @@ the host reports the prediction until it has measured the stage for a window. A 
 replica goes only to a host whose own busy instances still fit one decode round each within
 their tightest TPOT SLO, so contended; a shed's stage also only where the moved layers' stages
 then take at most `max_host_load`, and where the requests the host already admitted still meet
-their deadlines with the stage's work (`shadow.admitted_hold`). The shedding instance's own node
+their deadlines with the stage's work (`evaluate.keeps_promises`). The shedding instance's own node
 is checked the same way with the hops the shed adds (its round, SLINFER's case 3, and its
 admitted requests' deadlines), not the shedding instance alone. (A replica yields: it is
 dropped once the host's own requests run late, so the host does not count it.)
@@ -48,18 +48,16 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
-from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.context import DecisionContext
-from shared.core.cost import (HopCost, avg_context, budget_room, contended, decode_step_s,
-                              free_bytes, kv_demand, kv_for_layers, layer_weight_bytes,
-                              layout_replication, layout_spec, plan_layer_move, round_fits,
-                              serves, stage_load, stage_share_bytes, tightest_tpot)
-from shared.core.evaluate import node_profiles
+from shared.core.cost import (HopCost, avg_context, budget_room, decode_step_s, free_bytes,
+                              kv_demand, kv_for_layers, layer_weight_bytes, layout_replication,
+                              layout_spec, plan_layer_move, round_fits, stage_load,
+                              stage_share_bytes, tightest_tpot)
+from shared.core.evaluate import keeps_promises
 from shared.core.modules import (Device, eviction_order, layers_to_shed, relative_hop_cost,
                                  scale_up, speedup)
 from shared.core.perf_model import Profile
-from shared.core.shadow import admitted_hold
 from shared.core.types import (InstanceLayout, InstanceStatus, InstanceView, LayerRun, ModelSpec,
                                NodeView, RequestView)
 
@@ -264,18 +262,9 @@ def _host_fits(host: NodeView, load: float, ctx: DecisionContext, settings: Modu
 
 def _keeps_promises(node: NodeView, instances: list[InstanceView], load: float,
                     ctx: DecisionContext) -> bool:
-    """Would the requests `node` already admitted still meet their deadlines, and its busy
-    instances one decode round within their tightest TPOT, with its instances as `instances`
-    (one of them with its layers shed, say) and its hosted stages taking `load` of its compute
-    (`shadow.admitted_hold`, as its own validation would see it)?"""
-    if load >= 1:
-        return not any(serves(i) for i in instances)
-    profiles = node_profiles(replace(node, instances=instances), ctx.perf)
-    if profiles is None:
-        return False
-    return admitted_hold(instances, profiles, ctx.now, node.busy_until,
-                         contended(ctx.config, load),
-                         node.running) is AdmitReason.ADMITTED
+    """`evaluate.keeps_promises` at the context's time: the requests `node` admitted still meet
+    their deadlines, and its busy instances their round, with `instances` and `load`."""
+    return keeps_promises(node, instances, load, ctx.perf, ctx.config, ctx.now)
 
 
 # -- memory pressure ---------------------------------------------------------------------------

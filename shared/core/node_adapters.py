@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shared.core.admission import Admission, AdmitReason
-from shared.core.lora import Artifact, adapter_load_s, adapter_ready_at, may_hold, offload_order
+from shared.core.evaluate import may_hold
+from shared.core.lora import Artifact, adapter_load_s, adapter_ready_at, offload_order
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_state import NodeState
 from shared.core.node_timeline import MemOpTimeline

@@ -11,7 +11,7 @@ runs for others, and requests held out of the batches during a live migration.
 
 from __future__ import annotations
 
-from shared.core.cost import kv_for_layers, layout_spec
+from shared.core.cost import kv_for_layers, layout_spec, reservations_cover
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_state import NodeState
 from shared.core.node_timeline import MemOpTimeline
@@ -30,7 +30,8 @@ class Layouts:
         pool per local layer (the block count is kept: moved layers take their pools along,
         rounded up so the engine keeps every block). Fewer local layers shrink its ledger entry
         (the op changes nothing on the engine, whose memory the move already freed); more
-        (layers taken back) must fit the budget first, else False and nothing changes."""
+        (layers taken back) must fit the budget first, else False and nothing changes; so
+        for new stages whose hosts reserved less than their share of its pool now."""
         inst = self.state.instance(instance_id)
         full = inst.layout.model if inst.layout is not None else inst.model
         if full.layers <= 0:
@@ -42,12 +43,20 @@ class Layouts:
         after = layout.local_layers() if layout is not None else full.layers
         if not 0 < after <= full.layers:
             raise ValueError(f"an instance keeps 1 to {full.layers} layers here, not {after}")
+        if layout is not None and not reservations_cover(inst, layout):
+            return False, []  # its pool outgrew what the new stages' hosts reserved
         spec = layout_spec(layout) if after < full.layers else full  # replicas move nothing off
         kv = kv_for_layers(inst.kv_bytes, before, after)
         ok, ops = self.state.ledger.request(MemOpKind.SCALE, instance_id, spec.weight_bytes + kv,
                                             now)
         if not ok:
             return False, []
+        # The engine moved the layers (and their pools) before: the op only brings the ledger
+        # along and holds the instance up for no time (priced as a resize, it would stop it for
+        # one that the admissions and the module planner never saw).
+        for op in (*self.state.ledger.running(), *self.state.ledger.parked()):
+            if op.instance_id == instance_id:
+                self.state.op_estimates.setdefault(op.op_id, 0.0)
         inst.model, inst.kv_bytes, inst.layout = spec, kv, layout
         self.timeline.sync(now)
         return True, ops

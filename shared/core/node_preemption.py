@@ -2,8 +2,8 @@
 
 `preempt_and_admit` is one step the node re-checks first: the victims must still be strictly
 smaller than the preemptor (`consolidation.preemption_victims`) and the request must pass on this
-node without them (a trial admission on the view with the victims gone). Only then does anything
-change, so a refusal leaves the victims untouched.
+node without them (a trial admission on a copy of the node with the victims unloaded). Only then
+does anything change, so a refusal leaves the victims untouched.
 
 Two ways to free the victims:
 - stop-and-resume: they are unloaded now and their requests come back (`evicted`) to be moved
@@ -17,13 +17,14 @@ Two ways to free the victims:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.consolidation import preemption_victims
-from shared.core.evaluate import handing_over, without_instances
+from shared.core.evaluate import handing_over
 from shared.core.lora import admission_through
-from shared.core.memory import UNLOAD_S, MemOp, MemOpKind
+from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_adapters import InstanceAdapters
 from shared.core.node_admission import AdmitResult, Admitter
 from shared.core.node_memops import MemoryOps
@@ -56,12 +57,13 @@ class Preemption:
         if handover_s is not None:
             return self._preempt_live(victims, request, instance_id, model, now, adapter,
                                       handover_s)
-        gone = without_instances(state.view(), set(victims))
-        # Their unloads run first: an op that needs their memory (the newcomer's adapter) starts
-        # after them, as the admission that follows the unloads sees it in the timeline.
-        if victims:
-            gone = replace(gone, memops_until=max(gone.memops_until, now + UNLOAD_S))
-        admission = self._trial(gone, instance_id, request, model, adapter, now)
+        # The trial runs on a copy of the node with the victims unloaded: the admission that
+        # follows sees their unloads run first, and every op that needs their memory (the
+        # newcomer's growth or adapter, a load parked before) wait for them. A view with them
+        # left out misses some of that, and the victims would be gone when it refuses.
+        twin = copy.deepcopy(self, {id(state.perf): state.perf})
+        twin.preempt(victims, now)
+        admission = self._trial(twin.state.view(), instance_id, request, model, adapter, now)
         if not admission.ok:
             return AdmitResult(admission)
         evicted, unload_ops = self.preempt(victims, now)
@@ -99,7 +101,12 @@ class Preemption:
                for v in victims):  # a loading victim's requests cannot move live (as planned)
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         leaves_at = now + max(0.0, handover_s)
-        ready = handover_ready_at(leaves_at)
+        running = state.node.running
+        if running is not None and running.instance_id in victims:
+            # The handover waits for a victim's iteration in flight (the node's lock).
+            leaves_at = max(leaves_at, state.node.busy_until)
+        # Their unloads also wait for their own ops under way (a victim still loading).
+        ready = handover_ready_at(max([leaves_at, *(state.instance(v).ready_at for v in victims)]))
         trial = handing_over(state.view(), set(victims), leaves_at)
         admission = self._trial(trial, instance_id, request, model, adapter, now, ready)
         if not admission.ok:

@@ -7,7 +7,8 @@ op, not waiting for an adapter or a live handover): the batch whose least headro
 (the lengths were underestimated, §VII-D), the instance scales up first where the node has room;
 otherwise the request with the most headroom is evicted and the pick is made again.
 `finish_iteration` credits the tokens, drops finished requests and scales a pool down lazily
-when it fell below the watermark (§VII-B).
+when it fell below the watermark (§VII-B) and the requests it keeps can wait for the resize
+(`evaluate.may_shrink`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.core.busy import BusyMeter
-from shared.core.cost import kv_ceiling, kv_demand
+from shared.core.cost import contended, contention, kv_ceiling, kv_demand
+from shared.core.evaluate import may_shrink
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
                                    predict_seconds, runnable)
@@ -64,6 +66,9 @@ class TokenLoop:
                 return StepPlan(None, 0.0, tuple(ops), tuple(evictions))
             inst = state.instance(choice.instance_id)
             if kv_tokens_needed(choice, inst) <= state.kv_capacity_tokens(inst):
+                if self._outlasts_handover(choice, inst, now):
+                    blocked.add(inst.instance_id)
+                    continue
                 return self._start(choice, inst, now, blocked, ops, evictions)
             blocked.add(inst.instance_id)
             if inst.status is InstanceStatus.HANDOVER:
@@ -78,12 +83,23 @@ class TokenLoop:
             evictions.append(_evict_longest(inst, now))
             blocked.discard(inst.instance_id)  # it may fit now
 
+    def _outlasts_handover(self, choice: IterationChoice, inst: InstanceView, now: float) -> bool:
+        """Would this iteration of a live preemption's victim end after its handover
+        (`leaves_at`), as the validation times it? Its handover, and the preemptor promised to
+        run then, would wait for it: a victim runs only what ends by then (`shadow._pick`)."""
+        if inst.status is not InstanceStatus.HANDOVER:
+            return False
+        config = contended(self.state.config, self.state.node.stage_load)
+        seconds = predict_seconds(choice, inst, self.state.profile(inst))
+        return now + seconds * (1 + config.overestimate) > inst.leaves_at
+
     def _start(self, choice: IterationChoice, inst: InstanceView, now: float, blocked: set[str],
                ops: list[MemOp], evictions: list[Eviction]) -> StepPlan:
         """The iteration is chosen and fits: the node runs it from now."""
         node = self.state.node
         predicted = predict_seconds(choice, inst, self.state.profile(inst))
-        node.busy_until = now + predicted
+        # Its end as the node's validation expects it: slower by the stages it hosts.
+        node.busy_until = now + predicted * contention(node.stage_load)
         node.running = RunningIteration(choice.instance_id, choice.request_ids,
                                         choice.kind is IterationKind.PREFILL)
         self.state.started = (choice.instance_id, now)
@@ -159,7 +175,9 @@ class TokenLoop:
         inst.last_active = now
         need = kv_demand(inst.model, inst.requests)
         target = watermark_target(inst.kv_bytes, need, self.state.config.watermark)
-        if target is not None and target < inst.kv_bytes and inst.status is InstanceStatus.READY:
+        if target is not None and target < inst.kv_bytes and inst.status is InstanceStatus.READY \
+                and may_shrink(self.state.node, inst, target, self.state.perf, now,
+                               self.state.config):
             return self.memops.resize(inst, target, now)  # lazy scale-down (§VII-B)
         return []
 

@@ -146,8 +146,11 @@ class MemopTimeline:
     gate: float  # when an op parked now could start (`NodeView.parked_start`)
 
     def handover_ready_at(self, ready_at: float, victims: set[str], now: float) -> float:
-        """A live preemptor's instance runs nothing before its victims are gone."""
-        return max([ready_at, now, *(self.ends.get(v, self.held.get(v, now)) for v in victims)])
+        """A live preemptor's instance runs nothing before its victims are gone: after their
+        held unloads and after any op of theirs still under way (an adapter loading onto a
+        victim ends long before its handover, and must not stand in for it)."""
+        return max([ready_at, now, *(max(self.ends.get(v, now), self.held.get(v, now))
+                                     for v in victims)])
 
 
 def memop_timeline(running: list[MemOp], parked: list[MemOp], op_s: Callable[[MemOp], float],
@@ -155,9 +158,10 @@ def memop_timeline(running: list[MemOp], parked: list[MemOp], op_s: Callable[[Me
     """The node's memory ops on its timeline: an instance with a load or resize running, or
     parked in the reservation station, runs nothing until that op ends. A parked op starts once
     the ops under way have ended (conservatively all of them: pessimistic tracking releases it
-    on some completion). A held unload (a live preemption's victim) ends once its requests have
-    moved, about at its `leaves_at`; every parked op waits for it too (its memory is counted
-    until then). `op_s`: an op's estimated duration; `leaves_at`: a victim's (None: gone)."""
+    on some completion), and the unloads and scale-downs parked behind them. A held unload (a
+    live preemption's victim) ends once its requests have moved, about at its `leaves_at`;
+    every parked op waits for it too (its memory is counted until then). `op_s`: an op's
+    estimated duration; `leaves_at`: a victim's (None: gone)."""
     running_end = max((op.started_at + op_s(op) for op in running if op.started_at is not None),
                       default=now)
     ends: dict[str, float] = {}
@@ -165,12 +169,19 @@ def memop_timeline(running: list[MemOp], parked: list[MemOp], op_s: Callable[[Me
         if op.started_at is not None:  # an adapter's op holds up its instance
             key = op_owner(op.instance_id)
             ends[key] = max(ends.get(key, now), op.started_at + op_s(op))
+    run_ends = {op.instance_id: op.started_at + op_s(op) for op in running
+                if op.started_at is not None}
     held: dict[str, float] = {}
     for op in parked:
-        if op.held:
+        if op.held:  # after its handover, and after the victim's own op under way (a load)
             leaves = leaves_at(op.instance_id)
-            held[op.instance_id] = max(leaves if leaves is not None else now, now) + UNLOAD_S
-    gate = max([running_end, *held.values()])
+            held[op.instance_id] = max(leaves if leaves is not None else now, now,
+                                       run_ends.get(op.instance_id, now)) + UNLOAD_S
+    # An unload or scale-down parked behind its own key's running op (an adapter's unload
+    # behind its load) frees memory only once it has run: what waits for memory waits for it.
+    releases = [max(run_ends.get(op.instance_id, now), now) + op_s(op) for op in parked
+                if not op.held and not op.grows]
+    gate = max([running_end, *held.values(), *releases])
     for op in parked:
         if not op.held:
             key = op_owner(op.instance_id)

@@ -126,6 +126,16 @@ class _SimInstance:
         self.min_deadline, self.min_on_time, self.unprefilled = lowest, on_time, unprefilled
         self.lowest, self.on_time = low_r, on_r
 
+    def next_s(self, t: float) -> float:
+        """Its next iteration at `t`, unscaled: the prefill of its waiting request with the
+        least headroom, else a decode step of its batch (what `_simulate` then runs)."""
+        if not self.unprefilled:
+            return self.decode_s()
+        self.settle()
+        first = min((r for r in self.requests if not r.prefilled),
+                    key=lambda r: (r.deadline - t, r.request_id))
+        return first.prefill_s(self.profile)
+
     def decode_s(self) -> float:
         n = len(self.requests)
         return self.decode_at(self.context / n) if n else 0.0
@@ -229,11 +239,15 @@ def _start_state(sim: list[_SimInstance], running: RunningIteration | None, busy
         si.refresh()
 
 
-def _pick(sim: list[_SimInstance], t: float) -> _SimInstance | None:
-    """`choose_iteration`'s instance: the runnable one with the least headroom, ids break ties."""
+def _pick(sim: list[_SimInstance], t: float, scale: float) -> _SimInstance | None:
+    """`choose_iteration`'s instance: the runnable one with the least headroom, ids break ties.
+    A live preemption's victim runs only an iteration that ends by its handover (the node's
+    token loop does the same): one running past it would hold up the handover."""
     best, best_h = None, INF
     for si in sim:
         if not si.requests or not si.can_run or si.ready_at > t or si.leaves_at <= t:
+            continue
+        if si.leaves_at < INF and t + si.next_s(t) * scale > si.leaves_at:
             continue
         h = si.min_deadline - t
         if best is None or h < best_h or (h == best_h and si.instance_id < best.instance_id):
@@ -266,7 +280,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
         if new_done and waiting == 0 and t >= last_ready \
                 and all(si.min_on_time - t >= round_s or si.leaves_at <= t for si in sim):
             return AdmitReason.ADMITTED  # every request can wait a whole decode round
-        inst = _pick(sim, t)
+        inst = _pick(sim, t, scale)
         if inst is None:
             ready = [si.ready_at for si in sim if si.requests and si.can_run
                      and t < si.ready_at < si.leaves_at]

@@ -49,6 +49,7 @@ from shared.core.config import CoreConfig
 from shared.core.context import DecisionContext
 from shared.core.cost import (budget_room, helper_bytes, hosted_layer_bytes, multicast_step_s,
                               pipeline_helper_loads, round_fits, stage_bytes)
+from shared.core.evaluate import keeps_promises
 from shared.core.multicast import head_first, whole_steps
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.pipeline import head_spans, holder_serve, model_layout, receiver_plan
@@ -105,17 +106,31 @@ def multicast_arrive_s(model_bytes: int, sources: list[NodeView], receiver: Node
 
 
 def pipeline_helper(model: ModelSpec, sources: list[NodeView], perf: PerfModel | None = None,
-                    config: CoreConfig | None = None) -> NodeView | None:
+                    config: CoreConfig | None = None,
+                    now: float | None = None) -> NodeView | None:
     """The source with the most free memory, if it has room for the stage (`stage_bytes`) and
-    its own busy instances still meet their TPOT with the stage's share of its compute on top
-    of what its stages take already (`cost.round_fits`: the stage runs every layer but one of
-    every iteration of the new instance)."""
+    the stage's share of its compute, on top of what its stages take already, leaves what it
+    serves on time (`takes_load`: the stage runs every layer but one of every iteration of the
+    new instance)."""
     need = stage_bytes(model)
     load = (model.layers - 1) / max(1, model.layers)
     config = config or CoreConfig()
     roomy = [n for n in sources if not n.draining and budget_room(n) >= need
-             and round_fits(n, n.stage_load + load, perf, config)]
+             and takes_load(n, n.stage_load + load, perf, config, now)]
     return max(roomy, key=lambda n: (budget_room(n), n.node_id), default=None)
+
+
+def takes_load(node: NodeView, load: float, perf: PerfModel | None, config: CoreConfig,
+               now: float | None) -> bool:
+    """May `node` host pipeline stages that take `load` of its compute (all it would host)?
+    Its busy instances still fit one decode round each within their tightest TPOT
+    (`cost.round_fits`) and, where the caller knows the time, the requests it already admitted
+    still meet their deadlines, a waiting prefill included (`evaluate.keeps_promises`): a
+    stage that takes 7/8 of a node makes each of its own iterations 8 times as long."""
+    if not round_fits(node, load, perf, config):
+        return False
+    return perf is None or now is None or keeps_promises(node, node.instances, load, perf,
+                                                         config, now)
 
 
 def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
@@ -126,13 +141,13 @@ def _pipelinable(model: ModelSpec, config: CoreConfig) -> bool:
 
 def plan_pipeline(node: NodeView, model: ModelSpec, profile: Profile, sources: list[NodeView],
                   receivers: int, config: CoreConfig,
-                  perf: PerfModel | None = None, position: int | None = None
-                  ) -> PipelineMode | None:
+                  perf: PerfModel | None = None, position: int | None = None,
+                  now: float | None = None) -> PipelineMode | None:
     """How the new instance would serve through a pipeline (None: it cannot: the model's shape
     is unknown, or no source has room for the stage and the compute for it)."""
     if not _pipelinable(model, config):
         return None
-    helper = pipeline_helper(model, sources, perf, config)
+    helper = pipeline_helper(model, sources, perf, config, now)
     if helper is None:
         return None
     k = len(sources)
@@ -162,13 +177,13 @@ def receivers_in_order(model: ModelSpec, nodes: list[NodeView], exclude: str = "
 
 def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
                            sources: list[NodeView], receivers: list[NodeView],
-                           config: CoreConfig, perf: PerfModel | None = None
-                           ) -> PipelineMode | None:
+                           config: CoreConfig, perf: PerfModel | None = None,
+                           now: float | None = None) -> PipelineMode | None:
     """How the new instance would serve with the receivers of its execution pipeline hosting the
     layers it lacks (`receiver_plan`: this node joins last, after `receivers`); None when that
     pipeline has no cover before its copy is whole (alone in it, or no room on the others). A
-    receiver whose own busy instances would miss their TPOT with the ranges it is given
-    (`cost.round_fits`) hosts nothing: the plan is made again without it."""
+    receiver that could not take the ranges it is given (`takes_load`: its own busy instances'
+    TPOT, its admitted requests' deadlines) hosts nothing: the plan is made again without it."""
     if not (config.enable_receiver_pipelines and _pipelinable(model, config)) or not receivers:
         return None
     k, order = len(sources), [*receivers, node]
@@ -187,7 +202,7 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
                        if int(s.node) != n - 1)
         mode = PipelineMode(plan.hops, config.pipeline_hop_latency_s, 0.0, model.token_bytes,
                             0.0, tuple(dict.fromkeys(r.helper for r in ranges)), ranges=ranges)
-        busy = _too_busy(model, mode, {x.node_id: x for x in receivers}, perf, config)
+        busy = _too_busy(model, mode, {x.node_id: x for x in receivers}, perf, config, now)
         if not busy:
             break
         if all(room[index[h]] < 0 for h in busy):
@@ -202,12 +217,12 @@ def plan_receiver_pipeline(node: NodeView, model: ModelSpec, profile: Profile,
 
 
 def _too_busy(model: ModelSpec, mode: PipelineMode, nodes: dict[str, NodeView],
-              perf: PerfModel | None, config: CoreConfig) -> list[str]:
-    """The helpers of `mode` whose own busy instances would miss their TPOT with the layers it
-    gives them on top of the stages they run already (`cost.round_fits`)."""
+              perf: PerfModel | None, config: CoreConfig, now: float | None) -> list[str]:
+    """The helpers of `mode` that cannot take the layers it gives them on top of the stages
+    they run already (`takes_load`)."""
     loads = pipeline_helper_loads(model, mode)
     return [h for h in mode.helpers
-            if not round_fits(nodes[h], nodes[h].stage_load + loads[h], perf, config)]
+            if not takes_load(nodes[h], nodes[h].stage_load + loads[h], perf, config, now)]
 
 
 def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, ctx: DecisionContext,
@@ -233,9 +248,11 @@ def choose_startup(node: NodeView, model: ModelSpec, profile: Profile, ctx: Deci
     arrive = multicast_arrive_s(model.weight_bytes, sources, node, receivers, config, position)
     via = arrived_load_s(model, arrive, storage.bytes_per_s["dram"], profile)
     names = tuple(sorted(n.node_id for n in sources))
-    modes = [plan_pipeline(node, model, profile, sources, receivers, config, perf, position)]
+    modes = [plan_pipeline(node, model, profile, sources, receivers, config, perf, position,
+                           ctx.now)]
     if group is None:  # receivers host for the newest only as it joins (`receiver_plan`)
-        modes.append(plan_receiver_pipeline(node, model, profile, sources, on_way, config, perf))
+        modes.append(plan_receiver_pipeline(node, model, profile, sources, on_way, config, perf,
+                                            ctx.now))
     mode = min((m for m in modes if m is not None), key=lambda m: m.until, default=None)
     if mode is not None and mode.until < min(via, tier):
         return StartupChoice(StartupMethod.PIPELINE, mode.until, tier, arrive, names, mode)

@@ -66,6 +66,11 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     def gone(i, t):
         return i.status is InstanceStatus.HANDOVER and i.leaves_at <= t
 
+    def outlasts(i, t):  # a victim runs only what ends by its handover
+        choice = choose_iteration([i], t) if i.status is InstanceStatus.HANDOVER else None
+        return choice is not None and t + predict_seconds(
+            choice, i, profiles[i.instance_id]) * (1 + config.overestimate) > i.leaves_at
+
     while True:
         active = [i for i in sim if not gone(i, t)]
         if new_done and t >= last_ready and all(
@@ -73,7 +78,7 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
                                          and r.headroom(t) >= round_s)
                 for i in active for r in i.requests):
             return AdmitReason.ADMITTED
-        choice = choose_iteration(active, t)
+        choice = choose_iteration([i for i in active if not outlasts(i, t)], t)
         if choice is None:
             waiting = [i.ready_at for i in live if i.ready_at > t and not gone(i, i.ready_at)]
             if not waiting:
