@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -39,9 +39,12 @@ class Generation:
     With `logprobs`, each token's logprobs are collected as it arrives: `take_logprobs()` hands
     out those not handed out yet (a stream's next chunk), `logprobs` holds them all.
 
-    `deltas()` raises `errors.APIError` for a dropped, failed or timed-out request. Whatever way
-    the iteration ends, `close()` must run: it cancels the request on the node unless the node
-    already finished it, and drops the subscription.
+    `deltas()` raises `errors.APIError` for a dropped, failed or timed-out request. A request
+    dropped or failed before its first token, for a reason that names no lifecycle of its model,
+    is first put to `cause` (services/gateway/files_check.py): its answer, when it has one,
+    replaces the overload or inference error. Whatever way the iteration ends, `close()` must
+    run: it cancels the request on the node unless the node already finished it, and drops the
+    subscription.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Generation:
         on_close: Callable[[], None] | None = None,
         logprobs: bool = False,
         hidden_ids: frozenset[int] = frozenset(),
+        cause: Callable[[], Awaitable[errors.APIError | None]] | None = None,
     ) -> None:
         self.request_id = stream.request_id
         self._backend = backend
@@ -78,6 +82,7 @@ class Generation:
         self._taken = 0  # entries of `logprobs` already handed out by take_logprobs
         # The client's stop_token_ids: they end the output like an EOS and, like it, add no text.
         self._hidden = hidden_ids
+        self._cause = cause
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas, in order; one per token message (possibly empty while a character or a
@@ -98,7 +103,7 @@ class Generation:
                     yield delta
                 else:
                     self._node_done = True
-                    self._check(event)
+                    await self._check(event)
                     self._text += self._detok.flush()
                     delta, stopped = self._take(final=True)
                     self.finish_reason = "stop" if stopped else OPENAI_FINISH[event.reason]
@@ -133,10 +138,11 @@ class Generation:
         self._taken = len(self.logprobs)
         return fresh
 
-    def _check(self, event: Finished) -> None:
+    async def _check(self, event: Finished) -> None:
         if event.reason in OPENAI_FINISH:
             return
         self.failure, self.failure_detail = event.reason.value, event.error
+        await self._check_cause(event)
         if event.reason is FinishReason.DROPPED:
             raise errors.request_dropped(event.error)
         lifecycle = parse_lifecycle_error(event.error)
@@ -146,6 +152,17 @@ class Generation:
         if event.reason is FinishReason.CANCELLED:
             raise errors.inference_failed(event.error or "the request was cancelled by the system")
         raise errors.inference_failed(event.error)
+
+    async def _check_cause(self, event: Finished) -> None:
+        """A drop or failure before any output, not told as the model's lifecycle: the model's
+        own fault (broken files) is the answer if `cause` finds one."""
+        if self._cause is None or self.completion_tokens or event.reason not in (
+                FinishReason.DROPPED, FinishReason.ERROR) or parse_lifecycle_error(event.error):
+            return
+        error = await self._cause()
+        if error is not None:
+            self.failure, self.failure_detail = "error", error.message
+            raise error
 
     def _take(self, final: bool = False) -> tuple[str, bool]:
         """The next safe piece of text and whether a stop sequence ended the output."""

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from services.gateway import errors, lifecycle
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, InferenceBackend
+from services.gateway.files_check import FilesCheck
 from services.gateway.generation import Generation
 from services.gateway.observe import RequestObserver
 from services.gateway.settings import GatewaySettings
@@ -60,6 +61,7 @@ class GatewayService:
         self.tokenizers = tokenizers
         self.metrics = metrics
         self.admission = Admission(settings)
+        self.files = FilesCheck(registry, redis)
 
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
         record = await self.registry.resolve(name, tenant)
@@ -99,6 +101,14 @@ class GatewayService:
             status = failed_locally(kinds, files_failure(problem, "the gateway"))
         return errors.model_failed(failed_message(display_name(record), status, kinds,
                                                   hide=(record.path,)))
+
+    async def files_cause(self, record: ModelRecord) -> errors.APIError | None:
+        """The `model_failed` answer for a request for `record` that was dropped or failed before
+        any node loaded its files, when they are broken (services/gateway/files_check.py)."""
+        found = await self.files.broken(record)
+        if found is None:
+            return None
+        return await self._files_broken(*found)
 
     async def prepare(self, model: str, tenant: str, params: SamplingParams,
                       prompt: CompletionInput | ChatInput) -> Prepared:
@@ -234,4 +244,5 @@ class GatewayService:
         detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
         return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer,
                           on_close=slot.release, logprobs=prepared.params.logprobs is not None,
-                          hidden_ids=frozenset(prepared.params.stop_token_ids))
+                          hidden_ids=frozenset(prepared.params.stop_token_ids),
+                          cause=lambda: self.files_cause(prepared.record))

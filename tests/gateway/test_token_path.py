@@ -4,15 +4,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 
 import httpx
 import openai
 import pytest
+from redis.asyncio import Redis
 
 from services.gateway.tokenization import encode_chat
+from shared import wire
+from shared.adaptergen import build_adapter
 from shared.core.types import slo_for_class
+from shared.model_state import ModelState, get_status
 from shared.schemas import FinishReason, TokenMessage
+from shared.subjects import MODELS_HASH
 from tests.gateway.conftest import PUBLIC_MODEL
 from tests.gateway.responder import Hang, token_script
 
@@ -227,3 +233,40 @@ async def test_client_disconnect_while_waiting_publishes_cancel(gateway, respond
     writer.close()
     notice = await responder.wait_cancel(responder.requests[0].request_id)
     assert notice.reason == "client disconnected"
+
+
+@pytest.mark.parametrize("broken", [True, False])
+async def test_a_dropped_request_for_a_broken_adapter_is_model_failed(
+        gateway, responder, redis_url, seeded_models, model_dir, tmp_path, broken):
+    """Issue 24: a request through an adapter no node holds, dropped for load (a busy box's
+    calibrated profile makes the adapter's load break the TTFT), is answered by the adapter's
+    broken files - 500 model_failed, its lifecycle failed - not as overload; a whole adapter's
+    drop stays a 503."""
+    name = f"drop-adapter-{broken}"
+    directory = build_adapter(model_dir, tmp_path / name, seed=3)
+    record = dataclasses.replace(seeded_models[PUBLIC_MODEL], name=name, path=str(directory),
+                                 base_model=PUBLIC_MODEL, lora_rank=8)
+    redis = Redis.from_url(redis_url)
+    await redis.hset(MODELS_HASH, name, wire.encode(record))
+    if broken:
+        (directory / "adapter_config.json").write_text("{ not json")
+    responder.script = lambda r: token_script(r, [], finish=FinishReason.DROPPED)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20, trust_env=False,
+                                 headers={"Authorization": "Bearer key-a"}) as http:
+        answers = [await http.post("/v1/completions", json={"model": name, "prompt": "x",
+                                                            "max_tokens": 2, "stream": stream})
+                   for stream in (True, False)]
+    status = await get_status(redis, name)
+    await redis.aclose()
+    for r in answers:
+        error = r.json()["error"]
+        if not broken:
+            assert (r.status_code, error["code"]) == (503, "request_dropped"), r.text
+            continue
+        assert (r.status_code, error["code"]) == (500, "model_failed"), r.text
+        assert f"{name!r}" in error["message"] and "missing or unreadable" in error["message"]
+        assert str(directory) not in error["message"]
+    if broken:
+        assert status.state is ModelState.FAILED and str(directory) in status.kind("cpu").reason
+    else:
+        assert status is None
