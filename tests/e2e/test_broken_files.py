@@ -102,6 +102,15 @@ async def _copy_profile(stack: Stack, model: str) -> None:
         await redis.aclose()
 
 
+def _assert_answered_and_failed(stack: Stack, name: str, directory: Path) -> None:
+    """Every way of asking answers the one clear error; the lifecycle says failed and why."""
+    _assert_one_answer(asyncio.run(_calls(stack, name)), name, directory)
+    life = _lifecycle(stack, name)
+    assert life["state"] == "failed", life
+    reason = life["hardware"]["cpu"]["reason"]
+    assert "files missing or unreadable" in reason and str(directory) in reason, reason
+
+
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_broken_model_directory_is_one_clear_error(stack: Stack, demo_model_dir: Path,
                                                      tmp_path: Path, fault: str):
@@ -111,11 +120,7 @@ def test_a_broken_model_directory_is_one_clear_error(stack: Stack, demo_model_di
     assert _register(stack, {"name": model, "path": str(directory)})["state"] == "ready"
     FAULTS[fault](directory)
 
-    _assert_one_answer(asyncio.run(_calls(stack, model)), model, directory)
-    life = _lifecycle(stack, model)
-    assert life["state"] == "failed", life
-    reason = life["hardware"]["cpu"]["reason"]
-    assert "files missing or unreadable" in reason and str(directory) in reason, reason
+    _assert_answered_and_failed(stack, model, directory)
 
     # Fixed, and registered again: served.
     shutil.rmtree(directory, ignore_errors=True)
@@ -136,11 +141,7 @@ def test_a_broken_adapter_directory_is_one_clear_error(stack: Stack, demo_model_
                              "base_model": stack.model})["state"] == "ready"
     FAULTS[fault](directory)
 
-    _assert_one_answer(asyncio.run(_calls(stack, adapter)), adapter, directory)
-    life = _lifecycle(stack, adapter)
-    assert life["state"] == "failed", life
-    reason = life["hardware"]["cpu"]["reason"]
-    assert "files missing or unreadable" in reason and str(directory) in reason, reason
+    _assert_answered_and_failed(stack, adapter, directory)
     # Its backbone is not harmed: it still serves.
     assert _lifecycle(stack, stack.model)["state"] == "ready"
     r = httpx.post(f"{stack.url}/v1/completions", timeout=120,

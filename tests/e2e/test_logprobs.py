@@ -5,13 +5,12 @@ numbers against Hugging Face's own distribution, and the sampling parameters' ef
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
-import openai
 import pytest
 import torch
 
 from services.gateway.tokenization import encode_chat, encode_text
+from tests.e2e.clients import hf_model, openai_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -19,21 +18,9 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
 N = 10
 
 
-def _client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@lru_cache(maxsize=1)
-def _hf(model_dir: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return (AutoTokenizer.from_pretrained(model_dir),
-            AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval())
-
-
 def _hf_first_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
     """Hugging Face's log-distribution of the first output token after the prompt `ids`."""
-    _, model = _hf(str(model_dir))
+    _, model = hf_model(str(model_dir))
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     return torch.log_softmax(logits.float(), dim=-1)
@@ -54,7 +41,7 @@ def _check_chat_entries(content, k: int) -> None:
 
 
 def test_chat_logprobs_streamed_and_not_agree_with_the_model(stack, demo_model_dir):
-    client = _client(stack)
+    client = openai_client(stack)
     args = dict(model=stack.model, messages=MESSAGES, max_tokens=N, temperature=0,
                 logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(**args)
@@ -67,7 +54,7 @@ def test_chat_logprobs_streamed_and_not_agree_with_the_model(stack, demo_model_d
     assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
     # the numbers are the model's: the first token's against Hugging Face's distribution
-    tokenizer, _ = _hf(str(demo_model_dir))
+    tokenizer, _ = hf_model(str(demo_model_dir))
     reference = _hf_first_logprobs(demo_model_dir, encode_chat(tokenizer, MESSAGES))
     top_v, _ = reference.topk(5)
     assert [t.logprob for t in content[0].top_logprobs] == pytest.approx(top_v.tolist(),
@@ -75,7 +62,7 @@ def test_chat_logprobs_streamed_and_not_agree_with_the_model(stack, demo_model_d
 
 
 def test_completion_logprobs_streamed_and_not(stack, demo_model_dir):
-    client = _client(stack)
+    client = openai_client(stack)
     args = dict(model=stack.model, prompt="The quick brown fox", max_tokens=N, temperature=0,
                 logprobs=3, extra_body={"ignore_eos": True})
     whole = client.completions.create(**args)
@@ -85,7 +72,7 @@ def test_completion_logprobs_streamed_and_not(stack, demo_model_dir):
         assert top[token] == pytest.approx(logprob, abs=1e-6) and 3 <= len(top) <= 4
         assert logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the likeliest
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    tokenizer, _ = _hf(str(demo_model_dir))
+    tokenizer, _ = hf_model(str(demo_model_dir))
     ids = encode_text(tokenizer, "The quick brown fox")
     reference = _hf_first_logprobs(demo_model_dir, ids)
     assert lp.token_logprobs[0] == pytest.approx(reference.max().item(), abs=1e-3)
@@ -97,7 +84,7 @@ def test_completion_logprobs_streamed_and_not(stack, demo_model_dir):
 
 def _hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
     """n argmax steps on Hugging Face's logits, through EOS (what ignore_eos serves)."""
-    _, model = _hf(str(model_dir))
+    _, model = hf_model(str(model_dir))
     seq = list(ids)
     with torch.no_grad():
         for _ in range(n):
@@ -108,10 +95,10 @@ def _hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
 def test_sampling_parameters_reach_the_engine(stack, demo_model_dir):
     """logit_bias +100 forces a token; presence and frequency penalties change a greedy output;
     a stop token id ends the output where it first appears, its text not shown."""
-    client = _client(stack)
+    client = openai_client(stack)
     prompt = "The quick brown fox"
     base = dict(model=stack.model, prompt=prompt, max_tokens=N, temperature=0, logprobs=0)
-    tokenizer, _ = _hf(str(demo_model_dir))
+    tokenizer, _ = hf_model(str(demo_model_dir))
     greedy = _hf_greedy(demo_model_dir, encode_text(tokenizer, prompt), N)
     plain = client.completions.create(**base, extra_body={"ignore_eos": True})
     forced = client.completions.create(**base, logit_bias={"42": 100},

@@ -4,23 +4,17 @@ gateway does not know (OpenWebUI's num_ctx)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from services.stack import Stack
 from shared.default_model import NAME
+from tests.e2e.clients import openai_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
 def test_a_chat_without_max_tokens_answers_and_stops_by_itself(real_stack):
-    raw = _client(real_stack).chat.completions.with_raw_response.create(
+    raw = openai_client(real_stack, timeout=120).chat.completions.with_raw_response.create(
         model=NAME, messages=QUESTION, temperature=0, extra_body={"num_ctx": 4096})
     assert raw.headers["x-slinfer-ignored-fields"] == "num_ctx"
     resp = raw.parse()
@@ -31,7 +25,7 @@ def test_a_chat_without_max_tokens_answers_and_stops_by_itself(real_stack):
 
 
 def test_a_streamed_answer(real_stack):
-    chunks = list(_client(real_stack).chat.completions.create(
+    chunks = list(openai_client(real_stack, timeout=120).chat.completions.create(
         model=NAME, messages=QUESTION, temperature=0, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
-from functools import lru_cache
 
 import httpx
 import openai
@@ -14,20 +13,9 @@ import pytest
 
 from services.gateway.tokenization import encode_chat, encode_text
 from tests.polling import until
+from tests.e2e.clients import hf_model, openai_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@lru_cache(maxsize=1)
-def _hf(model_dir: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return (AutoTokenizer.from_pretrained(model_dir),
-            AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval())
 
 
 def _reference(model_dir, max_tokens: int, *, prompt: str | None = None,
@@ -36,7 +24,7 @@ def _reference(model_dir, max_tokens: int, *, prompt: str | None = None,
     from the prompt tokens the gateway makes: what temperature 0 must answer."""
     import torch
 
-    tokenizer, model = _hf(str(model_dir))
+    tokenizer, model = hf_model(str(model_dir))
     ids = encode_chat(tokenizer, messages) if messages is not None else encode_text(tokenizer, prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
@@ -63,7 +51,7 @@ async def _generating(stack, **body):
 
 
 def test_chat_completion_streams_tokens(stack, demo_model_dir):
-    stream = _client(stack).chat.completions.create(
+    stream = openai_client(stack).chat.completions.create(
         model=stack.model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=12,
         stream=True, stream_options={"include_usage": True}, temperature=0)
     chunks = list(stream)
@@ -78,7 +66,7 @@ def test_chat_completion_streams_tokens(stack, demo_model_dir):
 
 
 def test_completion_non_streaming_is_deterministic_at_temperature_zero(stack, demo_model_dir):
-    client = _client(stack)
+    client = openai_client(stack)
     first = client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=8,
                                       temperature=0)
     second = client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=8,
@@ -126,7 +114,7 @@ async def test_the_serving_instance_is_visible_in_the_admin_api(stack):
 def test_bad_input_then_good_request(stack):
     r = httpx.post(f"{stack.url}/v1/completions", json={"model": stack.model, "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    ok = _client(stack).completions.create(model=stack.model, prompt="still serving", max_tokens=3)
+    ok = openai_client(stack).completions.create(model=stack.model, prompt="still serving", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
 
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from services.stack import Stack
 from shared.default_model import NAME
+from tests.e2e.clients import openai_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 LIMIT = 120  # tokens; every answer below ends well before (greedy, on this model)
@@ -45,13 +46,8 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}
 WEATHER_TOOL = openai.pydantic_function_tool(GetWeather)
 
 
-def _client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
 def test_parse_with_a_pydantic_model(real_stack):
-    completion = _client(real_stack).chat.completions.parse(
+    completion = openai_client(real_stack, timeout=300).chat.completions.parse(
         model=NAME, messages=CITY_QUESTION, response_format=City, temperature=0,
         max_tokens=LIMIT)
     message = completion.choices[0].message
@@ -61,7 +57,7 @@ def test_parse_with_a_pydantic_model(real_stack):
 
 
 def test_a_streamed_schema_answer_a_json_object_and_a_constrained_completion(real_stack):
-    client = _client(real_stack)
+    client = openai_client(real_stack, timeout=300)
     schema = {**City.model_json_schema(), "additionalProperties": False}
     chunks = client.chat.completions.create(
         model=NAME, messages=CITY_QUESTION, temperature=0, max_tokens=LIMIT, stream=True,
@@ -104,7 +100,7 @@ def relaxed(real_stack) -> Iterator[Stack]:
 
 
 def test_a_named_tool_choice_yields_a_call_the_client_parses(relaxed):
-    completion = _client(relaxed).chat.completions.parse(
+    completion = openai_client(relaxed, timeout=300).chat.completions.parse(
         model=NAME, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0,
         tool_choice={"type": "function", "function": {"name": "GetWeather"}}, max_tokens=LIMIT)
     choice = completion.choices[0]
@@ -126,14 +122,14 @@ def _streamed_required_call(client: openai.OpenAI):
 
 
 def test_a_required_call_streamed(relaxed):
-    call, deltas = _streamed_required_call(_client(relaxed))
+    call, deltas = _streamed_required_call(openai_client(relaxed, timeout=300))
     assert isinstance(call.function.parsed_arguments, GetWeather)
     assert len(deltas) > 1  # the arguments arrived in pieces
 
 
 def test_a_call_and_its_result_sent_back(relaxed):
     """The call and its result go back; the model answers (tools still offered)."""
-    client = _client(relaxed)
+    client = openai_client(relaxed, timeout=300)
     call, _ = _streamed_required_call(client)
     answer = client.chat.completions.create(
         model=NAME, tools=[WEATHER_TOOL], temperature=0, max_tokens=40, messages=[

@@ -191,3 +191,14 @@ async def responder(gateway: RunningGateway, nats_url: str, hf_tokenizer):
     await r.start()
     yield r
     await r.stop()
+
+
+@pytest.fixture(scope="package")
+def openvino_model(redis_url, seeded_models) -> str:
+    """The public tiny model registered again on the OpenVINO engine, whose sampling is its own."""
+    name = "tiny-openvino"
+    record = dataclasses.replace(seeded_models[PUBLIC_MODEL], name=name, engine="openvino")
+    r = SyncRedis.from_url(redis_url)
+    r.hset(MODELS_HASH, name, wire.encode(record))
+    r.close()
+    return name

@@ -17,6 +17,7 @@ from shared.core.types import (SLO, Hardware, InstanceView, ModelSpec, NodeView,
                                RequestView, StorageView)
 from shared.registry import model_id
 from shared.subjects import NODES_SET, node_key
+from tests.gateway.clients import api_client
 from tests.gateway.conftest import PRIVATE_A, PUBLIC_MODEL, copy_model, start_gateway
 
 pytestmark = pytest.mark.integration
@@ -55,7 +56,7 @@ def test_register_list_use_delete_round_trip(client_a, client_b, tenant_models):
 async def test_two_tenants_each_own_a_private_model_of_one_name(gateway, responder, tenant_models):
     """The name another tenant holds privately is free (no 409 that would leak it), and each
     tenant's requests go to its own model: the placer sees two ids."""
-    async with _client(gateway, "key-a") as a, _client(gateway, "key-b") as b:
+    async with api_client(gateway, "key-a") as a, api_client(gateway, "key-b") as b:
         for client, tenant in ((a, "tenant-a"), (b, "tenant-b")):
             resp = await client.post("/admin/models", json={
                 "name": "same-name", "path": str(tenant_models / tenant / "tiny")})
@@ -78,11 +79,6 @@ async def test_two_tenants_each_own_a_private_model_of_one_name(gateway, respond
             for client, name in ((a, "same-name"), (b, "same-name"), (b, PRIVATE_A)):
                 assert (await client.delete(f"/admin/models/{name}")).status_code == 200
         assert (await a.get(f"/v1/models/{PRIVATE_A}")).status_code == 200  # a's untouched
-
-
-def _client(gateway, key: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"},
-                             trust_env=False, timeout=20)
 
 
 def test_a_tenant_cannot_replace_or_delete_a_public_model(client_a, client_b, tenant_models):

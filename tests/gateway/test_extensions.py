@@ -4,11 +4,10 @@ bodies guidellm and `vllm bench serve` send."""
 
 from __future__ import annotations
 
-import json
 
-import httpx
 import pytest
 
+from tests.gateway.clients import api_client, sse_events
 from tests.gateway.conftest import PUBLIC_MODEL
 from tests.gateway.responder import token_script
 
@@ -17,13 +16,8 @@ pytestmark = pytest.mark.integration
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def _client(gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": "Bearer key-a"},
-                             trust_env=False, timeout=20)
-
-
 async def test_extensions_are_forwarded(gateway, responder, hf_tokenizer):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post("/v1/completions", json={
             "model": PUBLIC_MODEL, "prompt": "x", "max_tokens": 30, "temperature": 0.7,
             "top_k": 7, "repetition_penalty": 1.3, "min_tokens": 5})
@@ -49,16 +43,10 @@ async def test_extensions_are_forwarded(gateway, responder, hf_tokenizer):
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),  # stream is off
 ])
 async def test_bad_extension_values_are_400(gateway, patch, param):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post("/v1/completions", json={"model": PUBLIC_MODEL, "prompt": "x", **patch})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
-
-
-def _events(text: str) -> list[dict]:
-    lines = [ln.removeprefix("data: ") for ln in text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -68,10 +56,10 @@ async def test_continuous_usage_on_every_chunk(gateway, responder, path):
     body = {"model": PUBLIC_MODEL, "max_tokens": 40, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": MSG})
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(path, json=body)
     assert resp.status_code == 200, resp.text
-    events = _events(resp.text)
+    events = sse_events(resp.text)
     prompt = len(responder.requests[0].prompt_token_ids)
     counts = []
     for event in events:
@@ -85,11 +73,11 @@ async def test_continuous_usage_on_every_chunk(gateway, responder, path):
 
 
 async def test_usage_null_on_chunks_without_continuous_usage(gateway, responder):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post("/v1/completions", json={
             "model": PUBLIC_MODEL, "prompt": "x", "stream": True,
             "stream_options": {"include_usage": True}})
-    events = _events(resp.text)
+    events = sse_events(resp.text)
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"]
 
 
@@ -112,9 +100,9 @@ async def test_guidellm_and_vllm_bench_bodies_are_served(gateway, responder):
                                   "stream_options": {"include_usage": True}, "ignore_eos": True,
                                   "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}),
     ]
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         for path, body in bodies:
             resp = await c.post(path, json=body)
             assert resp.status_code == 200, (body, resp.text)
-            assert _events(resp.text)[-1]["usage"]["completion_tokens"] > 0
+            assert sse_events(resp.text)[-1]["usage"]["completion_tokens"] > 0
     assert all(r.ignore_eos and r.max_tokens == 32 for r in responder.requests)

@@ -29,6 +29,7 @@ from shared.model_state import (ModelState, ProfileJob, ensure_job_stream, lifec
 from shared.registry import model_id
 from shared.schemas import FinishReason, TokenMessage
 from shared.subjects import job_subject
+from tests.gateway.clients import api_client
 from tests.gateway.conftest import copy_model
 
 pytestmark = pytest.mark.integration
@@ -83,15 +84,10 @@ async def _kinds(redis_url: str) -> list[str]:
         await redis.aclose()
 
 
-def _client(gateway, key: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {key}"},
-                             timeout=20, trust_env=False)
-
-
 async def test_registration_queues_jobs_and_the_admin_api_shows_the_states(
         gateway, nats_url, redis_url, model_dir):
     kinds = await _kinds(redis_url)
-    async with _client(gateway, "key-op") as op:
+    async with api_client(gateway, "key-op") as op:
         resp = await op.post("/admin/models", json={"name": "lc/walk", "path": str(model_dir),
                                                     "public": True})
         assert resp.status_code == 201, resp.text
@@ -120,8 +116,8 @@ async def test_registration_queues_jobs_and_the_admin_api_shows_the_states(
 async def test_a_failed_lifecycle_shows_its_reason_without_server_paths_for_tenants(
         gateway, nats_url, redis_url, tenant_models):
     kind = (await _kinds(redis_url))[0]
-    async with _client(gateway, "key-a") as a, _client(gateway, "key-b") as b, \
-            _client(gateway, "key-op") as op:
+    async with api_client(gateway, "key-a") as a, api_client(gateway, "key-b") as b, \
+            api_client(gateway, "key-op") as op:
         resp = await a.post("/admin/models", json={"name": "lc-broken",
                                                    "path": str(tenant_models / "tenant-a" / "tiny")})
         assert resp.status_code == 201, resp.text
@@ -147,7 +143,7 @@ async def test_a_model_with_a_profile_is_ready_at_once_and_a_replaced_checkpoint
     for kind in kinds:
         await save_profile(redis, _flat_profile("lc/profiled", Hardware(kind)))
     await redis.aclose()
-    async with _client(gateway, "key-op") as op:
+    async with api_client(gateway, "key-op") as op:
         body = {"name": "lc/profiled", "path": str(model_dir), "public": True}
         life = (await op.post("/admin/models", json=body)).json()["lifecycle"]
         assert life["state"] == "ready"
@@ -170,7 +166,7 @@ async def test_the_placers_not_ready_errors_reach_the_client_as_such(
     responder.script = lambda r: [TokenMessage(r.request_id, 0, [], finished=True,
                                                finish_reason=FinishReason.ERROR,
                                                error=lifecycle_error(code, message))]
-    async with _client(gateway, "key-a") as a:
+    async with api_client(gateway, "key-a") as a:
         for stream in (False, True):
             resp = await a.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                          "stream": stream})

@@ -5,18 +5,13 @@ and the node's per-token logprobs rendered in the chat and completions shapes, s
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 
-import httpx
 import openai
 import pytest
-from redis import Redis as SyncRedis
 
-from shared import wire
 from shared.schemas import FinishReason, TokenBias
-from shared.subjects import MODELS_HASH
+from tests.gateway.clients import api_client, sse_events
 from tests.gateway.conftest import PUBLIC_MODEL
 from tests.gateway.responder import token_script
 
@@ -24,35 +19,14 @@ pytestmark = pytest.mark.integration
 
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
-OV_MODEL = "tiny-openvino"  # the same model registered on the OpenVINO engine
 TEXT = "Hello, wörld — ✓ 日本"  # byte-level tokens that are parts of characters
-
-
-def _client(gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": "Bearer key-a"},
-                             trust_env=False, timeout=20)
-
-
-def _events(text: str) -> list[dict]:
-    lines = [ln.removeprefix("data: ") for ln in text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
-
-
-@pytest.fixture(scope="module")
-def openvino_model(redis_url, seeded_models) -> str:
-    record = dataclasses.replace(seeded_models[PUBLIC_MODEL], name=OV_MODEL, engine="openvino")
-    r = SyncRedis.from_url(redis_url)
-    r.hset(MODELS_HASH, OV_MODEL, wire.encode(record))
-    r.close()
-    return OV_MODEL
 
 
 # -- what reaches the node ---------------------------------------------------------------------------
 
 
 async def test_the_parameters_travel_in_the_request(gateway, responder, hf_tokenizer):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(CHAT, json={
             "model": PUBLIC_MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 3,
             "presence_penalty": 0.5, "frequency_penalty": -1.5, "logit_bias": {"7": -100, "9": 2},
@@ -96,7 +70,7 @@ async def test_the_parameters_travel_in_the_request(gateway, responder, hf_token
 async def test_out_of_range_values_are_400_by_name(gateway, path, patch, param):
     body = {"model": PUBLIC_MODEL, **({"messages": MSG} if path == CHAT else {"prompt": "x"}),
             **patch}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(path, json=body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
@@ -114,7 +88,7 @@ async def test_out_of_range_values_are_400_by_name(gateway, path, patch, param):
 async def test_an_engine_that_cannot_honour_a_parameter_refuses_it_by_name(
         gateway, responder, openvino_model, path, patch, param):
     body = {"model": openvino_model, **({"messages": MSG} if path == CHAT else {"prompt": "x"})}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(path, json={**body, **patch})
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
@@ -135,9 +109,9 @@ async def test_chat_logprobs_whole_and_streamed(gateway, responder, hf_tokenizer
     responder.script = lambda r: token_script(r, output, chunk=1)
     body = {"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 2,
             "max_tokens": 40}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         whole = (await c.post(CHAT, json=body)).json()
-        streamed = _events((await c.post(CHAT, json={**body, "stream": True})).text)
+        streamed = sse_events((await c.post(CHAT, json={**body, "stream": True})).text)
     choice = whole["choices"][0]
     content = choice["logprobs"]["content"]
     assert choice["logprobs"]["refusal"] is None
@@ -165,9 +139,9 @@ async def test_chat_logprobs_whole_and_streamed(gateway, responder, hf_tokenizer
 
 
 async def test_no_logprobs_unless_asked(gateway, responder):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         whole = (await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})).json()
-        streamed = _events((await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x",
+        streamed = sse_events((await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x",
                                                       "stream": True})).text)
     assert whole["choices"][0]["logprobs"] is None
     assert all(e["choices"][0]["logprobs"] is None for e in streamed)
@@ -181,9 +155,9 @@ async def test_completion_logprobs_whole_and_streamed(gateway, responder):
     output = responder.default_output(TEXT)
     responder.script = lambda r: token_script(r, output, chunk=3)
     body = {"model": PUBLIC_MODEL, "prompt": "x", "logprobs": 3, "max_tokens": 40}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         whole = (await c.post(COMPL, json=body)).json()
-        streamed = _events((await c.post(COMPL, json={**body, "stream": True})).text)
+        streamed = sse_events((await c.post(COMPL, json={**body, "stream": True})).text)
     choice = whole["choices"][0]
     lp, text = choice["logprobs"], choice["text"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -209,7 +183,7 @@ async def test_stop_token_ids_end_the_text_without_their_own(gateway, responder,
     output = responder.default_output("one two three")
     stop = output[-1]
     responder.script = lambda r: token_script(r, output, chunk=1, finish=FinishReason.STOP)
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = (await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "x", "logprobs": 1,
                                           "stop_token_ids": [stop]})).json()
     choice = resp["choices"][0]
@@ -225,7 +199,7 @@ async def test_a_token_message_lost_with_its_logprobs_fails_the_request(gateway,
     leave a hole in the list."""
     output = responder.default_output("one two three four five six")
     responder.script = lambda r: token_script(r, output, chunk=2, order="gap")
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True})
         plain = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})
     assert resp.status_code == 500, resp.text

@@ -7,19 +7,16 @@ combinations a constrained output cannot honour."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import httpx
 import openai
 import pytest
-from redis import Redis as SyncRedis
 
 from services.gateway.tokenization import encode_chat
 from services.gateway.tools import CALL_OPEN, TOOLS_SYSTEM_PROMPT
-from shared import wire
 from shared.schemas import FinishReason
-from shared.subjects import MODELS_HASH
+from tests.gateway.clients import api_client, sse_events
 from tests.gateway.conftest import PUBLIC_MODEL
 from tests.gateway.responder import token_script
 
@@ -27,7 +24,6 @@ pytestmark = pytest.mark.integration
 
 CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
-OV_MODEL = "tiny-openvino-structured"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -38,20 +34,9 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
 CALL = f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n</tool_call>'
 
 
-def _client(gateway) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": "Bearer key-a"},
-                             trust_env=False, timeout=20)
-
-
 def _openai(gateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="key-a", max_retries=0,
                               http_client=httpx.AsyncClient(trust_env=False))
-
-
-def _events(text: str) -> list[dict]:
-    lines = [ln.removeprefix("data: ") for ln in text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def _says(responder, text: str, chunk: int = 1) -> None:
@@ -60,22 +45,13 @@ def _says(responder, text: str, chunk: int = 1) -> None:
     responder.script = lambda r: token_script(r, ids, chunk=chunk, finish=FinishReason.STOP)
 
 
-@pytest.fixture(scope="module")
-def openvino_model(redis_url, seeded_models) -> str:
-    record = dataclasses.replace(seeded_models[PUBLIC_MODEL], name=OV_MODEL, engine="openvino")
-    r = SyncRedis.from_url(redis_url)
-    r.hset(MODELS_HASH, OV_MODEL, wire.encode(record))
-    r.close()
-    return OV_MODEL
-
-
 # -- what reaches the node ---------------------------------------------------------------------------
 
 
 async def test_response_format_travels_as_a_grammar_on_both_endpoints(gateway, responder):
     _says(responder, '{"answer": "x"}')
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         for path, body in ((CHAT, {"messages": MSG}), (COMPL, {"prompt": "x"})):
             for response_format in (fmt, {"type": "json_object"}, {"type": "text"}):
                 resp = await c.post(path, json={"model": PUBLIC_MODEL, **body,
@@ -93,7 +69,7 @@ async def test_tool_choice_decides_the_grammar_and_the_prompt(gateway, responder
     _says(responder, "ok")
     base = {"model": PUBLIC_MODEL, "messages": MSG, "tools": [WEATHER, TIME]}
     choices = ["auto", "none", "required", {"type": "function", "function": {"name": "get_time"}}]
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         for choice in choices:
             resp = await c.post(CHAT, json={**base, "tool_choice": choice})
             assert resp.status_code == 200, resp.text
@@ -120,7 +96,7 @@ async def test_earlier_calls_and_results_reach_a_template_without_tools(gateway,
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": conversation,
                                         "tools": [WEATHER]})
         assert resp.status_code == 200, resp.text
@@ -136,9 +112,9 @@ async def test_earlier_calls_and_results_reach_a_template_without_tools(gateway,
 async def test_a_call_is_parsed_whole_and_streamed(gateway, responder):
     _says(responder, f"Let me look.\n{CALL}")
     body = {"model": PUBLIC_MODEL, "messages": MSG, "tools": [WEATHER]}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         whole = (await c.post(CHAT, json=body)).json()
-        events = _events((await c.post(CHAT, json={**body, "stream": True})).text)
+        events = sse_events((await c.post(CHAT, json={**body, "stream": True})).text)
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["message"]["tool_calls"]
@@ -179,15 +155,15 @@ async def test_text_that_only_looks_like_a_call_stays_text(gateway, responder):
     text = "Use <tool_call> tags like <tool_call>this</tool_call> and <tool"
     _says(responder, text)
     body = {"model": PUBLIC_MODEL, "messages": MSG, "tools": [WEATHER]}
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         whole = (await c.post(CHAT, json=body)).json()["choices"][0]
-        events = _events((await c.post(CHAT, json={**body, "stream": True})).text)
+        events = sse_events((await c.post(CHAT, json={**body, "stream": True})).text)
     assert whole["message"]["content"] == text and "tool_calls" not in whole["message"]
     assert whole["finish_reason"] == "stop"
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == text
     # without tools nothing is parsed: the block is the answer's text
     _says(responder, CALL)
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         plain = (await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})).json()
     assert plain["choices"][0]["message"]["content"] == CALL
 
@@ -217,7 +193,7 @@ async def test_the_openai_client_parses_structured_content(gateway, responder):
 ])
 async def test_an_engine_that_cannot_mask_refuses_by_name(gateway, responder, openvino_model,
                                                           patch, param):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(CHAT, json={"model": openvino_model, "messages": MSG, **patch})
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
@@ -248,7 +224,7 @@ async def test_an_engine_that_cannot_mask_refuses_by_name(gateway, responder, op
      "messages[0].tool_calls[0].function.arguments"),
 ])
 async def test_what_cannot_be_honoured_is_a_400_by_name(gateway, patch, param):
-    async with _client(gateway) as c:
+    async with api_client(gateway) as c:
         resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, **patch})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.json()
