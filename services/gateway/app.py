@@ -64,6 +64,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         # Bounded waits: a Redis that went away answers 503 in seconds instead of hanging requests.
         redis = open_redis(settings.redis_url, REDIS_TIMEOUT_S)
         metrics_server = None
+        backend: InferenceBackend | None = None
         try:
             await redis.ping()
             js = nc.jetstream()
@@ -72,7 +73,8 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             await registry.mark_intact()  # a fresh Redis: its (empty) registry is the truth
             watchdog = WatchdogConfig(quiet_s=settings.stream_quiet_s,
                                       max_resumes=settings.max_resumes)
-            service = GatewayService(settings, registry, InferenceBackend(nc, js, redis, watchdog),
+            backend = InferenceBackend(nc, js, redis, watchdog)
+            service = GatewayService(settings, registry, backend,
                                      TokenizerCache(), metrics, redis)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
@@ -84,6 +86,8 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         finally:
             if metrics_server is not None:
                 metrics_server.close()
+            if backend is not None:
+                await backend.settle_cancels(timeout_s=5.0)
             await nc.drain()
             await redis.aclose()
 

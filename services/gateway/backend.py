@@ -1,5 +1,5 @@
 """The gateway's NATS side: publish requests to the JetStream request stream, read the token
-stream back in order, publish cancellations.
+stream back in order, publish cancellations (through JetStream too, retried until stored).
 
 Ordering contract with the node (`shared.schemas.TokenMessage`): `seq` is the output index of
 `token_ids[0]`; messages may arrive out of order or not at all; the final message
@@ -12,6 +12,7 @@ that node is gone. Each resume is a new `attempt`; only the current attempt's me
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,11 @@ from shared.subjects import (CANCEL_SUBJECT, REQUEST_SUBJECT, node_command_subje
 from shared.telemetry import inject_headers
 
 log = logging.getLogger("slinfer.gateway")
+
+# Pauses between tries of a cancel's publish: a stream without a leader (NATS restarting, or a
+# cluster electing one: about 5 s) stores nothing, and a core-NATS publish is dropped silently
+# then, so a cancel goes through JetStream and is tried again for about 20 s.
+CANCEL_RETRY_PAUSES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0)
 
 
 class BackendUnavailable(Exception):
@@ -75,6 +81,7 @@ class InferenceBackend:
         self._js = js
         self._redis = redis
         self.watchdog = watchdog
+        self._cancels: set[asyncio.Task] = set()  # held: a bare task may be garbage-collected
 
     @property
     def connected(self) -> bool:
@@ -92,8 +99,8 @@ class InferenceBackend:
         except Exception as exc:  # nats raises timeouts, no-responders, API errors
             await _unsubscribe(sub)
             # The stream may have stored it with only the acknowledgement lost (NATS going down):
-            # the client is told 503, so the request must not run (a cancel is durable, kept by
-            # the client while NATS is away and replayed by placers).
+            # the client is told 503, so the request must not run (the cancel is retried until
+            # the cancel stream stores it, and placers replay that stream).
             await self.cancel(request.request_id, "not accepted")
             raise BackendUnavailable(f"request stream did not accept the request: {exc!r}") from exc
         return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s,
@@ -146,13 +153,34 @@ class InferenceBackend:
         return inject_headers({"Nats-Msg-Id": request.request_id})
 
     async def cancel(self, request_id: str, reason: str, below_attempt: int | None = None) -> None:
-        """Cancel the request wherever it is (`below_attempt`: only its attempts before that)."""
-        try:
-            await self._nc.publish(CANCEL_SUBJECT, wire.encode(CancelNotice(request_id, reason,
-                                                                            below_attempt)))
-            await self._nc.flush(timeout=2)
-        except Exception:  # a cancel that cannot be sent must not fail the caller's cleanup
-            log.warning("could not publish cancel for %s", request_id, exc_info=True)
+        """Cancel the request wherever it is (`below_attempt`: only its attempts before that).
+        The notice is stored in the cancel stream (placers replay it) and reaches the nodes'
+        subscriptions; it is sent in the background, retried until the stream acknowledges it,
+        so the caller's cleanup never waits on NATS."""
+        notice = wire.encode(CancelNotice(request_id, reason, below_attempt))
+        # One id per cancel: a retry whose first try was stored after all is not stored twice.
+        msg_id = f"cancel:{request_id}:{below_attempt}"
+        task = asyncio.create_task(self._send_cancel(notice, msg_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _send_cancel(self, notice: bytes, msg_id: str) -> None:
+        for pause in (0.0, *CANCEL_RETRY_PAUSES_S):
+            await asyncio.sleep(pause)
+            try:
+                await self._js.publish(CANCEL_SUBJECT, notice, timeout=2.0,
+                                       headers={"Nats-Msg-Id": msg_id})
+                return
+            except Exception as exc:  # no stream responder, timeout, NATS reconnecting
+                last = exc
+        log.warning("cancel %s not stored after %d tries: %r", msg_id,
+                    1 + len(CANCEL_RETRY_PAUSES_S), last)
+
+    async def settle_cancels(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the cancels still being sent: at shutdown, before the
+        NATS connection is drained."""
+        if self._cancels:
+            await asyncio.wait(set(self._cancels), timeout=timeout_s)
 
 
 def resumed_request(req: InferenceRequest, output: list[int], attempt: int,
