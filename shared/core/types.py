@@ -33,6 +33,9 @@ SLO_CLASSES: dict[str, tuple[float, float]] = {
     "interactive": (0.5, 0.1),
     "standard": (1.0, 0.25),
     "relaxed": (2.0, 0.5),
+    # Best effort: offline work (evaluations, batch jobs) that needs answers, not latency. A
+    # deadline still exists, so an overloaded cluster drops rather than queues without end.
+    "batch": (20.0, 2.0),
 }
 
 
