@@ -155,6 +155,7 @@ async def hold_or_fail(port: PlacerPort, intake: RequestIntake, p: Pending,
         port.reread_perf()  # the profile is in Redis: read the profiles at the next turn
     late = time.time() > request_view(p.request).deadline()
     if ready.verdict is Verdict.WAIT and not late:
+        port.count("held_not_ready")  # each turn that held it (the tests wait on this count)
         return
     port.count("not_ready")
     with decision_span(p, None):

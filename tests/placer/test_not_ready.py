@@ -6,7 +6,6 @@ and the state; a failed lifecycle fails them at once with the reason; never "no_
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
@@ -15,6 +14,7 @@ import pytest
 from services.placer.readiness import ReadinessGate, Verdict, judge, judge_adapter
 from shared.cluster import save_profile
 from shared.core.perf_model import PerfModel
+from shared.core.types import Hardware
 from shared.model_state import (FAILED, NOT_READY, KindStatus, ModelState, ModelStatus,
                                 overall, parse_lifecycle_error, request_profiles,
                                 set_hardware_state)
@@ -101,6 +101,14 @@ async def fresh(conns):
     return nc, redis
 
 
+async def _held_twice_more(placer, since: int) -> int:
+    """Wait until the placer has held a request for readiness on two more turns than `since`
+    (the later one decided on whatever it read before the first); returns the count."""
+    await until(lambda: placer.decisions.get("held_not_ready", 0) >= since + 2, 15,
+                "the placer to hold the request twice more")
+    return placer.decisions["held_not_ready"]
+
+
 async def test_a_request_waits_while_profiling_and_is_served_once_ready(servers, fresh):
     nc, redis = fresh
     node = await FakeNode(nc, redis, empty_gpu("g0")).start()
@@ -110,15 +118,16 @@ async def test_a_request_waits_while_profiling_and_is_served_once_ready(servers,
     async with running_placer(servers) as placer:
         await publish(nc, req)
         await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING, "profiling", 0.5)
-        await until(lambda: placer.decisions.get("not_ready", 0) == 0 and len(placer.queue) == 1,
-                    10, "the request queued")
-        await asyncio.sleep(1.0)  # held, not answered, while the model profiles
+        await _held_twice_more(placer, 0)  # held, not answered, while the model profiles
         assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
         # A profile in Redis while the kind still profiles (as while a replaced checkpoint is
         # profiled again) is not served; the profiler's `ready` after storing it is.
         await save_profile(redis, gpu_profile(NEW))
         await set_hardware_state(redis, NEW, "gpu", ModelState.PROFILING, "profiling on torch", 0.9)
-        await asyncio.sleep(2.5)  # the placer has read the profile (every 2 s) and still waits
+        await until(lambda: placer.port.perf.get(NEW, Hardware.GPU) is not None, 15,
+                    "the placer to read the new profile")
+        # Decided again with the profile read: still held.
+        await _held_twice_more(placer, placer.decisions.get("held_not_ready", 0))
         assert node.commanded(req.request_id) == [] and req.request_id not in finals.got
         await set_hardware_state(redis, NEW, "gpu", ModelState.READY, "", 1.0)
         await until(lambda: node.commanded(req.request_id), 15, "the request placed once ready")
