@@ -184,7 +184,7 @@ def main() -> int:
         model_dir = Path(ensure_model(data, args.shape, name))
         profile, _ = profile_model(model_dir, name, plan=ProfilePlan(max_len=1024, max_batch=16))
         with running_stack(data / "stack", model_dir, profile=profile, model=name) as stack:
-            pids = {c.name: c.proc.pid for c in stack.children} | dict(stack.server_pids)
+            pids = stack.pids()
             run = asyncio.run(soak(stack.url, name, pids, args))
     result = {
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]),
