@@ -70,12 +70,14 @@ def wait_healthy(url: str, children: list[Child], timeout_s: float = 60.0) -> No
 
 
 def wait_nodes(url: str, node_ids: set[str], children: list[Child], timeout_s: float = 60.0,
-               headers: Mapping[str, str] | None = None) -> None:
+               headers: Mapping[str, str] | None = None, since: float = 0.0) -> None:
     """Until every node in `node_ids` is in the cluster view (it published itself after loading
-    its engine stack): a request sent before would only queue for it."""
+    its engine stack): a request sent before would only queue for it. With `since` (time.time()),
+    by a snapshot taken after it: a killed node's last snapshot stays in the view for its TTL."""
     def joined() -> bool:
         r = httpx.get(f"{url}/admin/nodes", timeout=1, headers=headers)
-        return r.status_code == 200 and node_ids <= {n["node_id"] for n in r.json()["data"]}
+        return r.status_code == 200 and node_ids <= {
+            n["node_id"] for n in r.json()["data"] if n["heartbeat"] > since}
 
     wait_until(joined, children, f"nodes {sorted(node_ids)} never joined the cluster view", timeout_s)
 
@@ -197,11 +199,12 @@ class Stack:
 
     def heal(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Restart whatever is down and wait until the stack serves its model on every node."""
+        since = time.time()
         for name in self.names:
             if not self.alive(name):
                 self.restart(name)
         wait_healthy(self.url, self.processes(), timeout_s)
-        wait_nodes(self.url, set(self.node_ids), self.processes(), timeout_s, self.auth)
+        wait_nodes(self.url, set(self.node_ids), self.processes(), timeout_s, self.auth, since)
         wait_until(self._serves_model, self.processes(), f"{self.model} never listed again",
                    timeout_s)
 
