@@ -2,7 +2,7 @@
 restarted; every request's answer judged, every process's memory sampled.
 
     .venv/bin/python bench/chaos.py [--minutes 30] [--fault-every-s 60] [--nodes 2] [--clients 4]
-    .venv/bin/python bench/chaos.py --table      # the BENCHMARKS section from bench/results/chaos.json
+    .venv/bin/python bench/chaos.py --table   # the BENCHMARKS section of bench/results/chaos.json
 
 The stack (`services.stack.Stack`: nats-server, valkey, the placer, --nodes CPU node workers, the
 gateway, as real processes) serves the random-weight demo model and one LoRA adapter on it, with
@@ -29,8 +29,9 @@ Each request gets exactly one outcome (their sum is `sent`):
 - clear_error: a request that should have been served answered with an error status, or a
   stream that ended with an error event and "[DONE]" (counted by status and code).
 - hung_up: the client closed the stream itself after two events (as intended).
-- refused_gateway_down: no connection, sent while the gateway was down (from its kill until it
-  answered /health again): a killed gateway cannot accept anything.
+- refused_gateway_down: no connection, sent while the gateway was down (from its kill until the
+  stack served again: /health, every node in the view, the model listed): a killed gateway
+  cannot accept anything.
 - cut_by_gateway_kill: the connection broke, or the stream ended without "[DONE]", and the
   gateway was killed (or down) while the request was open: a killed gateway cannot answer. A
   client's retry would be a new request.
@@ -102,7 +103,7 @@ class ChaosPlan:
     clients: int = 4
     seed: int = 1
     targets: tuple[str, ...] = ()  # processes a fault may hit; empty: all of the stack's
-    request_timeout_s: float = 60.0  # the gateway's deadline (the stack's SLINFER_REQUEST_TIMEOUT_S)
+    request_timeout_s: float = 60.0  # the gateway's deadline: SLINFER_REQUEST_TIMEOUT_S
     margin_s: float = 30.0  # the client waits the deadline and this long
     heal_timeout_s: float = 180.0
 
@@ -208,7 +209,8 @@ def _error_key(status: int | None, body: Any) -> str:
 
 def error_message(a: Answer) -> str:
     """The message of an error answer or of a stream's error event."""
-    events = [e["error"] for e in a.events if isinstance(e, dict) and isinstance(e.get("error"), dict)]
+    events = [e["error"] for e in a.events
+              if isinstance(e, dict) and isinstance(e.get("error"), dict)]
     if events:
         return str(events[0].get("message"))
     return a.error_message or ""
@@ -239,15 +241,18 @@ def _judge_stream(spec: Spec, a: Answer,
     dones = [i for i, e in enumerate(a.events) if e == DONE]
     tokens = [t for c in choices for t in tokens_of(c, spec.chat)]
     usage = next((e["usage"] for e in reversed(objects) if e.get("usage")), None)
-    if len(finishes) + len(errors) > 1 or len(dones) > 1 or (dones and dones[0] != len(a.events) - 1):
-        return "answered_twice", f"{len(finishes)} finishes, {len(errors)} errors, {len(dones)} [DONE]"
+    after_done = bool(dones) and dones[0] != len(a.events) - 1
+    if len(finishes) + len(errors) > 1 or len(dones) > 1 or after_done:
+        return "answered_twice", (f"{len(finishes)} finishes, {len(errors)} errors, "
+                                  f"{len(dones)} [DONE], more after [DONE]: {after_done}")
     if isinstance(usage, dict) and len(tokens) > (usage.get("completion_tokens") or 0):
         return "answered_twice", f"{len(tokens)} tokens streamed, usage says {usage}"
     if not dones:
         return "", "the stream ended without [DONE]"
     if errors:
         return "clear_error", _error_key(None, errors[0])
-    why = _check_whole(spec, tokens, usage, finishes[0]["finish_reason"] if finishes else None, refs)
+    finish = finishes[0]["finish_reason"] if finishes else None
+    why = _check_whole(spec, tokens, usage, finish, refs)
     return ("wrong", why) if why else ("completed", "")
 
 
@@ -418,8 +423,9 @@ def memory(run: Run, samples: list[dict]) -> dict[str, dict[str, float | int]]:
     out = {}
     for name in samples[-1]["rss_mb"]:
         seen = [s["rss_mb"][name] for s in samples if name in s["rss_mb"]]
-        out[name] = {"before_mb": before[-1]["rss_mb"].get(name), "after_mb": samples[-1]["rss_mb"][name],
-                     "max_mb": max(seen), "killed": restarts[name]}
+        out[name] = {"before_mb": before[-1]["rss_mb"].get(name),
+                     "after_mb": samples[-1]["rss_mb"][name], "max_mb": max(seen),
+                     "killed": restarts[name]}
     return out
 
 
@@ -479,7 +485,8 @@ def table(result: dict[str, Any]) -> str:
     if result["clear_errors"]:
         lines += ["", "| clear error (status, code) | requests |", "|---|---:|"]
         lines += [f"| {k} | {n} |" for k, n in result["clear_errors"].items()]
-    lines += ["", "| # | killed | at (s) | serving again after (s) | problem |", "|---:|---|---:|---:|---|"]
+    lines += ["", "| # | killed | at (s) | serving again after (s) | problem |",
+              "|---:|---|---:|---:|---|"]
     for i, f in enumerate(result["faults"], 1):
         back = "never" if f["served_s"] is None else f"{f['served_s'] - f['killed_s']:.1f}"
         lines.append(f"| {i} | {f['target']} | {f['killed_s']:.0f} | {back} | "
@@ -494,7 +501,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=30.0, help="traffic with faults, after the warm-up")
+    p.add_argument("--minutes", type=float, default=30.0,
+                   help="traffic with faults, after the warm-up")
     p.add_argument("--fault-every-s", type=float, default=60.0)
     p.add_argument("--down-s", type=float, default=3.0, help="how long a killed process stays down")
     p.add_argument("--warmup-s", type=float, default=60.0, help="traffic before the first fault")
