@@ -34,66 +34,22 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.traffic import prompt, sampler, send  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
 from services.stack import running_stack  # noqa: E402
 from shared.modelgen import ensure_model  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "soak.json"
-WORDS = ("the serverless cluster shares every node at token granularity while each model keeps "
-         "its latency objective and the scheduler moves requests between instances").split()
 SAMPLE_S = 15.0
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                children = Path(f"/proc/{p}/task/{task}/children").read_text().split()
-                todo.extend(int(c) for c in children)
-        except OSError:
-            pass
-    return out
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process and everything it started."""
-    total = 0
-    for p in _descendants(pid):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
-def _prompt(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 400)))
-
-
 ERRORS: dict[str, str] = {}  # outcome -> the first error message seen with it
-
-
-def _ended(kind: str, r: httpx.Response) -> str:
-    outcome = f"{kind} {r.status_code}"
-    if r.status_code >= 400 and outcome not in ERRORS:
-        try:
-            ERRORS[outcome] = r.json()["error"]["message"][:300]
-        except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
-            ERRORS[outcome] = "(no JSON error body)"
-    return outcome
 
 
 async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random) -> str:
     """One request of a random kind; returns how it ended (for the tally)."""
     kind = rng.choices(["stream", "plain", "chat", "hangup", "bad", "unknown"],
                        weights=[4, 3, 3, 2, 1, 1])[0]
-    body = {"model": model, "prompt": _prompt(rng), "max_tokens": rng.randint(4, 48),
+    body = {"model": model, "prompt": prompt(rng), "max_tokens": rng.randint(4, 48),
             "temperature": 0.0}
     if kind == "bad":
         body["max_tokens"] = -1
@@ -102,41 +58,22 @@ async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random)
     if kind == "chat":
         body = {"model": model, "max_tokens": body["max_tokens"],
                 "messages": [{"role": "user", "content": body["prompt"]}]}
-        return _ended("chat", await client.post("/v1/chat/completions", json=body))
-    if kind in ("stream", "hangup"):
-        body["stream"] = True
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                return _ended(kind, r)
-            chunks = 0
-            async for line in r.aiter_lines():
-                chunks += line.startswith("data:")
-                if kind == "hangup" and chunks >= 2:
-                    return f"hangup {r.status_code}"  # leaving the block closes the connection
-            return f"{kind} {r.status_code}"
-    return _ended(kind, await client.post("/v1/completions", json=body))
+        answer = await send(client, kind, "/v1/chat/completions", body, stream=False)
+    elif kind in ("stream", "hangup"):
+        answer = await send(client, kind, "/v1/completions", {**body, "stream": True},
+                            stream=True, hang_up_after=2 if kind == "hangup" else None)
+    else:
+        answer = await send(client, kind, "/v1/completions", body, stream=False)
+    if answer.error_message is not None:
+        ERRORS.setdefault(answer.outcome, answer.error_message[:300])
+    return answer.outcome
 
 
 async def client_loop(url: str, model: str, seed: int, until: float, tally: Counter) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         while time.monotonic() < until:
-            try:
-                tally[await one_request(client, model, rng)] += 1
-            except httpx.HTTPError as e:
-                tally[f"client error {type(e).__name__}"] += 1
-
-
-async def sampler(pids: dict[str, int], until: float, samples: list[dict], tally: Counter,
-                  started: float) -> None:
-    while True:
-        samples.append({"t_s": round(time.monotonic() - started, 1),
-                        "requests": sum(tally.values()),
-                        "rss_mb": {n: round(rss_bytes(p) / 2**20, 1) for n, p in pids.items()}})
-        if time.monotonic() >= until:
-            return
-        await asyncio.sleep(min(SAMPLE_S, max(0.0, until - time.monotonic())))
+            tally[await one_request(client, model, rng)] += 1
 
 
 async def soak(url: str, model: str, pids: dict[str, int], args: argparse.Namespace) -> dict:
@@ -144,7 +81,8 @@ async def soak(url: str, model: str, pids: dict[str, int], args: argparse.Namesp
     samples: list[dict] = []
     started = time.monotonic()
     until = started + args.warmup_s + args.minutes * 60
-    await asyncio.gather(sampler(pids, until, samples, tally, started),
+    await asyncio.gather(sampler(lambda: pids, lambda: sum(tally.values()), until, samples,
+                                 started, SAMPLE_S),
                          *[client_loop(url, model, i, until, tally) for i in range(args.clients)])
     return {"samples": samples, "outcomes": dict(sorted(tally.items())), "errors": dict(ERRORS)}
 
@@ -184,7 +122,7 @@ def main() -> int:
         model_dir = Path(ensure_model(data, args.shape, name))
         profile, _ = profile_model(model_dir, name, plan=ProfilePlan(max_len=1024, max_batch=16))
         with running_stack(data / "stack", model_dir, profile=profile, model=name) as stack:
-            pids = {c.name: c.proc.pid for c in stack.children} | dict(stack.server_pids)
+            pids = stack.pids()
             run = asyncio.run(soak(stack.url, name, pids, args))
     result = {
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]),

@@ -30,12 +30,13 @@ import nats
 import pytest
 from redis import Redis as SyncRedis
 
+from services.stack import Stack
 from shared import wire
 from shared.core.types import NodeView
 from shared.schemas import CancelNotice, InferenceRequest
 from shared.subjects import (CANCEL_SUBJECT, PLACER_DURABLE, PROFILES_HASH, REQUEST_STREAM,
                              REQUEST_SUBJECT, node_key)
-from tests.faults.conftest import NODES, REQUEST_TIMEOUT_S, SNAPSHOT_TTL_S, FaultStack, wait_for
+from tests.faults.conftest import NODES, REQUEST_TIMEOUT_S, SNAPSHOT_TTL_S, wait_for
 from tests.faults.load import (MAX_TOKENS, Load, TokenRecorder, check, client_for, one_request,
                                references)
 
@@ -46,12 +47,12 @@ STEADY = 4  # requests completed before the fault: the stream is steady
 
 
 @pytest.fixture(scope="module")
-def refs(fault_stack: FaultStack) -> dict[tuple[str, bool], str]:
+def refs(fault_stack: Stack) -> dict[tuple[str, bool], str]:
     return asyncio.run(references(fault_stack.url, fault_stack.model))
 
 
-async def _steady_load(s: FaultStack) -> tuple[Load, TokenRecorder]:
-    recorder = TokenRecorder(s.nats.url)
+async def _steady_load(s: Stack) -> tuple[Load, TokenRecorder]:
+    recorder = TokenRecorder(s.nats_url)
     await recorder.start()
     load = Load(s.url, s.model)
     load.start()
@@ -66,10 +67,10 @@ async def _after_recovery(load: Load, since: float) -> None:
 
 # --- 1. the placer -------------------------------------------------------------------------------
 
-async def _cancelled_while_no_placer(s: FaultStack) -> str:
+async def _cancelled_while_no_placer(s: Stack) -> str:
     """A client gives up on a request while no placer runs; returns the request's id once its
     cancel is on NATS (the gateway sent it)."""
-    nc = await nats.connect(s.nats.url)
+    nc = await nats.connect(s.nats_url)
     published: asyncio.Queue = asyncio.Queue()
     cancels: set[str] = set()
 
@@ -106,7 +107,7 @@ async def test_placer_killed_and_restarted(fault_stack, refs):
         await asyncio.to_thread(s.kill, "placer")
         abandoned = await _cancelled_while_no_placer(s)  # requests meanwhile wait in the stream
         restarted = time.monotonic()
-        await asyncio.to_thread(s.start, "placer")
+        await asyncio.to_thread(s.restart, "placer")
         await _after_recovery(load, restarted)
         outcomes = await load.stop()
         check(outcomes, refs, DEADLINE_S)
@@ -143,7 +144,7 @@ async def test_node_killed_mid_generation_its_requests_resume_on_the_other_node(
     s = fault_stack
     s.heal()
     load, recorder = await _steady_load(s)
-    redis = SyncRedis.from_url(s.redis.url)
+    redis = SyncRedis.from_url(s.redis_url)
     victim = None
     try:
         victim, rid = await asyncio.to_thread(wait_for, lambda: _generating(recorder), 60,
@@ -173,7 +174,7 @@ async def test_node_killed_mid_generation_its_requests_resume_on_the_other_node(
         await recorder.close()
         redis.close()
         if victim is not None and not s.alive(victim):
-            s.start(victim)
+            s.restart(victim)
 
 
 # --- 3. Redis ------------------------------------------------------------------------------------
@@ -183,12 +184,12 @@ async def test_redis_killed_and_restarted_empty(fault_stack, refs):
     s.heal()
     load, recorder = await _steady_load(s)
     try:
-        await asyncio.to_thread(s.kill_server, s.redis)
+        await asyncio.to_thread(s.kill, "redis")
         down = time.monotonic()
         await load.until(lambda: any(o.status == 503 and o.started > down for o in load.outcomes),
                          60, "a 503 while Redis is down")
         await asyncio.to_thread(s.restart_redis, True)  # without its data: nothing durable left
-        redis = SyncRedis.from_url(s.redis.url)
+        redis = SyncRedis.from_url(s.redis_url)
         try:
             # Nodes re-publish their views; the placer writes back the registry and the profiles.
             await asyncio.to_thread(wait_for, lambda: all(redis.exists(node_key(n)) for n in NODES),
@@ -234,21 +235,21 @@ async def test_nats_killed_and_restarted(fault_stack, refs):
     s.heal()
     load, recorder = await _steady_load(s)
     try:
-        before, _ = await _request_stream_state(s.nats.url)
-        await asyncio.to_thread(s.kill_server, s.nats)
+        before, _ = await _request_stream_state(s.nats_url)
+        await asyncio.to_thread(s.kill, "nats")
         await asyncio.sleep(2.0)  # requests meanwhile: 503 once the gateway gives up publishing
-        await asyncio.to_thread(s.restart_nats)
+        await asyncio.to_thread(s.restart, "nats")
         back = time.monotonic()
         await _after_recovery(load, back)
         outcomes = await load.stop()
         check(outcomes, refs, DEADLINE_S, allowed_status=frozenset({503}))
         # The stream kept what it held (file storage), and the placer's durable consumer got
         # through all of it: nothing is left unacked or undelivered.
-        after, _ = await _request_stream_state(s.nats.url)
+        after, _ = await _request_stream_state(s.nats_url)
         assert after.first_seq == before.first_seq and after.last_seq >= before.last_seq
 
         async def drained() -> bool:
-            _, consumer = await _request_stream_state(s.nats.url)
+            _, consumer = await _request_stream_state(s.nats_url)
             return consumer.num_pending == 0 and consumer.num_ack_pending == 0
 
         deadline = time.monotonic() + 60
@@ -282,7 +283,7 @@ async def test_gateway_killed_clients_get_an_error_not_a_hang(fault_stack, refs)
         check(outcomes, refs, DEADLINE_S, allow_disconnect=True)
         # What the dead gateway had submitted ends on its own (at max_tokens here, at its
         # deadline at the latest): nothing runs on for nobody.
-        redis = SyncRedis.from_url(s.redis.url)
+        redis = SyncRedis.from_url(s.redis_url)
 
         def nothing_left_on_nodes() -> bool:
             views = [wire.decode(NodeView, blob) for n in NODES
@@ -294,7 +295,7 @@ async def test_gateway_killed_clients_get_an_error_not_a_hang(fault_stack, refs)
                                     "the dead gateway's requests to end")
         finally:
             redis.close()
-        await asyncio.to_thread(s.start, "gateway")
+        await asyncio.to_thread(s.restart, "gateway")
         s.heal()
         client = client_for(s.url, 60)
         try:
