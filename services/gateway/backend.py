@@ -220,6 +220,9 @@ class TokenStream:
         self.watch = (Watch(backend.watchdog, time.monotonic())
                       if backend is not None and request is not None else None)
         self.verdicts: list[Verdict] = []  # what the watchdog decided, in order (tests, logs)
+        # The final message filled tokens whose messages (and so logprobs) were lost: the rest
+        # is asked again from a new attempt instead of answered without them.
+        self._logprobs_gap = False
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while self.finished is None:
@@ -254,6 +257,11 @@ class TokenStream:
                 self.prefill_s = token_msg.prefill_s
             for event in self._accept(token_msg):
                 yield event
+            if self._logprobs_gap:
+                self._logprobs_gap = False
+                why = "lost the logprobs of some tokens"
+                for event in await self._resume(token_msg.node_id, why):
+                    yield event
 
     async def _check(self) -> list[TokenEvent]:
         """The watchdog's due check: ask, judge, act (module docstring)."""
@@ -268,9 +276,13 @@ class TokenStream:
         if verdict is Verdict.FINISH and probe is not None and probe.final is not None:
             log.info("request %s: its final message was lost; %s had it", self.request_id,
                      f"node {watch.node_id}" if watch.node_id else "the placer")
-            return self._accept(replace(probe.final, attempt=self.attempt))
+            events = self._accept(replace(probe.final, attempt=self.attempt))
+            if self._logprobs_gap:
+                self._logprobs_gap = False
+                events += await self._resume(watch.node_id, "lost the logprobs of some tokens")
+            return events
         if verdict is Verdict.RESUME:
-            return await self._resume(watch.node_id)
+            return await self._resume(watch.node_id, "lost it")
         if verdict is Verdict.FAIL:
             error = (f"the node serving the request was lost {watch.resumes + 1} times "
                      f"(last: {watch.node_id}); gave up after {watch.resumes} resumes")
@@ -278,7 +290,7 @@ class TokenStream:
             return self._end(FinishReason.ERROR, error)
         return []
 
-    async def _resume(self, lost_node: str | None) -> list[TokenEvent]:
+    async def _resume(self, lost_node: str | None, why: str) -> list[TokenEvent]:
         """Put the request back on the request stream as the next attempt, from the tokens the
         client already has; the stream goes on from the next one."""
         req = self._request
@@ -293,8 +305,8 @@ class TokenStream:
             log.warning("request %s: resume failed (%r); retrying at the next check",
                         self.request_id, exc)
             return []
-        log.warning("request %s: node %s lost it; resumed as attempt %d from %d tokens",
-                    self.request_id, lost_node, resumed.attempt, len(self.output))
+        log.warning("request %s: node %s %s; resumed as attempt %d from %d tokens",
+                    self.request_id, lost_node, why, resumed.attempt, len(self.output))
         self.attempt = resumed.attempt
         self._pending.clear()  # beyond a gap, from the lost attempt: the new one sends them again
         self.watch.resumed(time.monotonic())
@@ -327,13 +339,20 @@ class TokenStream:
                 if i >= self._next:  # the final word on every position (its logprobs stay)
                     known = self._pending.get(i)
                     self._pending[i] = (token, known[1] if known and known[0] == token else None)
+        gap = m.finished and self._may_resume_for_logprobs(m)
         ready = []
         while self._next in self._pending:
+            if gap and self._pending[self._next][1] is None:
+                break  # from here on, a new attempt sends the tokens with their logprobs
             ready.append(self._pending.pop(self._next))
             self._next += 1
         self.output.extend(token for token, _ in ready)
         events: list[TokenEvent] = ([Tokens([t for t, _ in ready], [lp for _, lp in ready])]
                                     if ready else [])
+        if gap and self._pending:
+            self._pending.clear()
+            self._logprobs_gap = True
+            return events
         if m.finished:
             if self._pending:
                 log.warning("request %s finished with a gap before output index %d; %d tokens dropped",
@@ -342,6 +361,15 @@ class TokenStream:
             self.finished = Finished(reason=reason, error=m.error, node_id=m.node_id)
             events.append(self.finished)
         return events
+
+    def _may_resume_for_logprobs(self, final: TokenMessage) -> bool:
+        """A completed request that asked for logprobs, with resumes left, can be asked again
+        for the tokens whose logprobs were lost (the client has not seen those tokens yet)."""
+        req = self._request
+        return (req is not None and req.logprobs is not None and self._backend is not None
+                and self.watch is not None and final.error is None
+                and final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, None)
+                and self.watch.resumes < self._backend.watchdog.max_resumes)
 
     async def close(self) -> None:
         await _unsubscribe(self._sub)

@@ -10,10 +10,10 @@ import math
 import openai
 import pytest
 
-from shared.schemas import FinishReason, TokenBias
+from shared.schemas import FinishReason, TokenBias, TokenMessage
 from tests.gateway.clients import api_client, sse_events
 from tests.gateway.conftest import PUBLIC_MODEL
-from tests.gateway.responder import token_script
+from tests.gateway.responder import scripted_logprobs, token_script
 
 pytestmark = pytest.mark.integration
 
@@ -194,17 +194,53 @@ async def test_stop_token_ids_end_the_text_without_their_own(gateway, responder,
     assert choice["logprobs"]["text_offset"][-1] == len(shown)
 
 
-async def test_a_token_message_lost_with_its_logprobs_fails_the_request(gateway, responder):
-    """The final message fills a lost token, not its logprobs: the answer says so, rather than
-    leave a hole in the list."""
+def _losing(output: list[int], lose_in: set[int]):
+    """The node's part, one token a message from where the attempt starts; in the attempts in
+    `lose_in` the message of the attempt's second token is lost (the final one fills its id,
+    not its logprobs)."""
+    def script(r):
+        start = len(r.resumed_token_ids)
+        assert r.resumed_token_ids == output[:start]
+        steps = [TokenMessage(r.request_id, start + i, [tok], attempt=r.attempt,
+                              logprobs=scripted_logprobs(r, [tok]))
+                 for i, tok in enumerate(output[start:])
+                 if not (r.attempt in lose_in and i == 1)]
+        return [*steps, TokenMessage(r.request_id, len(output), [], finished=True,
+                                     finish_reason=FinishReason.LENGTH, attempt=r.attempt,
+                                     output_token_ids=list(output), node_id="fake-node",
+                                     prompt_tokens=len(r.prompt_token_ids))]
+    return script
+
+
+async def test_tokens_whose_logprobs_were_lost_are_asked_again_from_a_new_attempt(
+        gateway, responder):
+    """The final message fills a lost token, not its logprobs: the client has not seen that
+    token yet, so the request goes on from the token before it as a new attempt, which sends
+    the rest with their logprobs (a token message lost while NATS restarts)."""
     output = responder.default_output("one two three four five six")
-    responder.script = lambda r: token_script(r, output, chunk=2, order="gap")
+    responder.script = _losing(output, lose_in={0})
     async with api_client(gateway) as c:
-        resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True})
-        plain = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG})
+        resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True,
+                                        "max_tokens": len(output)})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"][0]["logprobs"]["content"]) == len(output)
+    mine = [r for r in responder.requests if r.request_id == responder.requests[-1].request_id]
+    assert [(r.attempt, r.resumed_token_ids) for r in mine] == [(0, []), (1, output[:1])]
+
+
+async def test_logprobs_lost_on_every_attempt_fail_the_request_by_name(gateway, responder):
+    """...a bounded number of times (the watchdog's resumes); then the answer says so rather
+    than leave a hole in the list. Without logprobs the final message fills the gap."""
+    output = responder.default_output("one two three four five six")
+    responder.script = _losing(output, lose_in={0, 1, 2, 3, 4, 5})
+    async with api_client(gateway) as c:
+        resp = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG, "logprobs": True,
+                                        "max_tokens": len(output)})
+        plain = await c.post(CHAT, json={"model": PUBLIC_MODEL, "messages": MSG,
+                                         "max_tokens": len(output)})
     assert resp.status_code == 500, resp.text
     assert "logprobs" in resp.json()["error"]["message"]
-    assert plain.status_code == 200  # without logprobs the final message fills the gap
+    assert plain.status_code == 200, plain.text
 
 
 # -- the openai client reads them ----------------------------------------------------------------------
