@@ -15,7 +15,7 @@ from services.gateway.errors import invalid_request, model_not_found
 from services.gateway.logprobs import LogprobsRenderer, token_texts
 from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
                                            MODEL_LIST, READ_ERRORS, json_body)
-from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.responses import ChatFormat, CompletionFormat, ResponseFormat
 from services.gateway.stream import respond
 from services.gateway.tools import tool_use
 from services.gateway.validation import (
@@ -65,11 +65,14 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
     params = sampling_params(body, body.max_tokens)
     prepared = await service.prepare(body.model, tenant, params, completion_input(body))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant, "text_completion")
-    fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                           continuous_usage=params.continuous_usage,
-                           logprobs=_renderer(prepared.tokenizer, params.logprobs))
-    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+    choices = await service.start(prepared, request_id, tenant, "text_completion")
+    renderer = _renderer(prepared.tokenizer, params.logprobs)
+    fmts: list[ResponseFormat] = [
+        CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                         continuous_usage=params.continuous_usage, logprobs=renderer,
+                         created=choices.created, index=i)
+        for i in range(params.n)]
+    response = await respond(request, choices, fmts, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
 
@@ -89,11 +92,14 @@ async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, servi
     chat = dataclasses.replace(chat_input(body), tools=tools.tools)
     prepared = await service.prepare(body.model, tenant, params, chat)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant, "chat")
-    fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                     continuous_usage=params.continuous_usage,
-                     logprobs=_renderer(prepared.tokenizer, params.logprobs), tools=tools.parse)
-    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+    choices = await service.start(prepared, request_id, tenant, "chat")
+    renderer = _renderer(prepared.tokenizer, params.logprobs)
+    fmts: list[ResponseFormat] = [
+        ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                   continuous_usage=params.continuous_usage, logprobs=renderer,
+                   tools=tools.parse, created=choices.created, index=i)
+        for i in range(params.n)]
+    response = await respond(request, choices, fmts, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
 

@@ -1,5 +1,8 @@
 """OpenAI response bodies for the two endpoints: whole responses and SSE chunks.
 
+A format renders one choice (its `index`); a request with n choices has one per choice, and its
+whole response is the first format's `whole` of every format's `choice`.
+
 A request that asked for logprobs has a `LogprobsRenderer`: each body then carries the logprobs of
 the tokens it covers (a whole response all of them, a chunk those that arrived since the last; a
 chunk that covers none, such as chat's role chunk or a closing chunk, has "logprobs": null).
@@ -51,6 +54,7 @@ class CompletionFormat:
     continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice it renders (a request with n choices has n formats)
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
@@ -58,16 +62,20 @@ class CompletionFormat:
     def _logprobs(self, entries: Entries) -> dict[str, Any] | None:
         return None if self.logprobs is None else self.logprobs.completion(list(entries))
 
-    def whole(self, text: str, finish_reason: str, use: dict[str, int],
-              entries: Entries = ()) -> dict[str, Any]:
-        return {**self._base(), "choices": [
-            {"index": 0, "text": text, "logprobs": self._logprobs(entries),
-             "finish_reason": finish_reason}], "usage": use}
+    def choice(self, text: str, finish_reason: str, entries: Entries = ()) -> dict[str, Any]:
+        """This choice in a whole response."""
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(entries),
+                "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+        """The whole response, of every choice's `choice()`."""
+        return {**self._base(), "choices": choices, "usage": use}
 
     def _chunk(self, text: str, finish_reason: str | None, use: Usage,
                entries: Entries) -> dict[str, Any]:
         return _with_usage({**self._base(), "choices": [
-            {"index": 0, "text": text, "logprobs": self._logprobs(entries) if entries else None,
+            {"index": self.index, "text": text,
+             "logprobs": self._logprobs(entries) if entries else None,
              "finish_reason": finish_reason}]}, use, self.include_usage)
 
     def opening(self, use: Usage = None) -> list[dict[str, Any]]:
@@ -95,6 +103,7 @@ class ChatFormat:
     logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
     tools: bool = False  # parse tool calls out of the output
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice it renders (a request with n choices has n formats)
     _calls: ToolCallStream = field(default_factory=ToolCallStream)  # the stream's, with tools
     _held: list[TokenEntry] = field(default_factory=list)  # logprobs of a chunk not sent
 
@@ -107,24 +116,27 @@ class ChatFormat:
     def _finish(self, finish_reason: str, called: bool) -> str:
         return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
-    def whole(self, text: str, finish_reason: str, use: dict[str, int],
-              entries: Entries = ()) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str, entries: Entries = ()) -> dict[str, Any]:
+        """This choice in a whole response."""
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         calls: list[dict[str, Any]] = []
         if self.tools:
             message["content"], calls = parse(text)
             if calls:
                 message["tool_calls"] = calls
-        return {**self._base("chat.completion"), "choices": [{
-            "index": 0, "message": message, "logprobs": self._logprobs(entries),
-            "finish_reason": self._finish(finish_reason, bool(calls))}], "usage": use}
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(entries),
+                "finish_reason": self._finish(finish_reason, bool(calls))}
+
+    def whole(self, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+        """The whole response, of every choice's `choice()`."""
+        return {**self._base("chat.completion"), "choices": choices, "usage": use}
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None, use: Usage,
                entries: Entries) -> dict[str, Any]:
         entries = [*self._held, *entries]
         self._held = []
         return _with_usage({**self._base("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
+            {"index": self.index, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
              "finish_reason": finish_reason}]}, use, self.include_usage)
 
     def _parsed(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
