@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.gateway.logprobs import LogprobsRenderer, TokenEntry
 from services.gateway.tool_calls import ToolCallStream, parse
+from shared.schemas import TokenLogprob
 
 Entries = Sequence[TokenEntry]
 
@@ -44,9 +45,27 @@ def _with_usage(chunk: dict[str, Any], use: Usage, include_usage: bool) -> dict[
     return chunk
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion repeats before its text (`echo`): its text, its token ids and
+    where each one's text starts in it."""
+
+    text: str
+    token_ids: list[int]
+    offsets: list[int]
+
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[TokenEntry]:
+        """The prompt's tokens with their logprobs (one per token after the first: the first
+        has none, nothing comes before it)."""
+        return [TokenEntry(t, lp, offset) for t, lp, offset
+                in zip(self.token_ids, [None, *logprobs], self.offsets)]
+
+
 @dataclass
 class CompletionFormat:
-    """`text_completion` objects of POST /v1/completions."""
+    """`text_completion` objects of POST /v1/completions. With `echo`, each choice's text begins
+    with the prompt (whole: in its text; streamed: as its first chunk) and, with logprobs, so do
+    its logprobs, the output's text offsets moved past the prompt."""
 
     id: str
     model: str
@@ -55,17 +74,35 @@ class CompletionFormat:
     logprobs: LogprobsRenderer | None = None  # the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     index: int = 0  # the choice it renders (a request with n choices has n formats)
+    echo: Echo | None = None  # the request asked for echo
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
 
     def _logprobs(self, entries: Entries) -> dict[str, Any] | None:
-        return None if self.logprobs is None else self.logprobs.completion(list(entries))
+        if self.logprobs is None:
+            return None
+        if self.echo is not None:  # output offsets count from the start of the prompt
+            shift = len(self.echo.text)
+            entries = [replace(e, offset=e.offset + shift) for e in entries]
+        return self.logprobs.completion(list(entries))
 
-    def choice(self, text: str, finish_reason: str, entries: Entries = ()) -> dict[str, Any]:
-        """This choice in a whole response."""
-        return {"index": self.index, "text": text, "logprobs": self._logprobs(entries),
-                "finish_reason": finish_reason}
+    def _echoed(self, prompt: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """The prompt's part of the logprobs (echo with logprobs)."""
+        if self.logprobs is None or self.echo is None:
+            return None
+        return self.logprobs.completion(self.echo.entries(prompt))
+
+    def choice(self, text: str, finish_reason: str, entries: Entries = (),
+               prompt: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """This choice in a whole response (`prompt`: the prompt's logprobs, for echo)."""
+        logprobs = self._logprobs(entries)
+        echoed = self._echoed(prompt)
+        if echoed is not None and logprobs is not None:
+            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+        return {"index": self.index,
+                "text": text if self.echo is None else self.echo.text + text,
+                "logprobs": logprobs, "finish_reason": finish_reason}
 
     def whole(self, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
         """The whole response, of every choice's `choice()`."""
@@ -78,8 +115,14 @@ class CompletionFormat:
              "logprobs": self._logprobs(entries) if entries else None,
              "finish_reason": finish_reason}]}, use, self.include_usage)
 
-    def opening(self, use: Usage = None) -> list[dict[str, Any]]:
-        return []
+    def opening(self, use: Usage = None,
+                prompt: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+        """The chunks before this choice's first: the echoed prompt, with its logprobs."""
+        if self.echo is None:
+            return []
+        return [_with_usage({**self._base(), "choices": [
+            {"index": self.index, "text": self.echo.text, "logprobs": self._echoed(prompt),
+             "finish_reason": None}]}, use, self.include_usage)]
 
     def delta(self, text: str, use: Usage = None,
               entries: Entries = ()) -> dict[str, Any] | None:
@@ -116,8 +159,9 @@ class ChatFormat:
     def _finish(self, finish_reason: str, called: bool) -> str:
         return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
-    def choice(self, text: str, finish_reason: str, entries: Entries = ()) -> dict[str, Any]:
-        """This choice in a whole response."""
+    def choice(self, text: str, finish_reason: str, entries: Entries = (),
+               prompt: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """This choice in a whole response (chat echoes no prompt: `prompt` is unused)."""
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         calls: list[dict[str, Any]] = []
         if self.tools:
@@ -145,7 +189,9 @@ class ChatFormat:
             delta["tool_calls"] = calls
         return delta
 
-    def opening(self, use: Usage = None) -> list[dict[str, Any]]:
+    def opening(self, use: Usage = None,
+                prompt: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+        """The role chunk that starts this choice (chat echoes no prompt)."""
         return [self._chunk({"role": "assistant", "content": ""}, None, use, ())]
 
     def delta(self, text: str, use: Usage = None,

@@ -162,10 +162,11 @@ class GatewayService:
             engine = base.engine if base is not None else engine
         missing = unsupported(engine, asked)
         if missing:
+            names = ", ".join(repr(m) for m in missing)
             raise errors.invalid_request(
-                f"Unsupported parameter: {missing[0]!r} is not supported by the {engine} engine "
-                f"that serves model {record.name!r}.", param=missing[0],
-                code="unsupported_parameter")
+                f"Unsupported parameter: {names} {'is' if len(missing) == 1 else 'are'} not "
+                f"supported by the {engine} engine that serves model {record.name!r}.",
+                param=missing[0], code="unsupported_parameter")
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, limit: int) -> None:
@@ -229,6 +230,7 @@ class GatewayService:
             logprobs=params.logprobs, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, min_p=params.min_p,
             logit_bias=[TokenBias(t, b) for t, b in params.logit_bias], grammar=params.grammar,
+            prompt_logprobs=params.prompt_logprobs,
         )
 
     async def start(self, prepared: Prepared, response_id: str, tenant: str,
@@ -292,6 +294,8 @@ class GatewayService:
         return Generation(self.backend, stream, detok, prepared.params.stop,
                           self.settings.request_timeout_s, observer, on_close=slot.release,
                           logprobs=prepared.params.logprobs is not None,
+                          prompt_logprobs=(prepared.params.prompt_logprobs is not None
+                                           and len(prepared.prompt_ids) > 1),
                           hidden_ids=frozenset(prepared.params.stop_token_ids),
                           cause=lambda: self.files_cause(prepared.record))
 

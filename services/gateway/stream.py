@@ -145,7 +145,8 @@ async def _whole(choices: Choices, fmts: list[ResponseFormat],
     rendered = []
     for gen, fmt in zip(choices, fmts):
         assert gen.finish_reason is not None
-        rendered.append(fmt.choice(gen.text, gen.finish_reason, gen.logprobs))
+        rendered.append(fmt.choice(gen.text, gen.finish_reason, gen.logprobs,
+                                   gen.prompt_logprobs))
     return fmts[0].whole(rendered, usage(prompt_tokens, choices.completion_tokens))
 
 
@@ -158,13 +159,15 @@ async def _sse_chunks(choices: Choices, events: AsyncIterator[ChoiceEvent], firs
         return usage(prompt_tokens, choices.completion_tokens) if continuous else None
 
     reason = "client disconnected"
+    opened: set[int] = set()
     try:
-        for fmt in fmts:
-            for chunk in fmt.opening(so_far()):
-                yield sse(chunk)
         event = first
         while event is not _END:
             fmt = fmts[event.index]
+            if event.index not in opened:  # a choice opens with its first piece (it has the
+                opened.add(event.index)    # prompt's logprobs, for echo, by then)
+                for chunk in fmt.opening(so_far(), choices[event.index].prompt_logprobs):
+                    yield sse(chunk)
             if event.text is None:
                 finish_reason = choices[event.index].finish_reason
                 assert finish_reason is not None

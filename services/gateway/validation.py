@@ -157,6 +157,9 @@ class _Common(_Lenient):
 
 
 class CompletionBody(_Common):
+    implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
+    # The prompt repeated before each choice's text; with logprobs, the prompt tokens' too.
+    echo: bool | None = None
     # Text, or token ids; a list of one of those is one prompt too (batches are refused).
     prompt: str | list[JSONInt] | list[str] | list[list[JSONInt]] = Field(
         json_schema_extra=_one_prompt)
@@ -310,12 +313,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the output like EOS (their text is not shown)
     grammar: OutputGrammar | None = None  # the output must match it (constrained decoding)
     n: int = 1  # choices, each generated as its own request
+    echo: bool = False  # completions: the prompt before the text (and its logprobs, if asked)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprobs carry; None: none asked."""
+        return self.logprobs if self.echo else None
 
     def features(self) -> list[str]:
         """What it asks of the engine beyond plain sampling (shared/engine_features.py)."""
         return asked_features(self.logprobs, self.presence_penalty, self.frequency_penalty,
                               self.logit_bias, self.min_p,
-                              self.grammar.param if self.grammar else None)
+                              self.grammar.param if self.grammar else None, self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -407,6 +416,7 @@ def sampling_params(body: _Common, max_tokens: int | None,
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
                           stop=stop, stream=stream, include_usage=options.include_usage,
                           continuous_usage=options.continuous_usage_stats, n=_choices(body),
+                          echo=isinstance(body, CompletionBody) and bool(body.echo),
                           **_extensions(body))
 
 

@@ -82,7 +82,8 @@ CASES = [
     (COMPL, compl(best_of=3), 400, "best_of", "unsupported_parameter"),
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
     (COMPL, compl(logprobs=21), 400, "logprobs", "invalid_value"),
-    (COMPL, compl(echo=True), 400, "echo", "unsupported_parameter"),
+    (CHAT, chat(echo=True), 400, "echo", "unsupported_parameter"),  # completions only
+    (COMPL, compl(echo=1), 400, "echo", "invalid_value"),
     (COMPL, compl(suffix="end"), 400, "suffix", "unsupported_parameter"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias", "invalid_value"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice", "invalid_value"),  # no tools
