@@ -16,6 +16,9 @@ PRESENCE_PENALTY = "presence_penalty"
 FREQUENCY_PENALTY = "frequency_penalty"
 LOGIT_BIAS = "logit_bias"
 MIN_P = "min_p"
+# The prompt's own log-probabilities (the completions API's `echo` with `logprobs`): computed
+# from the prefill's logits at every prompt position, not only the last.
+ECHO = "echo"
 # Constrained decoding (a token mask each step): asked by response_format json_object/json_schema,
 # or by a required or named tool_choice. The request's OutputGrammar says which one asked.
 RESPONSE_FORMAT = "response_format"
@@ -23,7 +26,7 @@ TOOL_CHOICE = "tool_choice"
 GRAMMAR_FEATURES = frozenset({RESPONSE_FORMAT, TOOL_CHOICE})
 
 ALL_FEATURES = frozenset({LOGPROBS, PRESENCE_PENALTY, FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P,
-                          *GRAMMAR_FEATURES})
+                          ECHO, *GRAMMAR_FEATURES})
 
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
     "torch": ALL_FEATURES,
@@ -39,12 +42,13 @@ ENGINE_FEATURES["auto"] = ENGINE_FEATURES["torch"]
 
 
 def asked_features(logprobs: int | None, presence_penalty: float, frequency_penalty: float,
-                   logit_bias: Sized, min_p: float, grammar_param: str | None = None) -> list[str]:
+                   logit_bias: Sized, min_p: float, grammar_param: str | None = None,
+                   prompt_logprobs: int | None = None) -> list[str]:
     """The features a request's values ask for (a neutral value asks for none); `grammar_param`:
     the parameter whose output grammar the request carries (None: none)."""
     asked = {LOGPROBS: logprobs is not None, PRESENCE_PENALTY: presence_penalty != 0,
              FREQUENCY_PENALTY: frequency_penalty != 0, LOGIT_BIAS: len(logit_bias) > 0,
-             MIN_P: min_p != 0}
+             MIN_P: min_p != 0, ECHO: prompt_logprobs is not None}
     return [name for name, on in asked.items() if on] + ([grammar_param] if grammar_param else [])
 
 

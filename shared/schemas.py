@@ -112,6 +112,10 @@ class InferenceRequest:
     # response_format json_object/json_schema, or a required or named tool_choice: the output
     # must match this grammar (only engines that mask logits honour it).
     grammar: OutputGrammar | None = None
+    # The completions API's echo with logprobs: None = none; k = each prompt token's
+    # log-probability after the first (given the tokens before it) and the k most likely
+    # alternatives' (`TokenMessage.prompt_logprobs`; only engines with the "echo" feature).
+    prompt_logprobs: int | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -157,6 +161,9 @@ class TokenMessage:
     # `output_token_ids` carry none (a whole output's alternatives can outgrow a NATS message),
     # so a gateway that lost a token message loses those tokens' logprobs.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # A request that asked for prompt logprobs, on the message of its first output token (the
+    # final one too if that token ends it): one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class CommandKind(str, enum.Enum):

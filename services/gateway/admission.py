@@ -7,6 +7,9 @@ Three limits, per gateway process (settings `SLINFER_TENANT_MAX_CONCURRENCY`,
 - a tenant's requests in flight (submitted, not yet finished, streaming included);
 - a model's requests in flight, which is the queue the placer and the model's instances have
   in front of them from this gateway.
+
+A request with `n` choices is one request to the rate limit (one call) but `n` to both in-flight
+counts: each choice is a generation of its own in the cluster, holding its own slot.
 """
 
 from __future__ import annotations
@@ -69,17 +72,29 @@ class Admission:
 
     def acquire(self, tenant: str, model: str) -> Slot:
         """A slot for one more request of `tenant` on `model` (a registry id), or 429."""
+        return self.acquire_many(tenant, model, 1)[0]
+
+    def acquire_many(self, tenant: str, model: str, count: int) -> list[Slot]:
+        """`count` slots at once (a request's choices), or none and 429. A count no cap could
+        ever hold is a 400 naming `n`: waiting would not help."""
         cap = self._s.tenant_max_concurrency
-        if cap and self.tenant_in_flight[tenant] >= cap:
-            raise _too_many(f"Too many requests in flight: at most {cap} per tenant; retry when "
-                            "one has finished.", "concurrency_limit_exceeded", CONCURRENCY_RETRY_S)
         queue = self._s.model_max_queue
-        if queue and self.model_in_flight[model] >= queue:
+        for limit, what in ((cap, "requests in flight per tenant"),
+                            (queue, "requests in flight per model")):
+            if limit and count > limit:
+                raise errors.invalid_request(
+                    f"n ({count}) is more than this gateway's {limit} {what}: each choice is "
+                    "a request in flight.", param="n", code="invalid_value")
+        if cap and self.tenant_in_flight[tenant] + count > cap:
+            raise _too_many(f"Too many requests in flight: at most {cap} per tenant (each of a "
+                            "request's n choices counts); retry when one has finished.",
+                            "concurrency_limit_exceeded", CONCURRENCY_RETRY_S)
+        if queue and self.model_in_flight[model] + count > queue:
             raise _too_many(f"The model's queue is full ({queue} requests in flight); retry "
                             "shortly.", "model_queue_full", CONCURRENCY_RETRY_S)
-        self.tenant_in_flight[tenant] += 1
-        self.model_in_flight[model] += 1
-        return Slot(self, tenant, model)
+        self.tenant_in_flight[tenant] += count
+        self.model_in_flight[model] += count
+        return [Slot(self, tenant, model) for _ in range(count)]
 
     def _release(self, tenant: str, model: str) -> None:
         for counts, key in ((self.tenant_in_flight, tenant), (self.model_in_flight, model)):

@@ -213,6 +213,8 @@ class TokenStream:
         self.finished: Finished | None = None
         self.node_headers: dict[str, str] | None = None  # trace context of the first token message
         self.prefill_s: float | None = None  # the node's engine prefill time (first token message)
+        # The prompt's logprobs (a request that asked): from the first message that has them.
+        self.prompt_logprobs: list[TokenLogprob] = []
         self._request = request
         self._backend = backend
         self._trace_headers = trace_headers
@@ -330,6 +332,8 @@ class TokenStream:
     def _accept(self, m: TokenMessage) -> list[TokenEvent]:
         if m.prompt_tokens:
             self.prompt_tokens = m.prompt_tokens
+        if m.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = m.prompt_logprobs
         logprobs = m.logprobs if len(m.logprobs) == len(m.token_ids) else []
         for i, token in enumerate(m.token_ids):
             if m.seq + i >= self._next:

@@ -18,7 +18,7 @@ from services.gateway.logprobs import TokenEntry
 from services.gateway.observe import RequestObserver
 from services.gateway.tokenization import IncrementalDetokenizer
 from shared.model_state import FAILED, parse_lifecycle_error
-from shared.schemas import FinishReason
+from shared.schemas import FinishReason, TokenLogprob
 
 log = logging.getLogger("slinfer.gateway")
 
@@ -57,6 +57,7 @@ class Generation:
         observer: RequestObserver | None = None,
         on_close: Callable[[], None] | None = None,
         logprobs: bool = False,
+        prompt_logprobs: bool = False,
         hidden_ids: frozenset[int] = frozenset(),
         cause: Callable[[], Awaitable[errors.APIError | None]] | None = None,
     ) -> None:
@@ -78,6 +79,7 @@ class Generation:
         self.failure: str | None = None  # why it ended without output: dropped, timeout, ...
         self.failure_detail: str | None = None
         self._want_logprobs = logprobs
+        self._want_prompt_logprobs = prompt_logprobs
         self.logprobs: list[TokenEntry] = []  # every token's, in order (a request that asked)
         self._taken = 0  # entries of `logprobs` already handed out by take_logprobs
         # The client's stop_token_ids: they end the output like an EOS and, like it, add no text.
@@ -119,6 +121,12 @@ class Generation:
     def _accept(self, event: Tokens) -> None:
         """Each token's text, one at a time (so each knows where its text starts), and its
         logprobs where the request asked."""
+        if self._want_prompt_logprobs and not self._stream.prompt_logprobs:
+            # They ride the first token's message; the final one, which fills a lost token,
+            # does not repeat them.
+            self.failure = "error"
+            self.failure_detail = "the prompt's logprobs were lost on the way from the node"
+            raise errors.inference_failed(self.failure_detail)
         for i, token in enumerate(event.token_ids):
             if self._want_logprobs:
                 logprobs = event.logprobs[i] if i < len(event.logprobs) else None
@@ -131,6 +139,12 @@ class Generation:
             self.completion_tokens += 1
             if token not in self._hidden:
                 self._text += self._detok.push([token])
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """The prompt's logprobs, one per prompt token after the first (a request that asked
+        for them; they arrive with its first token)."""
+        return self._stream.prompt_logprobs
 
     def take_logprobs(self) -> list[TokenEntry]:
         """The logprob entries that arrived since the last call."""

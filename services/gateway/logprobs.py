@@ -91,11 +91,12 @@ def token_texts(tokenizer: PreTrainedTokenizerBase) -> TokenTexts:
 
 @dataclass(frozen=True)
 class TokenEntry:
-    """One output token with its logprobs and where its text starts in the output text."""
+    """One token with its logprobs and where its text starts in the text shown (an output
+    token, or an echoed prompt token: the first has no logprobs, nothing precedes it)."""
 
     token_id: int
-    logprobs: TokenLogprob
-    offset: int  # characters of output text before this token's (completions' text_offset)
+    logprobs: TokenLogprob | None
+    offset: int  # characters of text before this token's (completions' text_offset)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class LogprobsRenderer:
         return {"content": [self._chat_token(e) for e in entries], "refusal": None}
 
     def _chat_token(self, entry: TokenEntry) -> dict[str, Any]:
+        assert entry.logprobs is not None  # chat echoes no prompt: every entry has them
         return {**self._chat_top(entry.token_id, entry.logprobs.logprob),
                 "top_logprobs": [self._chat_top(t, lp) for t, lp in self._top(entry.logprobs)]}
 
@@ -124,14 +126,18 @@ class LogprobsRenderer:
         """choices[].logprobs of a text completion or chunk: parallel lists. Each token's
         alternatives map text to logprob, and always hold the chosen token (OpenAI's "up to
         logprobs + 1" entries)."""
-        tops = []
+        tops: list[dict[str, float] | None] = []
         for e in entries:
+            if e.logprobs is None:  # an echoed prompt's first token: null, as OpenAI writes it
+                tops.append(None)
+                continue
             alternatives: dict[str, float] = {}
             for token_id, logprob in self._top(e.logprobs):  # likeliest first: it keeps its text
                 alternatives.setdefault(self.texts.of(token_id)[0], _floor(logprob))
             alternatives.setdefault(self.texts.of(e.token_id)[0], _floor(e.logprobs.logprob))
             tops.append(alternatives)
         return {"tokens": [self.texts.of(e.token_id)[0] for e in entries],
-                "token_logprobs": [_floor(e.logprobs.logprob) for e in entries],
+                "token_logprobs": [None if e.logprobs is None else _floor(e.logprobs.logprob)
+                                   for e in entries],
                 "top_logprobs": tops,
                 "text_offset": [e.offset for e in entries]}

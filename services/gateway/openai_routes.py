@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import uuid
@@ -15,13 +16,16 @@ from services.gateway.errors import invalid_request, model_not_found
 from services.gateway.logprobs import LogprobsRenderer, token_texts
 from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
                                            MODEL_LIST, READ_ERRORS, json_body)
-from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.responses import ChatFormat, CompletionFormat, Echo, ResponseFormat
+from services.gateway.service import Prepared
 from services.gateway.stream import respond
+from services.gateway.tokenization import prompt_offsets
 from services.gateway.tools import tool_use
 from services.gateway.validation import (
     IGNORED_FIELDS_HEADER,
     ChatBody,
     CompletionBody,
+    CompletionInput,
     chat_input,
     chat_max_tokens,
     completion_input,
@@ -63,13 +67,18 @@ async def get_model(name: str, tenant: Tenant, registry: Registry) -> dict[str, 
 async def completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
     body = parse_body(CompletionBody, raw)
     params = sampling_params(body, body.max_tokens)
-    prepared = await service.prepare(body.model, tenant, params, completion_input(body))
+    prompt = completion_input(body)
+    prepared = await service.prepare(body.model, tenant, params, prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant, "text_completion")
-    fmt = CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                           continuous_usage=params.continuous_usage,
-                           logprobs=_renderer(prepared.tokenizer, params.logprobs))
-    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+    choices = await service.start(prepared, request_id, tenant, "text_completion")
+    renderer = _renderer(prepared.tokenizer, params.logprobs)
+    echo = await _echo(prepared, prompt) if params.echo else None
+    fmts: list[ResponseFormat] = [
+        CompletionFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                         continuous_usage=params.continuous_usage, logprobs=renderer,
+                         created=choices.created, index=i, echo=echo)
+        for i in range(params.n)]
+    response = await respond(request, choices, fmts, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
 
@@ -89,13 +98,25 @@ async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, servi
     chat = dataclasses.replace(chat_input(body), tools=tools.tools)
     prepared = await service.prepare(body.model, tenant, params, chat)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = await service.start(prepared, request_id, tenant, "chat")
-    fmt = ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
-                     continuous_usage=params.continuous_usage,
-                     logprobs=_renderer(prepared.tokenizer, params.logprobs), tools=tools.parse)
-    response = await respond(request, gen, fmt, len(prepared.prompt_ids), params.stream,
+    choices = await service.start(prepared, request_id, tenant, "chat")
+    renderer = _renderer(prepared.tokenizer, params.logprobs)
+    fmts: list[ResponseFormat] = [
+        ChatFormat(id=request_id, model=body.model, include_usage=params.include_usage,
+                   continuous_usage=params.continuous_usage, logprobs=renderer,
+                   tools=tools.parse, created=choices.created, index=i)
+        for i in range(params.n)]
+    response = await respond(request, choices, fmts, len(prepared.prompt_ids), params.stream,
                              params.include_usage)
     return name_ignored_fields(response, body, request_id)
+
+
+async def _echo(prepared: Prepared, prompt: CompletionInput) -> Echo:
+    """The prompt as echo repeats it: its text as sent (decoded, for token ids), and where each
+    of its tokens' text starts (off the event loop: one decode per token)."""
+    decoded, offsets = await asyncio.to_thread(prompt_offsets, prepared.tokenizer,
+                                               prepared.prompt_ids)
+    text = prompt.text if prompt.text is not None else decoded
+    return Echo(text, prepared.prompt_ids, offsets)
 
 
 def _renderer(tokenizer, top: int | None) -> LogprobsRenderer | None:

@@ -8,12 +8,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import anyio
 from redis.asyncio import Redis
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway import errors, lifecycle
-from services.gateway.admission import Admission
-from services.gateway.backend import BackendUnavailable, InferenceBackend
+from services.gateway.admission import Admission, Slot
+from services.gateway.backend import BackendUnavailable, InferenceBackend, TokenStream
+from services.gateway.choices import Choices
 from services.gateway.files_check import FilesCheck
 from services.gateway.generation import Generation
 from services.gateway.observe import RequestObserver
@@ -112,6 +114,10 @@ class GatewayService:
 
     async def prepare(self, model: str, tenant: str, params: SamplingParams,
                       prompt: CompletionInput | ChatInput) -> Prepared:
+        if params.n > self.settings.max_choices:
+            raise errors.invalid_request(
+                f"n must be at most {self.settings.max_choices} at this gateway, got {params.n}.",
+                param="n", code="invalid_value")
         self.admission.check_rate(tenant)  # before any work is spent on the request
         record = await self.visible_model(model, tenant)
         tokenizer = await self.tokenizer_for(record)
@@ -156,10 +162,11 @@ class GatewayService:
             engine = base.engine if base is not None else engine
         missing = unsupported(engine, asked)
         if missing:
+            names = ", ".join(repr(m) for m in missing)
             raise errors.invalid_request(
-                f"Unsupported parameter: {missing[0]!r} is not supported by the {engine} engine "
-                f"that serves model {record.name!r}.", param=missing[0],
-                code="unsupported_parameter")
+                f"Unsupported parameter: {names} {'is' if len(missing) == 1 else 'are'} not "
+                f"supported by the {engine} engine that serves model {record.name!r}.",
+                param=missing[0], code="unsupported_parameter")
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, limit: int) -> None:
@@ -192,7 +199,8 @@ class GatewayService:
                 code="context_length_exceeded")
         return requested
 
-    def build_request(self, prepared: Prepared, request_id: str, tenant: str) -> InferenceRequest:
+    def build_request(self, prepared: Prepared, request_id: str, tenant: str,
+                      choice: int = 0) -> InferenceRequest:
         record, params = prepared.record, prepared.params
         slo = slo_for_class(record.slo_class, len(prepared.prompt_ids))
         # With ignore_eos no EOS ends the request, only the client's stop_token_ids (vLLM's
@@ -215,34 +223,92 @@ class GatewayService:
             # After this nobody waits: placers do not place it, nodes stop it (an orphan of a
             # gateway that died with the client's connection ends by itself).
             deadline=arrival + self.settings.request_timeout_s,
-            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            temperature=params.temperature, top_p=params.top_p,
+            seed=choice_seed(params.seed, choice),
             eos_token_ids=eos, top_k=params.top_k, repetition_penalty=params.repetition_penalty,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
             logprobs=params.logprobs, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, min_p=params.min_p,
             logit_bias=[TokenBias(t, b) for t, b in params.logit_bias], grammar=params.grammar,
+            prompt_logprobs=params.prompt_logprobs,
         )
 
-    async def start(self, prepared: Prepared, request_id: str, tenant: str,
-                    operation: str = "text_completion") -> Generation:
-        """Submit the request. `operation` is its GenAI operation name (chat, text_completion)."""
+    async def start(self, prepared: Prepared, response_id: str, tenant: str,
+                    operation: str = "text_completion") -> Choices:
+        """Submit the request's choices, each a request of its own (`choice_id`, `choice_seed`)
+        that the cluster places and schedules like any. `operation` is its GenAI operation name
+        (chat, text_completion)."""
+        n = prepared.params.n
         # 429 here, before the request is queued anywhere (after `prepare`, so a model the
-        # tenant may not see is a 404, never a "queue full" that would tell it exists).
-        slot = self.admission.acquire(tenant, prepared.record.name)
-        request = self.build_request(prepared, request_id, tenant)
-        timeout = self.settings.request_timeout_s
-        observer = RequestObserver(self.metrics, request, operation)
+        # tenant may not see is a 404, never a "queue full" that would tell it exists). Each
+        # choice holds a slot: it is a generation in flight like any request.
+        slots = self.admission.acquire_many(tenant, prepared.record.name, n)
+        requests = [self.build_request(prepared, choice_id(response_id, i, n), tenant, i)
+                    for i in range(n)]
+        observers = [RequestObserver(self.metrics, r, operation) for r in requests]
         try:
             # The request span's context rides the NATS headers.
-            stream = await self.backend.submit(request, timeout, observer.headers)
+            streams = await self._submit(requests, observers)
         except BaseException as exc:
-            slot.release()
+            for slot in slots:
+                slot.release()
             if not isinstance(exc, BackendUnavailable):
                 raise
-            observer.failed_to_submit(exc)
+            for observer in observers:
+                observer.failed_to_submit(exc)
             raise errors.backend_unavailable(str(exc)) from exc
+        return Choices([self._generation(prepared, stream, observer, slot)
+                        for stream, observer, slot in zip(streams, observers, slots)])
+
+    async def _submit(self, requests: list[InferenceRequest],
+                      observers: list[RequestObserver]) -> list[TokenStream]:
+        """Publish every choice's request at once. All or none: when one is not taken, those
+        that were are cancelled and the first failure is raised."""
+        timeout = self.settings.request_timeout_s
+        if len(requests) == 1:
+            return [await self.backend.submit(requests[0], timeout, observers[0].headers)]
+        tasks = [asyncio.ensure_future(self.backend.submit(r, timeout, o.headers))
+                 for r, o in zip(requests, observers)]
+        failure: BaseException | None = None
+        try:
+            await asyncio.wait(tasks)
+        except BaseException as exc:  # cancelled while publishing
+            failure = exc
+            for task in tasks:
+                task.cancel()
+        ended = [t for t in tasks if t.done() and not t.cancelled()]
+        taken = [t.result() for t in ended if t.exception() is None]
+        if failure is None:
+            failure = next((t.exception() for t in ended if t.exception() is not None), None)
+        if failure is None:
+            return taken
+        with anyio.CancelScope(shield=True):
+            for stream in taken:
+                await self.backend.cancel(stream.request_id, "another choice was not accepted")
+                await stream.close()
+        raise failure
+
+    def _generation(self, prepared: Prepared, stream: TokenStream, observer: RequestObserver,
+                    slot: Slot) -> Generation:
         detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
-        return Generation(self.backend, stream, detok, prepared.params.stop, timeout, observer,
-                          on_close=slot.release, logprobs=prepared.params.logprobs is not None,
+        return Generation(self.backend, stream, detok, prepared.params.stop,
+                          self.settings.request_timeout_s, observer, on_close=slot.release,
+                          logprobs=prepared.params.logprobs is not None,
+                          prompt_logprobs=(prepared.params.prompt_logprobs is not None
+                                           and len(prepared.prompt_ids) > 1),
                           hidden_ids=frozenset(prepared.params.stop_token_ids),
                           cause=lambda: self.files_cause(prepared.record))
+
+
+def choice_id(response_id: str, index: int, n: int) -> str:
+    """The request id of choice `index`: the response's own id when it is the only choice."""
+    return response_id if n == 1 else f"{response_id}-{index}"
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice i samples with seed + i, so that seeded choices differ from each other and the
+    same request again gives the same choices. It wraps within the 64 bits a seed may have."""
+    if seed is None:
+        return None
+    seed += index
+    return seed - 2**64 if seed >= 2**64 else seed

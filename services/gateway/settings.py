@@ -37,6 +37,8 @@ ENV_METRICS_HOST = "SLINFER_GATEWAY_METRICS_HOST"
 ENV_STREAM_QUIET = "SLINFER_STREAM_QUIET_S"
 ENV_MAX_RESUMES = "SLINFER_MAX_RESUMES"
 ENV_PROFILE_HARDWARE = "SLINFER_PROFILE_HARDWARE"
+ENV_MAX_CHOICES = "SLINFER_MAX_CHOICES"
+MAX_CHOICES_LIMIT = 128  # OpenAI's own bound on n
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
 
@@ -76,6 +78,9 @@ class GatewaySettings:
     # a request whose node was lost is resumed elsewhere at most this many times.
     stream_quiet_s: float = 5.0
     max_resumes: int = 3
+    # The most choices (`n`) one request may ask for: each is a request of its own to the
+    # cluster, so one call asks for up to this many generations' capacity (OpenAI allows 128).
+    max_choices: int = 16
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -138,6 +143,9 @@ class GatewaySettings:
             raise ValueError(f"{ENV_STREAM_QUIET} must be > 0, got {self.stream_quiet_s}")
         if self.max_resumes < 0:
             raise ValueError(f"{ENV_MAX_RESUMES} must be >= 0, got {self.max_resumes}")
+        if not 1 <= self.max_choices <= MAX_CHOICES_LIMIT:
+            raise ValueError(f"{ENV_MAX_CHOICES} must be in 1..{MAX_CHOICES_LIMIT}, got "
+                             f"{self.max_choices}")
 
     @property
     def auth_enabled(self) -> bool:
@@ -201,6 +209,8 @@ def _limits_from_env(env: Mapping[str, str] | None) -> dict:
         "stream_quiet_s": env_float(ENV_STREAM_QUIET, d["stream_quiet_s"].default, env=env,
                                     minimum=0.001),
         "max_resumes": env_int(ENV_MAX_RESUMES, d["max_resumes"].default, env=env, minimum=0),
+        "max_choices": env_int(ENV_MAX_CHOICES, d["max_choices"].default, env=env, minimum=1,
+                               maximum=MAX_CHOICES_LIMIT),
         "profile_hardware": _hardware_kinds(env_str(ENV_PROFILE_HARDWARE, "cpu", env=env) or "cpu"),
     }
 

@@ -1,5 +1,6 @@
-"""Delivering a `Generation` to the client, streamed (SSE) or whole, and cancelling it on the node
-when the client goes away — whether it leaves mid-stream or while waiting for a whole response."""
+"""Delivering a request's choices (`Choices`) to the client, streamed (SSE) or whole, and
+cancelling them on their nodes when the client goes away — whether it leaves mid-stream or while
+waiting for a whole response — or when one of them fails."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.choices import ChoiceEvent, Choices
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation
 from services.gateway.responses import ResponseFormat, usage
 
 T = TypeVar("T")
@@ -93,70 +94,96 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
-async def respond(request: Request, gen: Generation, fmt: ResponseFormat, prompt_tokens: int,
-                  stream: bool, include_usage: bool) -> Response:
+# Why the other choices of a request are cancelled when one of them failed.
+CHOICE_FAILED = "a choice of the request failed"
+
+
+async def respond(request: Request, choices: Choices, fmts: list[ResponseFormat],
+                  prompt_tokens: int, stream: bool, include_usage: bool) -> Response:
+    """`fmts[i]` renders choice i. Usage counts the prompt once and every choice's output."""
     if not stream:
+        reason = "client disconnected"
         try:
-            return JSONResponse(await until_disconnect(request, _whole(gen, fmt, prompt_tokens)))
+            return JSONResponse(await until_disconnect(request, _whole(choices, fmts,
+                                                                       prompt_tokens)))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was cancelled
+        except APIError:
+            reason = CHOICE_FAILED
+            raise
         finally:
-            await gen.close()
+            await choices.close(reason)
 
     # Wait for the first token before sending headers, so that a request dropped or failed before
     # producing anything gets a proper HTTP status rather than an error event.
-    deltas = gen.deltas()
+    events = choices.events()
     try:
-        first = await until_disconnect(request, _first(deltas))
+        first = await until_disconnect(request, _first(events))
     except ClientGone:
-        await gen.close()
+        await choices.close()
         return Response(status_code=499)
-    except BaseException:
-        await gen.close()
+    except BaseException as exc:
+        await choices.close(CHOICE_FAILED if isinstance(exc, APIError) else "client disconnected")
         raise
-    return SSEResponse(_sse_chunks(gen, deltas, first, fmt, prompt_tokens, include_usage))
+    return SSEResponse(_sse_chunks(choices, events, first, fmts, prompt_tokens, include_usage))
 
 
 _END = object()
 
 
-async def _first(deltas: AsyncIterator[str]) -> Any:
+async def _first(events: AsyncIterator[ChoiceEvent]) -> Any:
     try:
-        return await deltas.__anext__()
+        return await events.__anext__()
     except StopAsyncIteration:
         return _END
 
 
-async def _whole(gen: Generation, fmt: ResponseFormat, prompt_tokens: int) -> dict[str, Any]:
-    async for _ in gen.deltas():
+async def _whole(choices: Choices, fmts: list[ResponseFormat],
+                 prompt_tokens: int) -> dict[str, Any]:
+    async for _ in choices.events():
         pass
-    assert gen.finish_reason is not None
-    return fmt.whole(gen.text, gen.finish_reason, usage(prompt_tokens, gen.completion_tokens),
-                     gen.logprobs)
+    rendered = []
+    for gen, fmt in zip(choices, fmts):
+        assert gen.finish_reason is not None
+        rendered.append(fmt.choice(gen.text, gen.finish_reason, gen.logprobs,
+                                   gen.prompt_logprobs))
+    return fmts[0].whole(rendered, usage(prompt_tokens, choices.completion_tokens))
 
 
-async def _sse_chunks(gen: Generation, deltas: AsyncIterator[str], first: Any, fmt: ResponseFormat,
-                      prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse_chunks(choices: Choices, events: AsyncIterator[ChoiceEvent], first: Any,
+                      fmts: list[ResponseFormat], prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    continuous = fmts[0].continuous_usage
+
     def so_far() -> dict[str, int] | None:  # read when each chunk is made: the count grows
-        return usage(prompt_tokens, gen.completion_tokens) if fmt.continuous_usage else None
+        return usage(prompt_tokens, choices.completion_tokens) if continuous else None
 
+    reason = "client disconnected"
+    opened: set[int] = set()
     try:
-        for chunk in fmt.opening(so_far()):
-            yield sse(chunk)
-        if first is not _END:
+        event = first
+        while event is not _END:
+            fmt = fmts[event.index]
+            if event.index not in opened:  # a choice opens with its first piece (it has the
+                opened.add(event.index)    # prompt's logprobs, for echo, by then)
+                for chunk in fmt.opening(so_far(), choices[event.index].prompt_logprobs):
+                    yield sse(chunk)
+            if event.text is None:
+                finish_reason = choices[event.index].finish_reason
+                assert finish_reason is not None
+                yield sse(fmt.closing(finish_reason, so_far(), event.entries))
             # A delta whose text is held back (half a character, a possible stop sequence, the
             # start of a tool call) sends nothing; its tokens' logprobs go with the next chunk.
-            if first and (chunk := fmt.delta(first, so_far(), gen.take_logprobs())) is not None:
+            elif event.text and (chunk := fmt.delta(event.text, so_far(),
+                                                    event.entries)) is not None:
                 yield sse(chunk)
-            async for text in deltas:
-                if text and (chunk := fmt.delta(text, so_far(), gen.take_logprobs())) is not None:
-                    yield sse(chunk)
-        assert gen.finish_reason is not None
-        yield sse(fmt.closing(gen.finish_reason, so_far(), gen.take_logprobs()))
+            event = await _first(events)
         if include_usage:
-            yield sse(fmt.usage_chunk(usage(prompt_tokens, gen.completion_tokens)))
+            yield sse(fmts[0].usage_chunk(usage(prompt_tokens, choices.completion_tokens)))
     except APIError as exc:
+        reason = CHOICE_FAILED
         yield sse(exc.body())  # the stream already started: the error travels as an event
     finally:
-        await gen.close()  # cancels on the node unless it finished (disconnect, error, timeout)
+        # Cancels on the nodes what has not finished (disconnect, error, timeout).
+        await choices.close(reason)
     yield sse("[DONE]")

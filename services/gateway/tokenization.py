@@ -139,3 +139,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+
+
+def prompt_offsets(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> tuple[str, list[int]]:
+    """The text of prompt `ids` as the output is decoded (special tokens add none), and where
+    each token's text starts in it (the completions API's text_offset, for echo)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    offsets = []
+    for token in ids:
+        offsets.append(len(detok.text))
+        detok.push([token])
+    detok.flush()
+    return detok.text, offsets

@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.gateway.errors import invalid_request, validation_error
+from services.gateway.settings import MAX_CHOICES_LIMIT
 from shared.engine_features import asked_features
 from shared.grammar import ANY_JSON_OBJECT, GrammarError, compile_grammar, json_schema_grammar
 from shared.schemas import OutputGrammar
@@ -130,9 +131,11 @@ class _Common(_Lenient):
         maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"},
         additionalProperties={"type": "number", "minimum": -LOGIT_BIAS_RANGE,
                               "maximum": LOGIT_BIAS_RANGE})
+    # How many choices to generate (each its own request; at most the gateway's
+    # SLINFER_MAX_CHOICES, checked with the settings).
+    n: JSONInt | None = _doc(minimum=1, maximum=MAX_CHOICES_LIMIT)
     # In the OpenAI API, not implemented here: any value other than the neutral one is refused
     # by `reject_unsupported`, which names the parameter.
-    n: Any = _neutral(1)
     best_of: Any = _neutral(1)
     echo: Any = _neutral(False)
     suffix: Any = _neutral("")
@@ -154,6 +157,9 @@ class _Common(_Lenient):
 
 
 class CompletionBody(_Common):
+    implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
+    # The prompt repeated before each choice's text; with logprobs, the prompt tokens' too.
+    echo: bool | None = None
     # Text, or token ids; a list of one of those is one prompt too (batches are refused).
     prompt: str | list[JSONInt] | list[str] | list[list[JSONInt]] = Field(
         json_schema_extra=_one_prompt)
@@ -262,7 +268,6 @@ class DetokenizeBody(_Lenient):
 
 # value is acceptable (neutral) -> True
 _NEUTRAL = {
-    "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: v is None or v is False,
     "suffix": lambda v: v in (None, ""),
@@ -307,12 +312,19 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # end the output like EOS (their text is not shown)
     grammar: OutputGrammar | None = None  # the output must match it (constrained decoding)
+    n: int = 1  # choices, each generated as its own request
+    echo: bool = False  # completions: the prompt before the text (and its logprobs, if asked)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprobs carry; None: none asked."""
+        return self.logprobs if self.echo else None
 
     def features(self) -> list[str]:
         """What it asks of the engine beyond plain sampling (shared/engine_features.py)."""
         return asked_features(self.logprobs, self.presence_penalty, self.frequency_penalty,
                               self.logit_bias, self.min_p,
-                              self.grammar.param if self.grammar else None)
+                              self.grammar.param if self.grammar else None, self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -403,7 +415,21 @@ def sampling_params(body: _Common, max_tokens: int | None,
     options = body.stream_options or StreamOptions()
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
                           stop=stop, stream=stream, include_usage=options.include_usage,
-                          continuous_usage=options.continuous_usage_stats, **_extensions(body))
+                          continuous_usage=options.continuous_usage_stats, n=_choices(body),
+                          echo=isinstance(body, CompletionBody) and bool(body.echo),
+                          **_extensions(body))
+
+
+def _choices(body: _Common) -> int:
+    """`n`, at least 1 (its upper bound is a gateway setting: GatewayService checks it). The
+    neutral best_of (1) cannot pick the best of fewer candidates than n."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise invalid_request(f"n must be at least 1, got {n}.", param="n", code="invalid_value")
+    if body.best_of is not None and body.best_of < n:
+        raise invalid_request(f"best_of ({body.best_of}) must be at least n ({n}).",
+                              param="best_of", code="invalid_value")
+    return n
 
 
 def _extensions(body: _Common) -> dict[str, Any]:

@@ -94,7 +94,10 @@ def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
                           presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty,
                           logit_bias=tuple((b.token, b.bias) for b in req.logit_bias),
-                          min_p=req.min_p, prior_output=output_len, grammar=req.grammar)
+                          min_p=req.min_p, prior_output=output_len, grammar=req.grammar,
+                          # Sent with the first output token: a request resumed or migrated
+                          # with output already had them sent by its first node.
+                          prompt_logprobs=req.prompt_logprobs if output_len == 0 else None)
 
 
 def wire_logprobs(logprobs: TokenLogprobs | None) -> list[TokenLogprob]:
@@ -103,6 +106,11 @@ def wire_logprobs(logprobs: TokenLogprobs | None) -> list[TokenLogprob]:
         return []
     return [TokenLogprob(logprobs.logprob, [t for t, _ in logprobs.top],
                          [lp for _, lp in logprobs.top])]
+
+
+def wire_prompt_logprobs(logprobs: list[TokenLogprobs] | None) -> list[TokenLogprob]:
+    """An engine's prompt logprobs as a token message carries them ([] when none)."""
+    return [entry for lp in logprobs or () for entry in wire_logprobs(lp)]
 
 
 def finish_reason(live: Live, token: int, max_context: int) -> FinishReason | None:

@@ -9,11 +9,12 @@ import logging
 import time
 from dataclasses import replace
 
-from services.node.book import Live, RequestBook, finish_reason, sampling_params, wire_logprobs
+from services.node.book import (Live, RequestBook, finish_reason, sampling_params, wire_logprobs,
+                                wire_prompt_logprobs)
 from services.node.engines.base import TokenLogprobs
 from services.node.runtime import NodeRuntime
 from shared.core.node_scheduler import Eviction
-from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenMessage
+from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenLogprob, TokenMessage
 
 log = logging.getLogger("slinfer.node")
 
@@ -50,25 +51,31 @@ class RequestLifecycle:
 
     # --- streaming and finishing ------------------------------------------------------------------
     async def emit(self, live: Live, token: int, prefill_s: float | None = None,
-                   count_in_core: bool = True, logprobs: TokenLogprobs | None = None) -> bool:
-        """A new output token (with its logprobs where the request asked): streamed, or the
-        final message if it ends the request (True)."""
+                   count_in_core: bool = True, logprobs: TokenLogprobs | None = None,
+                   prompt_logprobs: list[TokenLogprobs] | None = None) -> bool:
+        """A new output token (with its logprobs where the request asked, and the prompt's
+        after the prefill of one that asked for those): streamed, or the final message if it
+        ends the request (True)."""
         live.output.append(token)
         live.last_logprobs = wire_logprobs(logprobs)
+        prompt = wire_prompt_logprobs(prompt_logprobs)
         reason = finish_reason(live, token, self.rt.records[live.instance_id].max_context)
         if reason is None:
             await self.rt.outbox.token(TokenMessage(
                 live.request.request_id, len(live.output) - 1, [token], node_id=self.rt.s.node_id,
-                prefill_s=prefill_s, attempt=live.request.attempt, logprobs=live.last_logprobs))
+                prefill_s=prefill_s, attempt=live.request.attempt, logprobs=live.last_logprobs,
+                prompt_logprobs=prompt))
             return False
-        await self.finish(live, reason, count_in_core=count_in_core, prefill_s=prefill_s)
+        await self.finish(live, reason, count_in_core=count_in_core, prefill_s=prefill_s,
+                          prompt_logprobs=prompt)
         return True
 
     async def finish(self, live: Live, reason: FinishReason, error: str | None = None,
-                     count_in_core: bool = True, prefill_s: float | None = None) -> TokenMessage:
+                     count_in_core: bool = True, prefill_s: float | None = None,
+                     prompt_logprobs: list[TokenLogprob] | None = None) -> TokenMessage:
         """Send the final message (whole output, so the gateway can fill gaps) and forget it.
         Before its first await, the request is gone from the book and the core. Returns the
-        final message."""
+        final message (with `prompt_logprobs` when its one token is the request's first)."""
         rid = live.request.request_id
         self.book.live.pop(rid, None)
         self._release(live.instance_id, rid)
@@ -80,7 +87,7 @@ class RequestLifecycle:
             finish_reason=reason, output_token_ids=list(live.output),
             prompt_tokens=len(live.request.prompt_token_ids), error=error,
             node_id=self.rt.s.node_id, prefill_s=prefill_s, attempt=live.request.attempt,
-            logprobs=live.last_logprobs if last else [])
+            logprobs=live.last_logprobs if last else [], prompt_logprobs=prompt_logprobs or [])
         self.book.remember(live, RequestState.FINISHED, final)
         await self.rt.outbox.token(final)
         self.rt.obs.ended(rid, reason.value, live.generated_here, error)

@@ -139,6 +139,7 @@ class TokenLoop:
             live = self.book.live.get(rid)
             if live is not None and await self.requests.emit(
                     live, token, prefill_s, count_in_core=False,
-                    logprobs=result.logprobs.get(rid)):
+                    logprobs=result.logprobs.get(rid),
+                    prompt_logprobs=result.prompt_logprobs.get(rid)):
                 finished.add(rid)
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))

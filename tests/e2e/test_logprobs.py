@@ -115,3 +115,31 @@ def test_sampling_parameters_reach_the_engine(stack, demo_model_dir):
     assert stopped.usage.completion_tokens == len(shown) + 1
     assert stopped.choices[0].text == tokenizer.decode(shown, skip_special_tokens=True,
                                                        clean_up_tokenization_spaces=False)
+
+
+def test_echo_scores_the_prompt_as_the_model_does(stack, demo_model_dir):
+    """echo with logprobs (lm-evaluation-harness's log-likelihood request): each prompt token's
+    log-probability given those before it, and its alternatives, against Hugging Face's
+    log-softmax at every position; the first token has none."""
+    client = openai_client(stack)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    tokenizer, model = hf_model(str(demo_model_dir))
+    ids = encode_text(tokenizer, prompt)
+    whole = client.completions.create(model=stack.model, prompt=prompt, max_tokens=1,
+                                      temperature=0, logprobs=2, echo=True)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [reference[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-3)
+    for i, top in enumerate(lp.top_logprobs[1:len(ids)]):  # the likeliest leads each
+        assert max(top.values()) == pytest.approx(reference[i].max().item(), abs=1e-3)
+    assert lp.text_offset[len(ids)] == len(prompt)
+    streamed = list(client.completions.create(model=stack.model, prompt=prompt, max_tokens=1,
+                                              temperature=0, logprobs=2, echo=True, stream=True))
+    assert streamed[0].choices[0].text == prompt
+    assert streamed[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected,
+                                                                              abs=1e-3)

@@ -70,3 +70,32 @@ def test_top_logprobs_beyond_openais_range_are_refused(make_engine, tokenizer, k
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request("r", tokenizer(PROMPT)["input_ids"],
                            SamplingParams(max_tokens=4, logprobs=k))
+
+
+def test_prompt_logprobs_match_hf_at_every_position(make_engine, hf_model, tokenizer,
+                                                    monkeypatch):
+    """echo's prompt logprobs: each prompt token after the first, given those before it, and
+    the k likeliest there, as Hugging Face's log-softmax says; computed in slices of positions
+    (a small slice here, so the prompt spans several), and the next token as without them."""
+    import services.node.engines.torch_engine as torch_engine
+
+    monkeypatch.setattr(torch_engine, "PROMPT_LOGPROBS_SLICE", 3)
+    engine = make_engine()
+    ids = tokenizer(PROMPT)["input_ids"]
+    engine.add_request("echo", ids, SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=2))
+    engine.add_request("plain", ids, SamplingParams(max_tokens=4))
+    step = engine.prefill("echo")
+    got = step.prompt_logprobs["echo"]
+    assert len(got) == len(ids) - 1
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1).cpu()
+    for position, entry in enumerate(got):
+        row = expected[position]
+        assert entry.logprob == pytest.approx(row[ids[position + 1]].item(), abs=1e-3)
+        top_v, top_i = row.topk(2)
+        assert [t for t, _ in entry.top] == top_i.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top_v.tolist(), abs=1e-3)
+    assert step.logprobs["echo"].logprob == pytest.approx(expected[-1].max().item(), abs=1e-3)
+    plain = engine.prefill("plain")
+    assert plain.prompt_logprobs == {} and plain.tokens["plain"] == step.tokens["echo"]

@@ -177,6 +177,7 @@ class _Bare(RequestBook):
     (SamplingParams(max_tokens=4, logprobs=1), "logprobs"),
     (SamplingParams(max_tokens=4, presence_penalty=0.5, min_p=0.1), "presence_penalty, min_p"),
     (SamplingParams(max_tokens=4, logit_bias=((1, 1.0),)), "logit_bias"),
+    (SamplingParams(max_tokens=4, prompt_logprobs=0), "echo"),
 ])
 def test_an_engine_without_a_feature_refuses_it_by_name(params, named):
     with pytest.raises(ValueError, match=f"{named} not served by the bare engine"):
@@ -187,6 +188,7 @@ def test_an_engine_without_a_feature_refuses_it_by_name(params, named):
 @pytest.mark.parametrize(("bad", "match"), [
     ({"min_p": 1.5}, "min_p"), ({"logit_bias": ((2048, 1.0),)}, "logit_bias"),
     ({"prior_output": 99}, "prior_output"), ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_the_torch_engine_refuses_out_of_range_values(engine, bad, match):
     with pytest.raises(ValueError, match=match):
@@ -197,5 +199,5 @@ def test_auto_honours_what_every_default_engine_honours():
     common = frozenset.intersection(*(ENGINE_FEATURES[e] for e in DEFAULT_ENGINES.values()))
     assert ENGINE_FEATURES["auto"] == common
     assert unsupported("torch", sorted(ALL_FEATURES)) == []
-    assert unsupported("openvino", ["logprobs", "min_p"]) == ["logprobs", "min_p"]
+    assert unsupported("openvino", ["logprobs", "min_p", "echo"]) == ["logprobs", "min_p", "echo"]
     assert unsupported("no-such-engine", ["logit_bias"]) == ["logit_bias"]

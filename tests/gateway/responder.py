@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -37,6 +37,14 @@ def scripted_logprobs(req: InferenceRequest, tokens: list[int]) -> list[TokenLog
             for t in tokens]
 
 
+def scripted_prompt_logprobs(req: InferenceRequest) -> list[TokenLogprob]:
+    """What a node sends with the first token for the prompt of a request that asked for
+    prompt logprobs (echo): the tokens after the first, scored as `scripted_logprobs` does."""
+    if req.prompt_logprobs is None:
+        return []
+    return scripted_logprobs(replace(req, logprobs=req.prompt_logprobs), req.prompt_token_ids[1:])
+
+
 def token_script(
     req: InferenceRequest,
     output: list[int],
@@ -50,7 +58,8 @@ def token_script(
     """The node's part for `output`: seq-numbered chunks, then the final message with the whole
     output. `gap` loses a middle chunk that only the final message can fill."""
     chunks = [TokenMessage(req.request_id, seq, output[seq:seq + chunk],
-                           logprobs=scripted_logprobs(req, output[seq:seq + chunk]))
+                           logprobs=scripted_logprobs(req, output[seq:seq + chunk]),
+                           prompt_logprobs=[] if seq else scripted_prompt_logprobs(req))
               for seq in range(0, len(output), chunk)]
     if order == "shuffled":
         for i in range(0, len(chunks) - 1, 2):

@@ -76,11 +76,14 @@ CASES = [
     (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", "invalid_value"),
     (COMPL, compl(prompt=[1, 10**9]), 400, "prompt", "invalid_value"),
     # unsupported parameters, named
-    (CHAT, chat(n=2), 400, "n", "unsupported_parameter"),
+    (CHAT, chat(n=17), 400, "n", "invalid_value"),  # above SLINFER_MAX_CHOICES (16)
+    (COMPL, compl(n=0), 400, "n", "invalid_value"),
+    (COMPL, compl(n=3, best_of=1), 400, "best_of", "invalid_value"),
     (COMPL, compl(best_of=3), 400, "best_of", "unsupported_parameter"),
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
     (COMPL, compl(logprobs=21), 400, "logprobs", "invalid_value"),
-    (COMPL, compl(echo=True), 400, "echo", "unsupported_parameter"),
+    (CHAT, chat(echo=True), 400, "echo", "unsupported_parameter"),  # completions only
+    (COMPL, compl(echo=1), 400, "echo", "invalid_value"),
     (COMPL, compl(suffix="end"), 400, "suffix", "unsupported_parameter"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias", "invalid_value"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice", "invalid_value"),  # no tools
@@ -128,7 +131,7 @@ def test_bad_input(client_a, path, body, status, param, code):
     else:
         resp = client_a.post(path, json=body)
     err = _assert_openai_error(resp, status, param, code)
-    if code == "unsupported_parameter" and param in ("n", "best_of", "tools", "functions"):
+    if code == "unsupported_parameter" and param in ("best_of", "tools", "functions"):
         assert param in err["message"]
 
 

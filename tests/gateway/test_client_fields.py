@@ -86,9 +86,9 @@ async def test_odd_unknown_names_cannot_break_the_header(gateway, responder):
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    (CHAT, chat_body(num_ctx=1, n=2), "n"),
+    (CHAT, chat_body(num_ctx=1, best_of=2), "best_of"),
     (CHAT, chat_body(functions=[{"name": "f"}]), "functions"),
-    (COMPL, {"model": PUBLIC_MODEL, "prompt": "x", "echo": True, "num_ctx": 1}, "echo"),
+    (CHAT, chat_body(num_ctx=1, echo=True), "echo"),
     (CHAT, {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "x",
                                                   "function_call": {"name": "f"}}]},
      "messages[0].function_call"),

@@ -266,3 +266,85 @@ async def test_the_openai_client_parses_the_logprobs(gateway, responder):
     assert "".join(lp.tokens) == completion.choices[0].text
     assert lp.token_logprobs == pytest.approx([math.log(0.5)] * len(output))
     await client.close()
+
+
+# -- echo (completions) ----------------------------------------------------------------------------
+
+
+async def test_echo_repeats_the_prompt_before_the_text(gateway, responder, hf_tokenizer):
+    output = responder.default_output("one two")
+    responder.script = lambda r: token_script(r, output, chunk=1)
+    ids = hf_tokenizer.encode("Über den Fluss", add_special_tokens=False)
+    body = {"model": PUBLIC_MODEL, "prompt": "Say it: ", "echo": True, "max_tokens": 8}
+    async with api_client(gateway) as c:
+        whole = (await c.post(COMPL, json=body)).json()
+        streamed = sse_events((await c.post(COMPL, json={**body, "stream": True})).text)
+        by_ids = (await c.post(COMPL, json={**body, "prompt": ids})).json()
+    assert whole["choices"][0]["text"] == "Say it: one two"
+    assert whole["choices"][0]["logprobs"] is None
+    assert streamed[0]["choices"][0]["text"] == "Say it: "  # the prompt first, then the output
+    assert "".join(e["choices"][0]["text"] for e in streamed) == "Say it: one two"
+    assert by_ids["choices"][0]["text"] == "Über den Flussone two"  # token ids: decoded
+    assert whole["usage"]["completion_tokens"] == len(output)  # the prompt is not output
+    assert all(r.prompt_logprobs is None for r in responder.requests)  # no logprobs asked
+
+
+async def test_echo_with_logprobs_scores_the_prompt(gateway, responder, hf_tokenizer):
+    """OpenAI's shape: the prompt's tokens then the output's, the first prompt token with null
+    logprobs; text offsets over prompt + output. The node's prompt logprobs ride the first
+    token message (the stand-in scores each prompt token at log(1/2))."""
+    output = responder.default_output("one two")
+    responder.script = lambda r: token_script(r, output, chunk=1)
+    prompt = "Hello, wörld — ✓ says the prompt"
+    prompt_ids = hf_tokenizer.encode(prompt)
+    body = {"model": PUBLIC_MODEL, "prompt": prompt, "echo": True, "logprobs": 2,
+            "max_tokens": 8, "n": 2}
+    async with api_client(gateway) as c:
+        whole = (await c.post(COMPL, json=body)).json()
+        streamed = sse_events((await c.post(COMPL, json={**body, "stream": True})).text)
+    assert [r.prompt_logprobs for r in responder.requests] == [2] * 4
+    for choice in whole["choices"]:
+        lp, text = choice["logprobs"], choice["text"]
+        assert text == prompt + "one two"
+        assert len(lp["tokens"]) == len(prompt_ids) + len(output)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(
+            [math.log(0.5)] * (len(prompt_ids) - 1 + len(output)))
+        assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+        offsets = lp["text_offset"]
+        assert offsets == sorted(offsets) and offsets[len(prompt_ids)] == len(prompt)
+        for token, offset in zip(lp["tokens"], offsets):
+            # BOS is listed (it was scored as context) but adds no text, as in the output
+            if "\ufffd" not in token and token not in hf_tokenizer.all_special_tokens:
+                assert text[offset:offset + len(token)] == token
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in streamed if e["choices"][0]["index"] == index]
+        assert mine[0]["text"] == prompt
+        assert mine[0]["logprobs"]["tokens"] == whole["choices"][index]["logprobs"]["tokens"][
+            :len(prompt_ids)]
+        merged = {key: [v for ch in mine if ch["logprobs"] for v in ch["logprobs"][key]]
+                  for key in ("tokens", "token_logprobs", "text_offset")}
+        assert merged == {key: whole["choices"][index]["logprobs"][key] for key in merged}
+
+
+async def test_prompt_logprobs_lost_with_the_first_message_fail_the_request(gateway, responder):
+    output = responder.default_output("one two three four five six")
+    # the first chunk lost: the final message fills its tokens, not the prompt's logprobs
+    responder.script = lambda r: token_script(r, output, chunk=2)[1:]
+    async with api_client(gateway) as c:
+        resp = await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "a b c", "echo": True,
+                                         "logprobs": 0})
+    assert resp.status_code == 500, resp.text
+    assert "prompt's logprobs" in resp.json()["error"]["message"]
+
+
+async def test_an_engine_without_prompt_logprobs_refuses_echo_with_logprobs(
+        gateway, responder, openvino_model):
+    body = {"model": openvino_model, "prompt": "x", "echo": True}
+    async with api_client(gateway) as c:
+        refused = await c.post(COMPL, json={**body, "logprobs": 0})
+        served = await c.post(COMPL, json=body)  # echo alone is the gateway's own work
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"]) == (400, "unsupported_parameter")
+    assert "'echo'" in error["message"] and "openvino" in error["message"]
+    assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith("x")

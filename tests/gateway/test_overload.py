@@ -144,3 +144,37 @@ def test_slots_are_released_once():
     slot.release()  # a second release must not free a slot it does not hold
     admission.acquire("t", "m")
     assert dict(admission.tenant_in_flight) == {"t": 1} and dict(admission.model_in_flight) == {"m": 1}
+
+
+@pytest.mark.parametrize("limited", [dict(tenant_max_concurrency=3, model_max_queue=0)],
+                         indirect=True)
+async def test_each_choice_counts_against_the_tenant_limit(limited):
+    gw, r = limited
+    held = asyncio.create_task(_post(gw, "key-a", {**_body(hold=True), "n": 2}))
+    await r.wait_requests(2)
+    _assert_429(await _post(gw, "key-a", {**_body(hold=False), "n": 2}),
+                "concurrency_limit_exceeded")
+    too_many = await _post(gw, "key-b", {**_body(hold=False), "n": 4})  # never fits
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert len(r.requests) == 2  # neither refused request queued a choice
+    assert (await _post(gw, "key-a", _body(hold=False))).status_code == 200  # the third slot
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    for req in r.requests[:2]:
+        await r.wait_cancel(req.request_id)
+    await _eventually_ok(gw, "key-a")
+
+
+def test_choices_take_their_slots_all_or_none():
+    admission = Admission(GatewaySettings(tenant_max_concurrency=4, model_max_queue=3))
+    slots = admission.acquire_many("t", "m", 2)
+    with pytest.raises(Exception) as err:
+        admission.acquire_many("t", "m", 2)  # the model's queue has room for one more
+    assert err.value.status == 429
+    with pytest.raises(Exception) as err:
+        admission.acquire_many("u", "other", 5)  # more than the tenant cap could ever hold
+    assert (err.value.status, err.value.param) == (400, "n")
+    assert dict(admission.tenant_in_flight) == {"t": 2} and dict(admission.model_in_flight) == {"m": 2}
+    for slot in slots:
+        slot.release()
+    assert not admission.tenant_in_flight and not admission.model_in_flight

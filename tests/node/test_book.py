@@ -5,7 +5,7 @@ what STATUS answers."""
 from __future__ import annotations
 
 from services.node.book import (RECENT_LEN, Incoming, Live, RequestBook, finish_reason,
-                                past_deadline)
+                                past_deadline, sampling_params)
 from shared.cluster import request_view
 from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenMessage
 
@@ -88,3 +88,12 @@ def test_status_and_a_bounded_memory_of_past_requests():
         book.remember(Live(_req(f"p{k}"), "i1"), RequestState.MOVED)
     assert len(book.recent) == RECENT_LEN and "p0" not in book.recent
     assert book.status(f"p{RECENT_LEN}").reason == RequestState.MOVED.value
+
+
+def test_prompt_logprobs_are_asked_of_the_first_prefill_only():
+    """echo's prompt logprobs ride the first output token: a request resumed or migrated with
+    output already had them sent, and its re-prefill does not compute them again."""
+    req = _req(prompt_logprobs=3)
+    assert sampling_params(req, 0).prompt_logprobs == 3
+    assert sampling_params(req, 2).prompt_logprobs is None
+    assert sampling_params(_req(), 0).prompt_logprobs is None

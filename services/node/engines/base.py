@@ -51,6 +51,9 @@ class SamplingParams:
     # The output must match this grammar (constrained decoding); None = free. It ends with one
     # of eos_token_ids, so it needs some and neither ignore_eos nor min_tokens.
     grammar: OutputGrammar | None = None
+    # The prompt's logprobs (echo): None = none; k = the prefill also gives each prompt token
+    # after the first its log-probability and the k most likely (StepResult.prompt_logprobs).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class StepResult:
 
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    # A prefill of a request that asked for prompt logprobs: one per prompt token after the first.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class KVCacheFull(RuntimeError):
@@ -146,7 +151,8 @@ def asked_features(params: SamplingParams) -> list[str]:
     return engine_features.asked_features(params.logprobs, params.presence_penalty,
                                           params.frequency_penalty, params.logit_bias,
                                           params.min_p,
-                                          params.grammar.param if params.grammar else None)
+                                          params.grammar.param if params.grammar else None,
+                                          params.prompt_logprobs)
 
 
 class RequestBook:
@@ -189,9 +195,10 @@ class RequestBook:
 
     @staticmethod
     def _check_features(params: SamplingParams, tokens: int, vocab_size: int) -> None:
-        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs (top_logprobs) must be in 0..{MAX_TOP_LOGPROBS}, "
-                             f"got {params.logprobs}")
+        for name, k in (("logprobs (top_logprobs)", params.logprobs),
+                        ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
         if not 0 <= params.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
         if not all(0 <= t < vocab_size for t, _ in params.logit_bias):

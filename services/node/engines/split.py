@@ -155,11 +155,13 @@ class Split:
     # -- a forward pass -------------------------------------------------------------------------
 
     def forward(self, layers, spec: StepSpec, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, attention) -> torch.Tensor:
+                sin: torch.Tensor, attention, last_only: bool = True) -> torch.Tensor:
+        """The hidden states after every layer; a last run on a stage sends back only the last
+        position's where `last_only` (all that sampling needs)."""
         for k, run in enumerate(self.runs):
             last = k == len(self.runs) - 1
             if run.link is not None:
-                hidden = run.link.client.forward(spec, hidden, last_only=last)
+                hidden = run.link.client.forward(spec, hidden, last_only=last and last_only)
             elif run.replicas:
                 hidden = self._replicated(layers, run, spec, hidden, cos, sin, attention)
             else:

@@ -52,6 +52,7 @@ from .weights import (DTYPES, check_supported, config_dtype, layer_of, partial_m
                       read_tensors, rebuild_meta_buffers, weight_bytes)
 
 DEFAULT_KV_TOKENS = 16384  # default pool: min(this, 4 x context length) tokens
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions projected onto the vocabulary at once
 
 __all__ = ["TorchEngine", "KVCacheFull"]
 
@@ -395,14 +396,21 @@ class TorchEngine(RequestBook):
         try:
             ids = torch.tensor([request.tokens], device=self.device)
             positions = torch.arange(n, device=self.device)[None]
-            logits = self._forward(ids, positions, spec, LoraBatch.of_rows([request.adapter]))
+            lora = LoraBatch.of_rows([request.adapter])
+            prompt: dict[str, list[TokenLogprobs]] = {}
+            if request.params.prompt_logprobs is None:
+                logits = self._forward(ids, positions, spec, lora)
+            else:  # every position's hidden state: each predicts the prompt token after it
+                hidden = self._hidden(ids, positions, spec, lora, last_only=False)
+                logits = self.model.lm_head(hidden[:, -1:])
+                prompt[request_id] = self._prompt_logprobs(hidden[0], request)
             (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             abort_step(cache, spec)
             raise
         finish_step(cache, spec)
         self._append(request, token, computed=n)
-        return StepResult({request_id: token}, logprobs)
+        return StepResult({request_id: token}, logprobs, prompt)
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
@@ -477,8 +485,15 @@ class TorchEngine(RequestBook):
                  lora: LoraBatch | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] of the last position only ([batch, 1, vocab]); `lora`:
         the adapters of the batch's rows (None: every row runs the plain base). The step's KV
-        blocks are reserved by the caller; an instance split across stages (`split`) runs each
-        run of layers where the layout puts it."""
+        blocks are reserved by the caller."""
+        # Only the last position is sampled: skip the vocab projection for the others.
+        return self.model.lm_head(self._hidden(ids, positions, spec, lora))
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, spec: StepSpec,
+                lora: LoraBatch | None = None, last_only: bool = True) -> torch.Tensor:
+        """The final norm's output [batch, seq, hidden], of the last position only where
+        `last_only`. An instance split across stages (`split`) runs each run of layers where
+        the layout puts it."""
         base = self.model.model
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, positions)
@@ -487,9 +502,28 @@ class TorchEngine(RequestBook):
             for index, layer in enumerate(base.layers):
                 hidden = decoder_layer(index, index, layer, hidden, cos, sin, attention, lora)
         else:
-            hidden = self.split.forward(base.layers, spec, hidden, cos, sin, attention)
-        # Only the last position is sampled: skip the vocab projection for the others.
-        return self.model.lm_head(base.norm(hidden[:, -1:]))
+            hidden = self.split.forward(base.layers, spec, hidden, cos, sin, attention,
+                                        last_only=last_only)
+        return base.norm(hidden[:, -1:] if last_only else hidden)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, request: _Request) -> list[TokenLogprobs]:
+        """Each prompt token after the first: its log-probability given the tokens before it
+        and the k likeliest (log_softmax of the raw logits, as for output tokens). `hidden`:
+        [seq, hidden] of the prefill. The vocabulary projection runs a slice of positions at a
+        time, so its logits stay small (a long prompt's whole [seq, vocab] would not)."""
+        k = request.params.prompt_logprobs or 0
+        targets = request.tokens[1:request.prompt_len]
+        out: list[TokenLogprobs] = []
+        for start in range(0, len(targets), PROMPT_LOGPROBS_SLICE):
+            chosen = targets[start:start + PROMPT_LOGPROBS_SLICE]
+            logits = self.model.lm_head(hidden[start:start + len(chosen)])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])
+            top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+            for p, ids, values in zip(picked[:, 0].tolist(), top_i.long().tolist(),
+                                      top_v.tolist()):
+                out.append(TokenLogprobs(p, tuple(zip(ids, values))))
+        return out
 
     # -- sampling ------------------------------------------------------------------------------
 
