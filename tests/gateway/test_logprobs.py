@@ -5,6 +5,7 @@ and the node's per-token logprobs rendered in the chat and completions shapes, s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import openai
@@ -327,15 +328,36 @@ async def test_echo_with_logprobs_scores_the_prompt(gateway, responder, hf_token
         assert merged == {key: whole["choices"][index]["logprobs"][key] for key in merged}
 
 
-async def test_prompt_logprobs_lost_with_the_first_message_fail_the_request(gateway, responder):
+def _first_message_lost(output: list[int], lose_in: set[int]):
+    """The node's part in chunks of two, as `r.attempt`; in the attempts in `lose_in` the first
+    chunk (with the prompt's logprobs) is lost: the final message fills its tokens only."""
+    def script(r):
+        steps = [dataclasses.replace(s, attempt=r.attempt) if isinstance(s, TokenMessage) else s
+                 for s in token_script(r, output, chunk=2)]
+        return steps[1:] if r.attempt in lose_in else steps
+    return script
+
+
+async def test_prompt_logprobs_lost_with_the_first_message_are_asked_again(gateway, responder):
     output = responder.default_output("one two three four five six")
-    # the first chunk lost: the final message fills its tokens, not the prompt's logprobs
-    responder.script = lambda r: token_script(r, output, chunk=2)[1:]
+    responder.script = _first_message_lost(output, lose_in={0})
     async with api_client(gateway) as c:
         resp = await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "a b c", "echo": True,
-                                         "logprobs": 0})
+                                         "logprobs": 0, "max_tokens": len(output)})
+    assert resp.status_code == 200, resp.text
+    mine = [r for r in responder.requests if r.request_id == responder.requests[-1].request_id]
+    assert [(r.attempt, r.resumed_token_ids) for r in mine] == [(0, []), (1, [])]
+    assert resp.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the prompt's first
+
+
+async def test_prompt_logprobs_lost_on_every_attempt_fail_the_request(gateway, responder):
+    output = responder.default_output("one two three four five six")
+    responder.script = _first_message_lost(output, lose_in=set(range(8)))
+    async with api_client(gateway) as c:
+        resp = await c.post(COMPL, json={"model": PUBLIC_MODEL, "prompt": "a b c", "echo": True,
+                                         "logprobs": 0, "max_tokens": len(output)})
     assert resp.status_code == 500, resp.text
-    assert "prompt's logprobs" in resp.json()["error"]["message"]
+    assert "logprobs" in resp.json()["error"]["message"]
 
 
 async def test_an_engine_without_prompt_logprobs_refuses_echo_with_logprobs(
