@@ -341,10 +341,11 @@ def _gaps(rows: dict[str, dict], seed: int) -> list[str]:
         f"{one(f'main/7b/slinfer-shared/s{seed}', 'avg_gpu_nodes_used'):.2f}: the core plans with "
         "the cost, so it shows as capacity, not as missed SLOs.")
     L.append(
-        "- **Not modelled:** pre-loading (§4.1: the nodes' knapsack plan, "
-        "`shared.core.lora.plan_node_preload`, runs in the node worker but is not wired into the "
-        "simulator; here a backbone instance goes after the 1 s keep-alive like any instance and "
-        "comes back by a cold start, and an adapter is loaded when first called), adaptive batching's batch-size choice (§4.2: SLINFER's shadow validation "
+        "- **Pre-loading (§4.1) runs as the services run it** (`sim/preload.py`: every 5 s the "
+        "placer's cluster plan, carried out by the nodes through `shared/core/preload.py`, only "
+        "into spare memory): its adapter loads are counted in *adapter loads*, which is why that "
+        "column is larger than the requests that waited for a load.\n"
+        "- **Not modelled:** adaptive batching's batch-size choice (§4.2: SLINFER's shadow validation "
         "decides how many requests an instance takes), process isolation and its 473 MB "
         "CUDA-context overhead per function (§6.9), and a second instance of a backbone on a node "
         "sharing the first one's weights (the core charges it a full copy). Adapters are offloaded "
