@@ -415,15 +415,17 @@ def account(run: Run, refs: dict[tuple[str, bool, int], list[str]],
 
 
 def memory(run: Run, samples: list[dict]) -> dict[str, dict[str, float | int]]:
-    """Per process: RSS before the first fault (the last sample before it), after the end (the
-    stack healed), the peak, and how many times it was killed."""
+    """Per process: RSS before the first fault (its last sample before it: a sample taken as
+    the fault lands may miss the process), after the end (the stack healed), the peak, and how
+    many times it was killed."""
     first = run.faults[0].killed_s if run.faults else float("inf")
     before = [s for s in samples[:-1] if s["t_s"] < first] or samples[:1]
     restarts = Counter(f.target for f in run.faults)
     out = {}
     for name in samples[-1]["rss_mb"]:
         seen = [s["rss_mb"][name] for s in samples if name in s["rss_mb"]]
-        out[name] = {"before_mb": before[-1]["rss_mb"].get(name),
+        had = [s["rss_mb"][name] for s in before if name in s["rss_mb"]]
+        out[name] = {"before_mb": had[-1] if had else None,
                      "after_mb": samples[-1]["rss_mb"][name], "max_mb": max(seen),
                      "killed": restarts[name]}
     return out
