@@ -77,9 +77,9 @@ def test_prompt_logprobs_match_hf_at_every_position(make_engine, hf_model, token
     """echo's prompt logprobs: each prompt token after the first, given those before it, and
     the k likeliest there, as Hugging Face's log-softmax says; computed in slices of positions
     (a small slice here, so the prompt spans several), and the next token as without them."""
-    import services.node.engines.torch_engine as torch_engine
+    import services.node.engines.sampling as sampling
 
-    monkeypatch.setattr(torch_engine, "PROMPT_LOGPROBS_SLICE", 3)
+    monkeypatch.setattr(sampling, "PROMPT_LOGPROBS_SLICE", 3)
     engine = make_engine()
     ids = tokenizer(PROMPT)["input_ids"]
     engine.add_request("echo", ids, SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=2))

@@ -43,7 +43,7 @@ from .base import (KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepR
 from .grammar import Grammars, TokenGrammar, mask_rows
 from .kv_cache import PagedKVCache
 from .lora import LoraAdapter, LoraBatch, group_by_adapter, read_adapter
-from .sampling import add_logit_bias, keep_min_p, penalize_output
+from .sampling import add_logit_bias, keep_min_p, penalize_output, prompt_logprobs
 from .split import Split
 from .stage_client import StageClient
 from .torch_kernel import (DECODE_WORKSPACE_BYTES, DEFAULT_BLOCK_SIZE, StepSpec, Workspace,
@@ -52,7 +52,6 @@ from .weights import (DTYPES, check_supported, config_dtype, layer_of, partial_m
                       read_tensors, rebuild_meta_buffers, weight_bytes)
 
 DEFAULT_KV_TOKENS = 16384  # default pool: min(this, 4 x context length) tokens
-PROMPT_LOGPROBS_SLICE = 256  # prompt positions projected onto the vocabulary at once
 
 __all__ = ["TorchEngine", "KVCacheFull"]
 
@@ -403,7 +402,9 @@ class TorchEngine(RequestBook):
             else:  # every position's hidden state: each predicts the prompt token after it
                 hidden = self._hidden(ids, positions, spec, lora, last_only=False)
                 logits = self.model.lm_head(hidden[:, -1:])
-                prompt[request_id] = self._prompt_logprobs(hidden[0], request)
+                prompt[request_id] = prompt_logprobs(
+                    self.model.lm_head, hidden[0], request.tokens[1:request.prompt_len],
+                    request.params.prompt_logprobs or 0)
             (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             abort_step(cache, spec)
@@ -505,25 +506,6 @@ class TorchEngine(RequestBook):
             hidden = self.split.forward(base.layers, spec, hidden, cos, sin, attention,
                                         last_only=last_only)
         return base.norm(hidden[:, -1:] if last_only else hidden)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, request: _Request) -> list[TokenLogprobs]:
-        """Each prompt token after the first: its log-probability given the tokens before it
-        and the k likeliest (log_softmax of the raw logits, as for output tokens). `hidden`:
-        [seq, hidden] of the prefill. The vocabulary projection runs a slice of positions at a
-        time, so its logits stay small (a long prompt's whole [seq, vocab] would not)."""
-        k = request.params.prompt_logprobs or 0
-        targets = request.tokens[1:request.prompt_len]
-        out: list[TokenLogprobs] = []
-        for start in range(0, len(targets), PROMPT_LOGPROBS_SLICE):
-            chosen = targets[start:start + PROMPT_LOGPROBS_SLICE]
-            logits = self.model.lm_head(hidden[start:start + len(chosen)])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])
-            top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
-            for p, ids, values in zip(picked[:, 0].tolist(), top_i.long().tolist(),
-                                      top_v.tolist()):
-                out.append(TokenLogprobs(p, tuple(zip(ids, values))))
-        return out
 
     # -- sampling ------------------------------------------------------------------------------
 
