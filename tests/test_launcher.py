@@ -532,11 +532,16 @@ def _missing_services() -> list[str]:
 @pytest.mark.skipif(bool(_missing_services()),
                     reason=f"real stack not written yet: missing {', '.join(_missing_services())}")
 def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
+    from services.profiler.run import read_report
+
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
     env = dict(os.environ)
     env.pop("SLINFER_API_KEYS", None)
     # The random demo: its build and profile take seconds where the default real model's
     # conversion and profile take minutes (tests/engines/test_real_model.py runs that one).
+    # One short request needs no more of the profile than these bounds (the default's grid,
+    # up to 1024 tokens and batches of 16, takes minutes on two busy cores).
+    env |= {"SLINFER_PROFILE_MAX_LEN": "64", "SLINFER_PROFILE_MAX_BATCH": "2"}
     proc = start_up(["--port", str(port), "--data-dir", str(data_dir), "--random-model"], out,
                     env, driver=False)
     base = f"http://127.0.0.1:{port}"
@@ -547,6 +552,9 @@ def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
         assert "auth is off" in _read(out)
         model = get_json(f"{base}/v1/models")["data"][0]["id"]
+        [cached] = (data_dir / "profiles").glob("*-cpu.json")
+        profile = read_report(cached)
+        assert (profile.decode.lengths[-1], profile.decode.batch_sizes) == (64, [1, 2])
         stream_one_chat_completion(base, model)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, _read(out)
