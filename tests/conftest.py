@@ -11,13 +11,13 @@ servers (`shared.servers.popen_tied`: PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from services.profiler.measure import ProfilePlan
 from shared.core.perf_model import Profile
 from shared.servers import ServerProcess, start_nats, start_redis
 from tests.servers import running
@@ -29,10 +29,6 @@ from tests.servers import running
 REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack", "traced_stack",
                            "make_engine", "hf_model", "engine", "profile", "connections",
                            "real_model_dir", "demo_profile"})
-
-# What `services.stack.running_stack` measures when it is given no profile (its default plan):
-# the stacks of the e2e and ops tests serve the demo model on this one profile.
-STACK_PLAN = ProfilePlan(max_len=512, max_batch=8, repeats=3, warmup=1, lora_ranks=(8,))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
@@ -105,10 +101,12 @@ def demo_model(tmp_path_factory) -> Callable[[Path], Path]:
 
 @pytest.fixture(scope="session")
 def demo_profile(demo_model, tmp_path_factory) -> Profile:
-    """The demo model's profile under `services.stack.MODEL`, measured once with `STACK_PLAN`:
-    every stack of the session that serves the demo model stores this one."""
+    """The demo model's profile under `services.stack.MODEL`, measured once, with the plan
+    `running_stack` measures when it is given no profile: every stack of the session that serves
+    the demo model stores this one instead of measuring its own."""
     from services.profiler.run import profile_model
-    from services.stack import MODEL
+    from services.stack import MODEL, running_stack
 
+    plan = inspect.signature(running_stack).parameters["plan"].default
     model_dir = demo_model(tmp_path_factory.mktemp("demo-profile"))
-    return profile_model(model_dir, MODEL, plan=STACK_PLAN)[0]
+    return profile_model(model_dir, MODEL, plan=plan)[0]

@@ -1,6 +1,6 @@
 """A real stack for end-to-end tests (`services.stack`): nats-server and valkey from wheels, the
-demo model, its profile (measured once per session: `demo_profile`), and the placer, a CPU node worker and the gateway as real
-processes - started the way `slinfer up` starts them."""
+demo model, its profile (measured once per session: `demo_profile`), and the placer, a CPU node
+worker and the gateway as real processes - started the way `slinfer up` starts them."""
 
 from __future__ import annotations
 
