@@ -1,7 +1,5 @@
 """Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session
-(`nats_url`, `redis_url`) or a test's own pair (`own_servers`); the tiny demo model built once per
-session (`demo_model` copies it where a fixture wants it) and its profile measured once
-(`demo_profile`).
+(`nats_url`, `redis_url`) or a test's own pair (`own_servers`).
 
 Each server is stopped in a `finally`, so a failing test (or a pytest-timeout in its default
 signal mode, which raises in the test) still stops it; if the pytest process itself dies
@@ -11,14 +9,11 @@ servers (`shared.servers.popen_tied`: PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import inspect
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from shared.core.perf_model import Profile
 from shared.servers import ServerProcess, start_nats, start_redis
 from tests.servers import running
 
@@ -28,7 +23,7 @@ from tests.servers import running
 # without a fixture carry the marker themselves.
 REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack", "traced_stack",
                            "make_engine", "hf_model", "engine", "profile", "connections",
-                           "real_model_dir", "demo_profile"})
+                           "real_model_dir"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
@@ -78,35 +73,3 @@ def real_model_dir() -> Path:
     from shared.default_model import cache_dir, ensure_default_model
 
     return ensure_default_model(cache_dir())
-
-
-@pytest.fixture(scope="session")
-def demo_model(tmp_path_factory) -> Callable[[Path], Path]:
-    """`demo_model(data_dir)`: the tiny demo model at data_dir/models/tiny-llama, where
-    `shared.modelgen.ensure_demo_model(data_dir)` would build it. It is built once per session
-    (its tokenizer training and weights take seconds) and copied: each caller owns its copy, so
-    a conversion written beside it or a file a test damages reaches no other fixture."""
-    from shared.modelgen import ensure_demo_model, is_built
-
-    built = ensure_demo_model(tmp_path_factory.mktemp("demo-build"))
-
-    def copy_to(data_dir: Path) -> Path:
-        target = Path(data_dir) / "models" / built.name
-        if not is_built(target, "tiny"):
-            shutil.copytree(built, target)
-        return target
-
-    return copy_to
-
-
-@pytest.fixture(scope="session")
-def demo_profile(demo_model, tmp_path_factory) -> Profile:
-    """The demo model's profile under `services.stack.MODEL`, measured once, with the plan
-    `running_stack` measures when it is given no profile: every stack of the session that serves
-    the demo model stores this one instead of measuring its own."""
-    from services.profiler.run import profile_model
-    from services.stack import MODEL, running_stack
-
-    plan = inspect.signature(running_stack).parameters["plan"].default
-    model_dir = demo_model(tmp_path_factory.mktemp("demo-profile"))
-    return profile_model(model_dir, MODEL, plan=plan)[0]
