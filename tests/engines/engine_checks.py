@@ -50,6 +50,16 @@ def run_alone(engine, rid: str, ids: list[int], n: int,
     return out
 
 
+def run_to_end(engine, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
+    """Tokens until the engine says the request is done (max_tokens or an EOS it honours)."""
+    engine.add_request(rid, ids, params)
+    out = [engine.prefill(rid).tokens[rid]]
+    while not engine.is_finished(rid):
+        out.append(engine.decode([rid]).tokens[rid])
+    engine.release(rid)
+    return out
+
+
 def hf_reference(model_dir, prompts=PROMPTS, n: int = N_TOKENS) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM

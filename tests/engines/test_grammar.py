@@ -55,15 +55,6 @@ def constrained(engine, schema, **kwargs) -> SamplingParams:
                           grammar=json_schema_grammar(schema), **kwargs)
 
 
-def run_to_end(engine, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
-    engine.add_request(rid, ids, params)
-    out = [engine.prefill(rid).tokens[rid]]
-    while not engine.is_finished(rid):
-        out.append(engine.decode([rid]).tokens[rid])
-    engine.release(rid)
-    return out
-
-
 def document(tokenizer, engine, out: list[int]):
     """The output as JSON: it must have ended with an end token, before max_tokens."""
     assert out[-1] in engine.eos_token_ids and len(out) < LIMIT, out
@@ -77,7 +68,7 @@ def test_greedy_and_sampled_outputs_validate_against_the_schema(engine, tokenize
     params = [constrained(engine, schema)]
     params += [constrained(engine, schema, temperature=1.0, seed=seed) for seed in range(3)]
     for i, p in enumerate(params):
-        value = document(tokenizer, engine, run_to_end(engine, f"{name}-{i}", PROMPT, p))
+        value = document(tokenizer, engine, checks.run_to_end(engine, f"{name}-{i}", PROMPT, p))
         validator.validate(value)
 
 
@@ -90,7 +81,7 @@ def test_free_output_does_not_parse_so_the_mask_did_the_work(engine, tokenizer):
 def test_json_object_is_any_object(engine, tokenizer):
     # The random model's strings are unbounded here: a seed whose object closes early.
     params = constrained(engine, ANY_JSON_OBJECT, temperature=1.0, seed=3)
-    value = document(tokenizer, engine, run_to_end(engine, "obj", PROMPT, params))
+    value = document(tokenizer, engine, checks.run_to_end(engine, "obj", PROMPT, params))
     assert isinstance(value, dict)
 
 
@@ -99,7 +90,7 @@ def test_a_stop_token_id_ends_a_complete_output(engine, tokenizer):
     token the client named, and the output ends with it."""
     stop = 42
     params = dataclasses.replace(constrained(engine, ENUM), eos_token_ids=(stop,))
-    out = run_to_end(engine, "stop", PROMPT, params)
+    out = checks.run_to_end(engine, "stop", PROMPT, params)
     assert out[-1] == stop and not set(engine.eos_token_ids) & set(out)
     jsonschema_rs.validate(ENUM, json.loads(tokenizer.decode(out[:-1])))
 
@@ -120,20 +111,20 @@ def test_an_evicted_request_resumes_inside_its_grammar(engine):
     """Re-added with its output as prior_output (a migration by tokens), the matcher catches
     up on that output, and greedy decoding goes on exactly as if it had never moved."""
     params = constrained(engine, NESTED)
-    whole = run_to_end(engine, "whole", PROMPT, params)
+    whole = checks.run_to_end(engine, "whole", PROMPT, params)
     engine.add_request("m", PROMPT, params)
     first = [engine.prefill("m").tokens["m"]]
     first += [engine.decode(["m"]).tokens["m"] for _ in range(5)]
     tokens = engine.evict("m")
     moved = dataclasses.replace(params, max_tokens=LIMIT - len(first), prior_output=len(first))
-    assert first + run_to_end(engine, "m", tokens, moved) == whole
+    assert first + checks.run_to_end(engine, "m", tokens, moved) == whole
 
 
 def test_a_migration_catch_up_rewinds_the_grammar(engine):
     """`extend` replaces the request's last sampled token with the source's tokens: the matcher
     rolls back that token and follows the source's, and the result matches a plain run."""
     params = constrained(engine, ENUM)
-    whole = run_to_end(engine, "whole", PROMPT, params)
+    whole = checks.run_to_end(engine, "whole", PROMPT, params)
     engine.add_request("d", PROMPT, params)
     engine.prefill("d")  # the destination sampled one token of its own
     tokens = [engine.extend("d", whole[:4]).tokens["d"]]

@@ -22,13 +22,7 @@ N = 12
 
 def generate(engine, params: SamplingParams, prompt: list[int] = PROMPT, rid: str = "r"
              ) -> list[int]:
-    """Tokens until the engine says the request is done (max_tokens or an EOS it honours)."""
-    engine.add_request(rid, prompt, params)
-    out = [engine.prefill(rid).tokens[rid]]
-    while not engine.is_finished(rid):
-        out.append(engine.decode([rid]).tokens[rid])
-    engine.release(rid)
-    return out
+    return checks.run_to_end(engine, rid, prompt, params)
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int, **kwargs) -> list[int]:
