@@ -80,8 +80,11 @@ FAKE_GATEWAY = textwrap.dedent('''
 FAKE_WORKER = textwrap.dedent('''
     """Stand-in placer/node: sleeps; FAKE_DIE=<node id> makes that node crash a second after
     every start, FAKE_CRASH_ONCE=<node id> after its first start only; FAKE_STUBBORN=1 makes the
-    placer ignore SIGTERM (the launcher must SIGKILL it)."""
+    placer ignore SIGTERM (the launcher must SIGKILL it). A node joins the cluster as a node
+    does (its id in the node set, a snapshot key), FAKE_JOIN_DELAY_S after it started."""
     import os, signal, sys, time
+    import redis
+    from shared.subjects import NODES_SET, node_key
     for name in ("SLINFER_NATS_URL", "SLINFER_REDIS_URL", "SLINFER_DATA_DIR"):
         assert os.environ[name], name
     me = os.environ.get("SLINFER_NODE_ID", "placer")
@@ -95,6 +98,12 @@ FAKE_WORKER = textwrap.dedent('''
         time.sleep(1)
         print("boom: fake failure in", me, flush=True)
         sys.exit(3)
+    if me != "placer":
+        time.sleep(float(os.environ.get("FAKE_JOIN_DELAY_S", "0")))
+        print(me, "joined", flush=True)  # first: once the launcher sees it, the log has it
+        client = redis.Redis.from_url(os.environ["SLINFER_REDIS_URL"])
+        client.set(node_key(me), b"snapshot", ex=600)
+        client.sadd(NODES_SET, me)
     time.sleep(600)
 ''')
 
@@ -273,12 +282,16 @@ def test_exit_status_names_the_signal() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_lifecycle_with_stand_ins(tmp_path, fakes, sig) -> None:
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
-    env = fakes | {"FAKE_STUBBORN": "1"}  # the placer ignores SIGTERM: needs the SIGKILL path
+    # The placer ignores SIGTERM: needs the SIGKILL path. The nodes join seconds after they
+    # start (a real one loads its engine first): the banner must wait for them.
+    env = fakes | {"FAKE_STUBBORN": "1", "FAKE_JOIN_DELAY_S": "3"}
     args = ["--port", str(port), "--nodes", "2", "--data-dir", str(data_dir),
             "--model-dir", str(tmp_path / "model"), "--model-name", "tiny"]
     proc = start_up(args, out, env, driver=True)
     try:
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
+        for node in ("node-0", "node-1"):  # joined before the banner said "up"
+            assert "joined" in _read(data_dir / "logs" / f"{node}.log"), _read(out)
         models = get_json(f"http://127.0.0.1:{port}/v1/models")
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = _read(out)
