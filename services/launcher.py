@@ -39,6 +39,7 @@ from typing import Protocol
 import redis
 
 from shared.servers import ServerStartError, popen_tied, start_nats, start_redis
+from shared.settings import env_int
 from shared.subjects import NODES_SET, node_key
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -229,8 +230,12 @@ def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> Non
               flush=True)
         # The demo's traffic is a handful of concurrent requests: batches up to 16 keep the
         # first start short; `slinfer profile` with larger bounds refines it for real models.
+        # The profiler service's bounds (SLINFER_PROFILE_MAX_LEN/_MAX_BATCH) apply here too.
+        max_len = env_int("SLINFER_PROFILE_MAX_LEN", 1024, minimum=16)
+        max_batch = env_int("SLINFER_PROFILE_MAX_BATCH", 16, minimum=1)
         args = ("--model", str(path), "--name", name, "--device", "cpu", "--out", str(cache),
-                "--redis", "", "--max-len", "1024", "--max-batch", "16", "--repeats", "2")
+                "--redis", "", "--max-len", str(max_len), "--max-batch", str(max_batch),
+                "--repeats", "2")
         with sup.gate.deferred():
             env = child_env(opts, sup.url("nats"), sup.url("redis"))
             job = spawn("profile", PROFILER_MODULE, env, opts.data_dir / "logs", args)
