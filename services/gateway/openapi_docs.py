@@ -282,6 +282,8 @@ def finish_schema(schema: dict[str, Any], bodies: dict[str, type[BaseModel]]) ->
         body = model.model_json_schema(ref_template=COMPONENTS + "{model}")
         schemas.update(body.pop("$defs", {}))
         schemas[name] = body
+    if "ChatMessage" in schemas:
+        schemas["ChatMessage"] = chat_message_by_role(schemas["ChatMessage"])
     for key in ("HTTPValidationError", "ValidationError"):
         schemas.pop(key, None)
     for path_item in schema.get("paths", {}).values():
@@ -290,3 +292,31 @@ def finish_schema(schema: dict[str, Any], bodies: dict[str, type[BaseModel]]) ->
     components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     schema["security"] = [{"bearer": []}]
     return schema
+
+
+def chat_message_by_role(base: dict[str, Any]) -> dict[str, Any]:
+    """The chat message's schema as one variant per role, as OpenAI publishes it, so that a
+    message the schema calls valid is one the gateway takes (validation.py's `_chat_message`
+    enforces the same): `tool_calls` only on an assistant message, which needs content or tool
+    calls; `tool_call_id` only, and always, on a tool message; content on every other one."""
+    props = base["properties"]
+    text = {"anyOf": [a for a in props["content"]["anyOf"] if a.get("type") != "null"]}
+    absent = {"type": "null", "default": None}
+
+    def variant(roles: list[str], required: list[str], **override: Any) -> dict[str, Any]:
+        properties = {**props, "role": {**props["role"], "enum": roles}, **override}
+        return {**base, "title": f"ChatMessage ({', '.join(roles)})", "properties": properties,
+                "required": ["role", *required]}
+
+    calls = next(a for a in props["tool_calls"]["anyOf"] if a.get("type") == "array")
+    assistant = variant(["assistant"], [], tool_call_id=absent)
+    assistant["anyOf"] = [{"required": ["content"], "properties": {"content": text}},
+                          {"required": ["tool_calls"],
+                           "properties": {"tool_calls": {**calls, "minItems": 1}}}]
+    return {"oneOf": [
+        variant(["system", "developer", "user"], ["content"], content=text, tool_calls=absent,
+                tool_call_id=absent),
+        assistant,
+        variant(["tool"], ["content", "tool_call_id"], content=text, tool_calls=absent,
+                tool_call_id={"type": "string"}),
+    ]}
