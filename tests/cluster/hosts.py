@@ -83,6 +83,9 @@ class Cluster:
         """The host whose nats-server is named `server_name` (servers are named by host)."""
         return self.seg[server_name]
 
+    def host_of_service(self, name: str) -> Host:
+        return self.seg[SERVICES[name][0]]
+
     def host_at(self, ip: str) -> Host:
         return next(h for h in self.hosts if h.ip == ip)
 

@@ -5,6 +5,7 @@ segment). One per run, answer on stdout:
     python -m tests.cluster.probe leader NATS_URLS STREAM      the server name leading STREAM
     python -m tests.cluster.probe primary SENTINEL MASTER      host:port of the current primary
     python -m tests.cluster.probe get URL KEY                  GET with a bearer key, the body
+    python -m tests.cluster.probe post URL KEY                 POST (no body) with a bearer key
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def primary(sentinel: str, master: str) -> str:
     return f"{addr[0].decode()}:{addr[1].decode()}"
 
 
-def get(url: str, key: str) -> str:
+def call(url: str, key: str, method: str = "GET") -> str:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {key}"})
     with opener.open(req, timeout=5) as resp:
         return resp.read().decode()
 
@@ -69,8 +70,8 @@ def main(argv: list[str]) -> int:
         print(asyncio.run(stream_leader(args[0].split(","), args[1])))
     elif what == "primary":
         print(primary(args[0], args[1]))
-    elif what == "get":
-        print(get(args[0], args[1]))
+    elif what in ("get", "post"):
+        print(call(args[0], args[1], what.upper()))
     else:
         raise SystemExit(f"unknown probe {what!r}")
     return 0

@@ -4,7 +4,8 @@ leading the request stream is killed, the valkey primary is killed (Sentinel fai
 node's host is cut off the network and healed, and a whole host (a placer, a node, and its
 nats-server, valkey and Sentinel) is killed. Every request completes with the fault-free text or
 gets a clear error, none runs twice or hangs past its deadline, and the cluster view drops the
-lost node within its TTL. How long each fault stalled the load goes to the test's output (and
+lost node within its TTL. Before the last fault the node holding a long request is drained: the
+request moves live to the other node, on another host, and ends with all its tokens. How long each fault stalled the load goes to the test's output (and
 BENCHMARKS).
 """
 
@@ -22,7 +23,8 @@ from shared.cluster import profile_to_json
 from shared.subjects import REQUEST_STREAM
 from tests.cluster import netns
 from tests.cluster.hosts import OPERATOR_KEY, REPO, Cluster
-from tests.faults.load import Outcome, check
+from tests.cluster.driver import LONG_TOKENS
+from tests.faults.load import PROMPTS, Outcome, check
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(bool(netns.available()), reason=str(netns.available()))]
@@ -62,6 +64,15 @@ class Driver:
         self._until(lambda: self.completed() >= n, timeout_s, what)
         return time.monotonic()
 
+    def drain_under_long_request(self, timeout_s: float = 60) -> tuple[str, dict]:
+        """Send the long request; the driver drains its node once it streams. (That node, the
+        drain's answer.)"""
+        Path(f"{self.out}.long").touch()
+        done = Path(f"{self.out}.long.drain")
+        self._until(done.exists, timeout_s, "the long request's node to be drained")
+        drained = json.loads(done.read_text())
+        return drained["node"], drained["reply"]
+
     def finish(self) -> dict:
         self.stop_file.touch()
         self.proc.wait(timeout=180)
@@ -89,6 +100,10 @@ def _node_ids(cluster: Cluster) -> set[str]:
     body = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
                          OPERATOR_KEY)
     return {n["node_id"] for n in json.loads(body)["data"]}
+
+
+def other(node_id: str) -> str:
+    return {"node-0": "node-1", "node-1": "node-0"}[node_id]
 
 
 def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile) -> None:
@@ -128,13 +143,21 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
             seg["h3"].heal()
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the cut")
 
-            # 4. host h2 loses power: a placer, node-0, a nats-server, a valkey, a Sentinel
-            faults["host h2 killed"] = lost = time.monotonic()
-            for name in cluster.on_host(seg["h2"]):
+            # A live migration across hosts: the node holding a long request drains it to the
+            # other node, on another host.
+            source, drain = driver.drain_under_long_request()
+            assert drain["draining"] and drain["requests"] >= 1, drain
+            driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the drain")
+
+            # 4. the drained node's host loses power: its node, a nats-server, a valkey, a
+            # Sentinel (and on h2 a placer)
+            host = cluster.host_of_service(source)
+            faults[f"host {host.name} killed"] = lost = time.monotonic()
+            for name in cluster.on_host(host):
                 cluster.kill(name)
             deadline = time.monotonic() + 30
-            while "node-0" in _node_ids(cluster):
-                assert time.monotonic() < deadline, "node-0 never left the cluster view"
+            while source in _node_ids(cluster):
+                assert time.monotonic() < deadline, f"{source} never left the cluster view"
                 time.sleep(0.5)
             left_after = time.monotonic() - lost
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the host")
@@ -146,6 +169,12 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
     check(outcomes, refs, DEADLINE_S, allowed_status=frozenset({503, 504}),
           allow_disconnect=False, max_tokens=24)
     assert not result["ran_twice"]
+    long = Outcome(**result["long"])
+    assert long.ok and long.tokens == LONG_TOKENS and long.finish == "length", str(long)
+    assert long.text.startswith(refs[(PROMPTS[0], False)])  # greedy: the short answer, longer
+    path = result["moved"].get(long.request_id, [])
+    assert [n for _, n in path][:2] == [source, other(source)] and {a for a, _ in path} == {0}, (
+        f"the long request did not move live from {source}: {path}")
     stalls = {what: round(_stall(outcomes, at), 2) for what, at in faults.items()}
     print(f"\nmulti-host: {len(outcomes)} requests, {sum(o.ok for o in outcomes)} completed, "
           f"node-0 left the view {left_after:.1f} s after its host died; stalls (s): {stalls}")
