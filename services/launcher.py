@@ -240,13 +240,12 @@ def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> Non
 def store_profile(cache: Path, redis_url: str) -> None:
     import asyncio
 
-    from redis.asyncio import Redis
-
     from services.profiler.run import read_report
     from shared.cluster import save_profile
+    from shared.redis_client import open_redis
 
     async def store() -> None:
-        redis = Redis.from_url(redis_url)
+        redis = open_redis(redis_url)
         try:
             await save_profile(redis, read_report(cache))
         finally:
