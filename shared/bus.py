@@ -129,9 +129,9 @@ async def _until_current(js: JetStreamContext, stream: str, replicas: int,
     give_up = time.monotonic() + within_s
     while time.monotonic() < give_up:
         cluster = (await js.stream_info(stream)).cluster
-        peers = (cluster.replicas or []) if cluster is not None else []
-        if cluster is not None and cluster.leader and \
-                sum(1 for p in peers if p.current) >= replicas - 1:
+        if cluster is None:  # one server, not a cluster: nothing to catch up
+            return
+        if cluster.leader and sum(1 for p in cluster.replicas or [] if p.current) >= replicas - 1:
             return
         await asyncio.sleep(0.2)
     log.warning("stream %s: its %d replicas not current after %.0fs", stream, replicas, within_s)

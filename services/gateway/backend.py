@@ -45,6 +45,14 @@ CANCEL_RETRY_S, CANCEL_MAX_PAUSE_S = 20.0, 4.0
 RESUBMIT_RETRY_S = PUBLISH_RETRY_S
 
 
+def submit_window(request: InferenceRequest, timeout_s: float, now: float) -> float:
+    """How long a new request's publish is retried: through a stream-leader election, but not
+    past its TTFT SLO (published later, the placers drop it as overloaded: a 503 now is the
+    same answer, sooner, and before a stream's headers went out) nor its timeout."""
+    ttft_left = request.arrival + request.ttft_slo_s - now
+    return max(0.0, min(timeout_s, PUBLISH_RETRY_S, ttft_left))
+
+
 class BackendUnavailable(Exception):
     pass
 
@@ -100,7 +108,7 @@ class InferenceBackend:
         try:
             await publish_retrying(self._js, REQUEST_SUBJECT, wire.encode(request),
                                    self.request_headers(request, trace_headers),
-                                   within_s=min(timeout_s, PUBLISH_RETRY_S))
+                                   within_s=submit_window(request, timeout_s, time.time()))
         except Exception as exc:  # nats raises timeouts, no-responders, API errors
             await _unsubscribe(sub)
             # The stream may have stored it with only the acknowledgement lost (NATS going down):

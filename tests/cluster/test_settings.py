@@ -91,3 +91,18 @@ def test_multicast_hosts_follow_the_node_unless_overridden() -> None:
     assert multicast_hosts(ListenHosts(), None, None) == ("127.0.0.1", "127.0.0.1")
     with pytest.raises(ValueError, match="SLINFER_MULTICAST_ADVERTISE_HOST"):
         multicast_hosts(node, "0.0.0.0", "::")
+
+
+def test_a_new_request_is_retried_within_its_ttft_and_timeout() -> None:
+    from services.gateway.backend import submit_window
+    from shared.bus import PUBLISH_RETRY_S
+    from shared.schemas import InferenceRequest
+
+    request = InferenceRequest("r", "t", "m", [1, 2, 3], 8, arrival=100.0, ttft_slo_s=8.0,
+                               tpot_slo_s=0.25)
+    assert submit_window(request, 300.0, now=101.0) == 7.0  # the TTFT left
+    assert submit_window(request, 3.0, now=101.0) == 3.0  # the request's timeout
+    assert submit_window(request, 300.0, now=120.0) == 0.0  # late already: one try
+    batch = InferenceRequest("b", "t", "m", [1], 8, arrival=100.0, ttft_slo_s=600.0,
+                             tpot_slo_s=2.0)
+    assert submit_window(batch, 300.0, now=100.0) == PUBLISH_RETRY_S  # an election's worth
