@@ -36,10 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import redis
+
 from shared.servers import ServerStartError, popen_tied, start_nats, start_redis
+from shared.settings import env_int
+from shared.subjects import NODES_SET, node_key
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HEALTH_TIMEOUT_S = 180.0  # first start imports torch
+NODE_JOIN_TIMEOUT_S = 300.0  # a node loads its engine before it joins
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.2
 LOG_TAIL_LINES = 30
@@ -225,8 +230,12 @@ def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> Non
               flush=True)
         # The demo's traffic is a handful of concurrent requests: batches up to 16 keep the
         # first start short; `slinfer profile` with larger bounds refines it for real models.
+        # The profiler service's bounds (SLINFER_PROFILE_MAX_LEN/_MAX_BATCH) apply here too.
+        max_len = env_int("SLINFER_PROFILE_MAX_LEN", 1024, minimum=16)
+        max_batch = env_int("SLINFER_PROFILE_MAX_BATCH", 16, minimum=1)
         args = ("--model", str(path), "--name", name, "--device", "cpu", "--out", str(cache),
-                "--redis", "", "--max-len", "1024", "--max-batch", "16", "--repeats", "2")
+                "--redis", "", "--max-len", str(max_len), "--max-batch", str(max_batch),
+                "--repeats", "2")
         with sup.gate.deferred():
             env = child_env(opts, sup.url("nats"), sup.url("redis"))
             job = spawn("profile", PROFILER_MODULE, env, opts.data_dir / "logs", args)
@@ -388,6 +397,28 @@ def wait_for_health(url: str, sup: Supervisor, timeout_s: float = HEALTH_TIMEOUT
             pass
         time.sleep(POLL_S)
     raise TimeoutError(f"gateway not healthy at {url}/health after {timeout_s:.0f}s")
+
+
+def wait_for_nodes(redis_url: str, node_ids: list[str], sup: Supervisor,
+                   timeout_s: float = NODE_JOIN_TIMEOUT_S) -> list[str]:
+    """Until every node has joined (its snapshot is in Redis, where the placer looks): a request
+    sent before would be dropped with "no node". Returns the ones still missing at the timeout."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    missing = list(node_ids)
+    try:
+        while True:
+            sup.check()
+            try:
+                members = {m.decode() for m in client.smembers(NODES_SET)}
+                missing = [n for n in node_ids if n not in members or not client.exists(node_key(n))]
+            except redis.RedisError:
+                pass  # the supervisor restarts a crashed redis; ask again
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(POLL_S)
+    finally:
+        client.close()
 
 
 def ensure_operator_key() -> str | None:
@@ -630,6 +661,11 @@ def start_everything(opts: Options, sup: Supervisor) -> tuple[str, str]:
     print(f"waiting for the gateway at {url}/health ...", flush=True)
     wait_for_health(url, sup)
     register_model(url, model_name, model_path)
+    print(f"waiting for {opts.nodes} node(s) to join ...", flush=True)
+    missing = wait_for_nodes(sup.url("redis"), [f"node-{i}" for i in range(opts.nodes)], sup)
+    if missing:
+        print(f"warning: {', '.join(missing)} did not join within {NODE_JOIN_TIMEOUT_S:.0f}s; "
+              f"see {opts.data_dir / 'logs'}", flush=True)
     return url, model_name
 
 

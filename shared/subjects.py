@@ -58,10 +58,17 @@ STATE_EPOCH_KEY = "slinfer:epoch"
 # A placer's terminal answer to a request (dropped, failed), kept for a while beside the
 # core-NATS message that may be lost (a NATS restart): value = msgpack TokenMessage, with a TTL.
 OUTCOME_KEY_PREFIX = "slinfer:outcome"
+# A request-stream message a placer answered (placed, failed, given up): value = the request id,
+# with a TTL. A redelivery of it (its ack was lost) is acked, not placed a second time.
+ANSWERED_KEY_PREFIX = "slinfer:answered"
 
 
 def outcome_key(request_id: str, attempt: int) -> str:
     return f"{OUTCOME_KEY_PREFIX}:{request_id}:{attempt}"
+
+
+def answered_key(stream_seq: int) -> str:
+    return f"{ANSWERED_KEY_PREFIX}:{stream_seq}"
 
 
 def node_key(node_id: str) -> str:

@@ -56,6 +56,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shared import vllm_metrics
+
 log = logging.getLogger("slinfer.telemetry")
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -84,6 +86,8 @@ NODE_PREDICTION_RATIO = "slinfer.node.prediction_ratio"  # histogram: actual / p
 NODE_LOAD_DURATION = "slinfer.node.load.duration"  # histogram, s, by tier, model, outcome
 NODE_LOADER_DURATION = "slinfer.node.loader.duration"  # histogram, s, by tier and model
 NODE_LOADER_BYTES = "slinfer.node.loader.bytes"  # counter, By, by tier
+TOKEN_USAGE = "gen_ai.client.token.usage"  # histogram, {token}, by gen_ai.token.type (GenAI semconv)
+TENANT_TOKENS = "slinfer.tenant.tokens"  # counter, {token}, by tenant, model and token type
 
 # Bucket boundaries the GenAI semantic conventions recommend.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -93,7 +97,14 @@ LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)
 
+# The GenAI conventions' buckets for token counts: powers of 4 from 1 to 4^13.
+TOKEN_BUCKETS = tuple(4 ** i for i in range(14))
+
 # GenAI attribute keys used on spans and metrics.
+PROVIDER = "gen_ai.provider.name"
+PROVIDER_NAME = "slinfer"
+TOKEN_TYPE = "gen_ai.token.type"  # input | output
+TENANT = "slinfer.tenant"
 OPERATION = "gen_ai.operation.name"
 MODEL = "gen_ai.request.model"
 MAX_TOKENS = "gen_ai.request.max_tokens"
@@ -396,6 +407,12 @@ class GenAIMetrics:
         self.dropped = meter.create_counter(DROPPED, unit="{request}",
                                             description="Requests dropped: queueing alone would "
                                             "break the TTFT SLO")
+        self.token_usage = meter.create_histogram(TOKEN_USAGE, unit="{token}",
+                                                  description="Tokens a request used, input and output",
+                                                  explicit_bucket_boundaries_advisory=TOKEN_BUCKETS)
+        self.tenant_tokens = meter.create_counter(TENANT_TOKENS, unit="{token}",
+                                                  description="Tokens used, by tenant")
+        self.vllm = vllm_metrics.VllmRequestMetrics(meter)
 
     def first_token(self, model: str, operation: str, ttft_s: float) -> None:
         self.ttft.record(ttft_s, {MODEL: model, OPERATION: operation})
@@ -414,6 +431,20 @@ class GenAIMetrics:
                 self.slo_met.add(1, {MODEL: model})
             else:
                 self.slo_violated.add(1, {MODEL: model, "slinfer.slo": violated})
+
+
+    def usage(self, model: str, operation: str, tenant: str, input_tokens: int | None,
+              output_tokens: int) -> None:
+        """Tokens a request used, as its response's usage counts them. `input_tokens` None: not
+        counted on this request (another choice of the same response counts the prompt)."""
+        attrs = {MODEL: model, OPERATION: operation, PROVIDER: PROVIDER_NAME}
+        tenant_attrs = {TENANT: tenant, MODEL: model}
+        for kind, tokens in (("input", input_tokens), ("output", output_tokens)):
+            if tokens is None:
+                continue
+            self.token_usage.record(tokens, {**attrs, TOKEN_TYPE: kind})
+            if tokens:
+                self.tenant_tokens.add(tokens, {**tenant_attrs, TOKEN_TYPE: kind})
 
 
 def slo_violation(ttft_s: float, tpot_s: float | None, ttft_slo_s: float, tpot_slo_s: float) -> str | None:
@@ -440,6 +471,7 @@ class NodeStats:
     requests: int = 0
     iterations: int = 0
     iterations_per_s: float = 0.0
+    models: tuple[vllm_metrics.ModelLoad, ...] = ()  # per model: vLLM's running/waiting/KV gauges
 
 
 def register_node_gauges(meter, attributes: Mapping[str, str], stats: Callable[[], NodeStats]) -> None:
@@ -465,6 +497,7 @@ def register_node_gauges(meter, attributes: Mapping[str, str], stats: Callable[[
     meter.create_observable_counter(
         NODE_ITERATIONS, [lambda _opts: [Observation(stats().iterations, attrs)]],
         unit="{iteration}", description="Engine iterations run")
+    vllm_metrics.register_node_gauges(meter, attrs.get("slinfer.node_id", ""), lambda: stats().models)
 
 
 # --- Prometheus: an on-demand reader of the SDK's metrics --------------------------------------
@@ -492,8 +525,10 @@ _UNIT_SUFFIX = {"s": "seconds", "ms": "milliseconds", "By": "bytes"}
 
 
 def prometheus_name(name: str, unit: str) -> str:
-    """`gen_ai.server.time_to_first_token` + `s` -> `gen_ai_server_time_to_first_token_seconds`."""
-    base = "".join(c if c.isalnum() or c in "_:" else "_" for c in name)
+    """`gen_ai.server.time_to_first_token` + `s` -> `gen_ai_server_time_to_first_token_seconds`;
+    `vllm.<name>` -> `vllm:<name>` (vLLM's own names, which OpenTelemetry's cannot spell)."""
+    base = vllm_metrics.prometheus_base(name) or "".join(
+        c if c.isalnum() or c in "_:" else "_" for c in name)
     suffix = _UNIT_SUFFIX.get(unit, "")
     if unit.endswith("/s"):
         suffix = "per_second" if not base.endswith("per_second") else ""

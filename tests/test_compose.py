@@ -24,6 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 ENV = {"SLINFER_REDIS_PASSWORD": "test-password", "SLINFER_API_KEYS": "sk-test:tenant-a"}
 INFRA = {"nats", "redis", "jaeger"}
+OBSERVABILITY = {"prometheus", "grafana"}  # the observability profile's third-party services
+DASHBOARD = REPO / "deploy" / "grafana" / "slinfer-dashboard.json"
+# Set by compose for its Prometheus to scrape; `slinfer up` runs no Prometheus and leaves them off.
+SCRAPE_ONLY = {"SLINFER_GATEWAY_METRICS_HOST", "SLINFER_GATEWAY_METRICS_PORT",
+               "SLINFER_NODE_METRICS_PORT"}
 
 
 def compose_binary() -> str:
@@ -53,7 +58,7 @@ def services(*profiles: str) -> dict[str, dict]:
 
 
 def slinfer_services(*profiles: str) -> dict[str, dict]:
-    return {n: s for n, s in services(*profiles).items() if n not in INFRA}
+    return {n: s for n, s in services(*profiles).items() if n not in INFRA | OBSERVABILITY}
 
 
 # ---------------------------------------------------------------- compose validates
@@ -93,6 +98,62 @@ def test_infrastructure_has_healthchecks_and_services_wait_for_them() -> None:
         deps = s["depends_on"]
         assert deps["nats"]["condition"] == "service_healthy", name
         assert deps["redis"]["condition"] == "service_healthy", name
+
+
+def test_observability_profile_adds_prometheus_and_grafana() -> None:
+    assert not set(services()) & OBSERVABILITY
+    svc = services("observability")
+    for name in OBSERVABILITY:
+        assert svc[name]["profiles"] == ["observability"]
+        assert svc[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        for mount in svc[name]["volumes"]:  # every file it is given is in the repository
+            if mount["type"] == "bind":
+                assert Path(mount["source"]).exists(), f"{name}: {mount['source']} is missing"
+    assert svc["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def _bind_target(service: dict, source: Path) -> str:
+    return next(m["target"] for m in service["volumes"]
+                if m["type"] == "bind" and Path(m["source"]) == source)
+
+
+def test_prometheus_scrapes_the_metrics_port_of_every_slinfer_service() -> None:
+    import yaml
+
+    svc = services("observability", "gpu")
+    config_file = REPO / "deploy" / "prometheus" / "prometheus.yml"
+    assert _bind_target(svc["prometheus"], config_file) in svc["prometheus"]["command"][0]
+    config = yaml.safe_load(config_file.read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    ports = {"gateway": "SLINFER_GATEWAY_METRICS_PORT", "node-cpu": "SLINFER_NODE_METRICS_PORT",
+             "node-gpu": "SLINFER_NODE_METRICS_PORT"}
+    expected = {f"{name}:{svc[name]['environment'][var]}" for name, var in ports.items()}
+    assert targets == expected
+    # Off the loopback, or Prometheus on another container could not reach the gateway's port.
+    assert svc["gateway"]["environment"]["SLINFER_GATEWAY_METRICS_HOST"] == "0.0.0.0"
+    published = {str(p.get("target")) for s in svc.values() for p in s.get("ports", [])}
+    assert not published & {t.split(":")[1] for t in targets}, "/metrics must stay unpublished"
+
+
+def test_grafana_provisions_the_dashboard_on_the_provisioned_datasource() -> None:
+    import yaml
+
+    grafana = services("observability")["grafana"]
+    provisioning = REPO / "deploy" / "grafana" / "provisioning"
+    assert _bind_target(grafana, provisioning) == "/etc/grafana/provisioning"
+    dashboard_path = _bind_target(grafana, DASHBOARD)
+    providers = yaml.safe_load((provisioning / "dashboards" / "slinfer.yml").read_text())["providers"]
+    assert any(Path(dashboard_path).parent == Path(p["options"]["path"]) for p in providers)
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard_path
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = {json.dumps(p["datasource"], sort_keys=True) for p in dashboard["panels"]}
+    used |= {json.dumps(t["datasource"], sort_keys=True) for p in dashboard["panels"]
+             for t in p["targets"]}
+    assert used == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}
 
 
 # ---------------------------------------------------------------- consistent with the code
@@ -168,7 +229,7 @@ def test_compose_and_slinfer_up_give_services_the_same_settings(monkeypatch) -> 
                                 SLINFER_NODE_ID="n", SLINFER_NODE_HARDWARE="cpu")
     up_names = {k for k in up_env if k.startswith("SLINFER_")} | {"SLINFER_API_KEYS"}
     for name, s in svc.items():
-        compose_names = {k for k in s["environment"] if k.startswith("SLINFER_")}
+        compose_names = {k for k in s["environment"] if k.startswith("SLINFER_")} - SCRAPE_ONLY
         assert compose_names <= up_names, f"{name}: only in compose: {compose_names - up_names}"
     assert up_names - {"SLINFER_API_KEYS"} <= set().union(
         *(s["environment"] for s in svc.values())), "slinfer up sets names compose never does"

@@ -80,8 +80,11 @@ FAKE_GATEWAY = textwrap.dedent('''
 FAKE_WORKER = textwrap.dedent('''
     """Stand-in placer/node: sleeps; FAKE_DIE=<node id> makes that node crash a second after
     every start, FAKE_CRASH_ONCE=<node id> after its first start only; FAKE_STUBBORN=1 makes the
-    placer ignore SIGTERM (the launcher must SIGKILL it)."""
+    placer ignore SIGTERM (the launcher must SIGKILL it). A node joins the cluster as a node
+    does (its id in the node set, a snapshot key), FAKE_JOIN_DELAY_S after it started."""
     import os, signal, sys, time
+    import redis
+    from shared.subjects import NODES_SET, node_key
     for name in ("SLINFER_NATS_URL", "SLINFER_REDIS_URL", "SLINFER_DATA_DIR"):
         assert os.environ[name], name
     me = os.environ.get("SLINFER_NODE_ID", "placer")
@@ -95,6 +98,12 @@ FAKE_WORKER = textwrap.dedent('''
         time.sleep(1)
         print("boom: fake failure in", me, flush=True)
         sys.exit(3)
+    if me != "placer":
+        time.sleep(float(os.environ.get("FAKE_JOIN_DELAY_S", "0")))
+        print(me, "joined", flush=True)  # first: once the launcher sees it, the log has it
+        client = redis.Redis.from_url(os.environ["SLINFER_REDIS_URL"])
+        client.set(node_key(me), b"snapshot", ex=600)
+        client.sadd(NODES_SET, me)
     time.sleep(600)
 ''')
 
@@ -273,12 +282,16 @@ def test_exit_status_names_the_signal() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_lifecycle_with_stand_ins(tmp_path, fakes, sig) -> None:
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
-    env = fakes | {"FAKE_STUBBORN": "1"}  # the placer ignores SIGTERM: needs the SIGKILL path
+    # The placer ignores SIGTERM: needs the SIGKILL path. The nodes join seconds after they
+    # start (a real one loads its engine first): the banner must wait for them.
+    env = fakes | {"FAKE_STUBBORN": "1", "FAKE_JOIN_DELAY_S": "3"}
     args = ["--port", str(port), "--nodes", "2", "--data-dir", str(data_dir),
             "--model-dir", str(tmp_path / "model"), "--model-name", "tiny"]
     proc = start_up(args, out, env, driver=True)
     try:
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
+        for node in ("node-0", "node-1"):  # joined before the banner said "up"
+            assert "joined" in _read(data_dir / "logs" / f"{node}.log"), _read(out)
         models = get_json(f"http://127.0.0.1:{port}/v1/models")
         assert [m["id"] for m in models["data"]] == ["tiny"]
         text = _read(out)
@@ -395,10 +408,8 @@ def test_killed_launcher_takes_its_children_with_it(tmp_path, fakes) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo_model(tmp_path_factory) -> Path:
-    from shared.modelgen import ensure_demo_model
-
-    return Path(ensure_demo_model(tmp_path_factory.mktemp("demo")))
+def demo_model_dir(demo_model, tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory.mktemp("demo"))
 
 
 def registered(redis_url: str, name: str) -> bool:
@@ -423,12 +434,12 @@ def wait_restarted(name: str, old_pid: int, data_dir: Path, proc, out: Path) -> 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_killed_servers_restart_with_their_data(tmp_path, fakes, demo_model) -> None:
+def test_killed_servers_restart_with_their_data(tmp_path, fakes, demo_model_dir) -> None:
     """The real gateway registers the model in Redis; valkey and nats are SIGKILLed; the
     launcher restarts them on the same ports and data: the registry entry is still there (and
     the gateway lists it again), and the request stream is still in JetStream."""
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
-    args = ["--port", str(port), "--data-dir", str(data_dir), "--model-dir", str(demo_model),
+    args = ["--port", str(port), "--data-dir", str(data_dir), "--model-dir", str(demo_model_dir),
             "--model-name", "tiny"]
     proc = start_up(args, out, fakes | {"FAKE_GATEWAY_MODULE": "services.gateway"}, driver=True)
     url = f"http://127.0.0.1:{port}"
@@ -489,21 +500,17 @@ def processes_using(directory: Path) -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_running_stack_stops_what_it_started_when_its_start_fails(tmp_path) -> None:
+def test_running_stack_stops_what_it_started_when_its_start_fails(tmp_path, demo_model,
+                                                                  demo_profile) -> None:
     """services.stack (the e2e/ops fixtures' stack): a service that cannot start fails the
     fixture, and the servers and services already started are stopped, not left behind."""
-    from services.profiler.measure import ProfilePlan
-    from services.profiler.run import profile_model
-    from services.stack import MODEL, running_stack
-    from shared.modelgen import ensure_demo_model
+    from services.stack import running_stack
 
-    model_dir = Path(ensure_demo_model(tmp_path / "models"))
-    plan = ProfilePlan(max_len=32, max_batch=2, repeats=1, warmup=0)
-    profile = profile_model(model_dir, MODEL, plan=plan)[0]
+    model_dir = demo_model(tmp_path)
     data = tmp_path / "stack"
     broken = {"gateway": {"SLINFER_GATEWAY_PORT": "not-a-port"}}
     with pytest.raises(RuntimeError, match="gateway exited"):
-        with running_stack(data, model_dir, child_env=broken, profile=profile):
+        with running_stack(data, model_dir, child_env=broken, profile=demo_profile):
             pytest.fail("the stack came up with a gateway that cannot start")
     deadline = time.monotonic() + 10
     while (left := processes_using(data)) and time.monotonic() < deadline:
@@ -538,11 +545,16 @@ def _missing_services() -> list[str]:
 @pytest.mark.skipif(bool(_missing_services()),
                     reason=f"real stack not written yet: missing {', '.join(_missing_services())}")
 def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
+    from services.profiler.run import read_report
+
     data_dir, out, port = tmp_path / "data", tmp_path / "up.out", free_port()
     env = dict(os.environ)
     env.pop("SLINFER_API_KEYS", None)
     # The random demo: its build and profile take seconds where the default real model's
     # conversion and profile take minutes (tests/engines/test_real_model.py runs that one).
+    # One short request needs no more of the profile than these bounds (the default's grid,
+    # up to 1024 tokens and batches of 16, takes minutes on two busy cores).
+    env |= {"SLINFER_PROFILE_MAX_LEN": "64", "SLINFER_PROFILE_MAX_BATCH": "2"}
     proc = start_up(["--port", str(port), "--data-dir", str(data_dir), "--random-model"], out,
                     env, driver=False)
     base = f"http://127.0.0.1:{port}"
@@ -553,6 +565,9 @@ def test_slinfer_up_serves_the_demo_model_and_stops_cleanly(tmp_path) -> None:
         wait_for(lambda: "Ctrl+C stops everything" in _read(out), 60, proc, out, "the banner")
         assert "auth is off" in _read(out)
         model = get_json(f"{base}/v1/models")["data"][0]["id"]
+        [cached] = (data_dir / "profiles").glob("*-cpu.json")
+        profile = read_report(cached)
+        assert (profile.decode.lengths[-1], profile.decode.batch_sizes) == (64, [1, 2])
         stream_one_chat_completion(base, model)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, _read(out)

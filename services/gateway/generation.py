@@ -96,6 +96,8 @@ class Generation:
                         self.timings.first_token = time.monotonic()
                         if self._observer is not None:
                             self._observer.first_token(self.timings.first_token)
+                    elif self._observer is not None:
+                        self._observer.tokens(time.monotonic(), len(event.token_ids))
                     self._accept(event)
                     delta, stopped = self._take()
                     if stopped:

@@ -1,7 +1,8 @@
 """The gateway's telemetry: the HTTP server span of each request (`ServerSpanMiddleware`, tracing
 on only), and one request's GenAI span (`chat <model>` / `text_completion <model>`, child of the
 server span, parent of everything the placer and node do for it) and metrics (TTFT, TPOT,
-duration, SLO met / violated / dropped), recorded when it ends.
+duration, SLO met / violated / dropped, token usage in total and per tenant, and vLLM's names
+for the same: shared/vllm_metrics.py), recorded when it ends.
 
 Only what must precede the first token is done before it: starting the spans, bare (the request
 span's context rides the request message). Attributes, the first-token event and every metric are
@@ -18,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import telemetry as tm
+from shared import vllm_metrics
 from shared.schemas import InferenceRequest
 
 
@@ -127,17 +129,23 @@ class RequestObserver:
     first token it only starts the span and notes the time; attributes, the `first_token` event
     and the metrics are written when the request ends."""
 
-    def __init__(self, metrics: tm.GenAIMetrics, request: InferenceRequest, operation: str) -> None:
+    def __init__(self, metrics: tm.GenAIMetrics, request: InferenceRequest, operation: str,
+                 counts_prompt: bool = True) -> None:
         self.metrics = metrics
         self.request = request
         self.operation = operation
+        # A response's usage counts its prompt once: the first of its n choices counts it.
+        self.counts_prompt = counts_prompt
         self.started = time.monotonic()
         self.span = _tracer.start_span(f"{operation} {request.model}")  # attributes: at the end
         self._first: float | None = None
+        self._last: float | None = None  # the latest token message's arrival
+        self._gaps: list[float] = []  # per later token message: its gap / its tokens
 
     def _request_attributes(self) -> dict:
         request = self.request
-        return {tm.OPERATION: self.operation, tm.MODEL: request.model, tm.MAX_TOKENS: request.max_tokens,
+        return {tm.OPERATION: self.operation, tm.MODEL: request.model, tm.PROVIDER: tm.PROVIDER_NAME,
+                tm.MAX_TOKENS: request.max_tokens,
                 tm.INPUT_TOKENS: len(request.prompt_token_ids), "gen_ai.response.id": request.request_id,
                 "slinfer.request_id": request.request_id, "slinfer.slo.ttft_s": request.ttft_slo_s,
                 "slinfer.slo.tpot_s": request.tpot_slo_s}
@@ -150,7 +158,14 @@ class RequestObserver:
     def first_token(self, at: float) -> None:
         """`at`: time.monotonic() of the first token. Nothing else happens here: it is on the
         request's time to first token."""
-        self._first = at
+        self._first = self._last = at
+
+    def tokens(self, at: float, count: int) -> None:
+        """A token message after the first arrived at `at` (time.monotonic()) with `count`
+        tokens: its gap is kept for the inter-token latency, recorded when the request ends."""
+        if self._last is not None and count:
+            self._gaps.append((at - self._last) / count)
+        self._last = at
 
     def finished(self, gen: GenerationResult, node_headers: dict[str, str] | None,
                  prefill_s: float | None) -> None:
@@ -166,6 +181,7 @@ class RequestObserver:
         if ttft is not None:
             self.metrics.first_token(self.request.model, self.operation, ttft)
         self.metrics.finished(self.request.model, self.operation, duration, tpot, violated, error)
+        self._record_tokens(gen, ttft, tpot, duration)
         span = self.span
         if not span.is_recording():
             span.end()
@@ -192,6 +208,20 @@ class RequestObserver:
             if remote.is_valid:
                 span.add_link(remote, {"slinfer.link": "token_stream"})
         span.end()
+
+    def _record_tokens(self, gen: GenerationResult, ttft: float | None, tpot: float | None,
+                       duration: float) -> None:
+        """Token usage (GenAI, per tenant) and vLLM's request metrics. The prompt counts once
+        its prefill ran (a first token came), the output as the tokens that came."""
+        request = self.request
+        prompt = len(request.prompt_token_ids) if ttft is not None else 0
+        tokens = gen.completion_tokens
+        if ttft is not None or tokens:
+            self.metrics.usage(request.model, self.operation, request.tenant,
+                               prompt if self.counts_prompt else None, tokens)
+        reason = gen.finish_reason or ("abort" if gen.failure == "cancelled" else None)
+        self.metrics.vllm.record(vllm_metrics.RequestRecord(
+            request.model, prompt, tokens, ttft, tpot, duration, reason, tuple(self._gaps)))
 
     def failed_to_submit(self, exc: Exception) -> None:
         self.metrics.finished(self.request.model, self.operation, time.monotonic() - self.started,

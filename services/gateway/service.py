@@ -245,7 +245,8 @@ class GatewayService:
         slots = self.admission.acquire_many(tenant, prepared.record.name, n)
         requests = [self.build_request(prepared, choice_id(response_id, i, n), tenant, i)
                     for i in range(n)]
-        observers = [RequestObserver(self.metrics, r, operation) for r in requests]
+        observers = [RequestObserver(self.metrics, r, operation, counts_prompt=i == 0)
+                     for i, r in enumerate(requests)]
         try:
             # The request span's context rides the NATS headers.
             streams = await self._submit(requests, observers)

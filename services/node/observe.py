@@ -32,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared import telemetry as tm
+from shared import vllm_metrics
 from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.memory import MemOp
 from shared.schemas import InferenceRequest, MemOpCompletion
@@ -264,7 +265,7 @@ class NodeObserver:
             memory_pessimistic=ledger.pessimistic, kv_allocated=sum(i.kv_bytes for i in node.instances),
             parked_ops=len(ledger.parked()), running_ops=len(ledger.running()),
             instances=len(node.instances), requests=requests, iterations=iterations,
-            iterations_per_s=rate)
+            iterations_per_s=rate, models=vllm_metrics.model_loads(node, sched.kv_capacity_bytes))
 
     # --- commands ---------------------------------------------------------------------------
     @contextmanager

@@ -4,7 +4,14 @@ given up). See services/placer/placer.py's docstring for what survives which fau
 
 A request is acked only once it is answered, and every request in the queue is kept claimed
 (`keep_claims`), so a placer that dies loses nothing: JetStream redelivers it. A request that
-waited in the stream while no live placer held it gets that wait as TTFT grace."""
+waited in the stream while no live placer held it gets that wait as TTFT grace.
+
+An ack can be lost too (sent while NATS restarts or a stream leader is being elected): JetStream
+then redelivers a request that was already answered, and placing it again would run it twice on
+two nodes. So an answer is noted in Redis by the message's stream sequence before the ack, the ack
+is retried until the server confirms it, and a redelivered message whose answer is noted is acked
+without a decision. (A node's own redelivery gate, services/node/book.py, is the second line: it
+catches a redelivery that comes back to the same node.)"""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from nats.aio.msg import Msg
+from nats.errors import MsgAlreadyAckdError, NotJSMessageError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import trace
@@ -29,10 +37,11 @@ from shared.outcomes import record_outcome
 from shared.bus import STREAM_MAX_AGE_S, ensure_streams
 from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
 from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT,
-                             token_subject)
+                             answered_key, token_subject)
 
 log = logging.getLogger("slinfer.placer")
 CANCEL_REPLAY_S = 5.0  # at start, wait at most this long for the cancel stream's replay
+ACK_CONFIRM_S = 30.0  # retry an unconfirmed ack this long: past a NATS restart or an election
 
 
 @dataclass
@@ -67,6 +76,7 @@ class RequestIntake:
         self.cancelled: dict[str, tuple[float, float]] = {}
         self._cancel_seq = 0  # last cancel-stream sequence seen
         self.started_at = time.time()
+        self._settling: set[asyncio.Task] = set()  # answers whose ack is not confirmed yet
 
     async def start(self) -> None:
         await ensure_streams(self.js)
@@ -109,6 +119,8 @@ class RequestIntake:
         new = Pending(msg, req, time.time(), trace_parent=tm.extract_context(msg.headers,
                                                                           req.trace_context))
         old = self.queue.get(req.request_id)
+        if old is None and await self._already_answered(msg, req):
+            return
         if old is None:
             self.queue[req.request_id] = new
             for note in self.on_arrival:
@@ -117,9 +129,49 @@ class RequestIntake:
             old.msg = msg  # redelivered while we still hold it: answer the latest delivery
         elif new.rank() > old.rank():
             self.queue[req.request_id] = new  # a resumed or handed-back copy supersedes it
-            await old.msg.ack()
+            self._settle(old.msg, req.request_id)
         else:
-            await msg.ack()  # an older copy of one we hold
+            self._settle(msg, req.request_id)  # an older copy of one we hold
+
+    async def _already_answered(self, msg: Msg, req: InferenceRequest) -> bool:
+        """Whether `msg` is a redelivery of a message some placer answered (its ack was lost);
+        if so it is acked here."""
+        seq = _stream_seq(msg)
+        if seq is None or _deliveries(msg) < 2:
+            return False  # a first delivery was never answered
+        try:
+            answered = await self.port.redis.get(answered_key(seq))
+        except Exception as exc:  # unknown: decide again; the node's gate is the second line
+            log.warning("could not read whether %s was answered: %r", req.request_id, exc)
+            return False
+        if answered is None or answered.decode() != req.request_id:
+            return False  # (another id: a note from a stream that was since re-created)
+        self.port.count("redelivery_already_answered")
+        self._settle(msg, req.request_id, note=False)
+        log.info("%s was answered before (a lost ack): acked, not placed again", req.request_id)
+        return True
+
+    def _settle(self, msg: Msg, request_id: str, note: bool = True) -> None:
+        """Note the answer and ack `msg` until confirmed, in the background (NATS may be away
+        for seconds; the run loop goes on)."""
+        task = asyncio.create_task(self._note_and_ack(msg, request_id, note),
+                                   name=f"ack-{request_id}")
+        self._settling.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._settling.discard)
+
+    async def _note_and_ack(self, msg: Msg, request_id: str, note: bool) -> None:
+        seq = _stream_seq(msg)
+        if note and seq is not None:
+            try:
+                await self.port.redis.set(answered_key(seq), request_id, ex=int(STREAM_MAX_AGE_S))
+            except Exception as exc:  # Redis away: the ack below may still get through
+                log.warning("could not note that %s was answered: %r", request_id, exc)
+        await confirm_ack(msg, ACK_CONFIRM_S)
+
+    async def settled(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for the acks still being retried: at shutdown."""
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=timeout_s)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -137,7 +189,7 @@ class RequestIntake:
         pending = self.queue.get(notice.request_id)
         if pending is not None and pending.request.attempt < below:
             del self.queue[notice.request_id]
-            await pending.msg.ack()
+            self._settle(pending.msg, notice.request_id)
         if len(self.cancelled) > 1024 and now - next(iter(self.cancelled.values()))[1] > STREAM_MAX_AGE_S:
             self.cancelled = {k: v for k, v in self.cancelled.items()
                               if now - v[1] <= STREAM_MAX_AGE_S}
@@ -170,13 +222,13 @@ class RequestIntake:
         """Ack without placing: nobody waits for it (no message: nobody would read it)."""
         self.queue.pop(p.request.request_id, None)
         self.port.count("given_up")
-        await p.msg.ack()
+        self._settle(p.msg, p.request.request_id)
         log.info("not placing %s: %s", p.request.request_id, why)
 
     async def placed(self, p: Pending, node_id: str | None, instance_id: str | None,
                      action: str) -> None:
         self.queue.pop(p.request.request_id, None)
-        await p.msg.ack()
+        self._settle(p.msg, p.request.request_id)
         log.info("placed %s on %s/%s (%s)", p.request.request_id, node_id, instance_id, action)
 
     async def fail(self, p: Pending, reason: FinishReason, error: str) -> None:
@@ -198,17 +250,41 @@ class RequestIntake:
         except Exception as exc:  # Redis away: the message below may still arrive
             log.warning("could not keep the answer to %s: %r", p.request.request_id, exc)
         await self.port.nc.publish(token_subject(p.request.request_id), wire.encode(final))
-        await p.msg.ack()
+        self._settle(p.msg, p.request.request_id)
         log.info("%s %s: %s", reason.value, p.request.request_id, error)
+
+
+async def confirm_ack(msg: Msg, within_s: float) -> bool:
+    """Ack `msg` and wait for the server's confirmation, retrying with back-off for `within_s`
+    (a plain ack is lost silently while NATS is away). False if it never got through."""
+    deadline = time.monotonic() + within_s
+    delay = 0.1
+    while True:
+        try:
+            await msg.ack_sync(timeout=1.0)
+            return True
+        except MsgAlreadyAckdError:
+            return True
+        except NotJSMessageError:  # a plain NATS message (tests): nothing to confirm
+            return True
+        except Exception as exc:
+            if time.monotonic() + delay > deadline:
+                log.warning("gave up acking a request message after %.0f s: %r", within_s, exc)
+                return False
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+def _deliveries(msg: Msg) -> int:
+    try:
+        return msg.metadata.num_delivered
+    except Exception:  # not a JetStream message (tests)
+        return 1
 
 
 def _unclaimed_since(msg: Msg, req: InferenceRequest, started_at: float) -> float:
     """Seconds the request waited in the stream with no live placer holding it."""
-    try:
-        redelivered = msg.metadata.num_delivered > 1
-    except Exception:  # not a JetStream message (tests)
-        redelivered = False
-    held_from = time.time() if redelivered else started_at
+    held_from = time.time() if _deliveries(msg) > 1 else started_at
     return max(0.0, held_from - req.arrival)
 
 

@@ -152,6 +152,7 @@ class Placer:
             if self._failing:
                 log.info("placer turns work again; %d queued", len(self.queue))
             self._failing, backoff = False, 0.0
+        await self.intake.settled(timeout_s=5.0)  # acks still being retried
 
     async def turn(self) -> None:
         """One turn of the run loop (raises what Redis or NATS raise)."""

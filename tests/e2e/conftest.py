@@ -1,6 +1,6 @@
 """A real stack for end-to-end tests (`services.stack`): nats-server and valkey from wheels, the
-demo model, a measured profile, and the placer, a CPU node worker and the gateway as real
-processes - started the way `slinfer up` starts them."""
+demo model, its profile (measured once per session: `demo_profile`), and the placer, a CPU node
+worker and the gateway as real processes - started the way `slinfer up` starts them."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from services.profiler.measure import ProfilePlan
 from services.stack import Stack, running_stack
+from shared.core.perf_model import Profile
 from shared.default_model import NAME
-from shared.modelgen import ensure_demo_model
 
 # The real model's profile only has to let the placer admit one request at a time: a small one
 # keeps the start short (its full profile takes minutes on two cores).
@@ -22,13 +22,13 @@ REAL_PLAN = ProfilePlan(max_len=128, max_batch=2, repeats=1, warmup=1, passes=1,
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory) -> Path:
-    return Path(ensure_demo_model(tmp_path_factory.mktemp("models")))
+def demo_model_dir(demo_model, tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, demo_model_dir) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir) as s:
+def stack(tmp_path_factory, demo_model_dir, demo_profile: Profile) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir, profile=demo_profile) as s:
         yield s
 
 

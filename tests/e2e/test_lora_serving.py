@@ -50,7 +50,7 @@ class LoraStack:
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, demo_model_dir) -> Iterator[LoraStack]:
+def lora(tmp_path_factory, demo_model_dir, demo_profile) -> Iterator[LoraStack]:
     root = tmp_path_factory.mktemp("lora-stack")
     tenant_dir = root / "tenant-models"
     for tenant in KEYS.values():
@@ -60,7 +60,7 @@ def lora(tmp_path_factory, demo_model_dir) -> Iterator[LoraStack]:
            "SLINFER_OPERATOR_KEYS": OPERATOR, "SLINFER_TENANT_MODELS_DIR": str(tenant_dir),
            # Instances stay while the test looks at them after its requests ended.
            "SLINFER_KEEP_ALIVE_S": "60"}
-    with running_stack(root / "stack", demo_model_dir, extra_env=env,
+    with running_stack(root / "stack", demo_model_dir, extra_env=env, profile=demo_profile,
                        child_env={"node-0": {"SLINFER_NODE_METRICS_PORT": str(metrics_port)}}) as s:
         yield LoraStack(s, demo_model_dir, tenant_dir, root / "adapters",
                         f"http://127.0.0.1:{metrics_port}/metrics")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.modelgen import ensure_demo_model
 
 # Engine tests run on CPU, and again on CUDA where a GPU is present.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -25,8 +24,8 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(data_dir: Path) -> Path:
-    return ensure_demo_model(data_dir)
+def tiny_model_dir(demo_model, data_dir: Path) -> Path:
+    return demo_model(data_dir)
 
 
 @pytest.fixture(scope="session")

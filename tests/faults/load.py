@@ -54,8 +54,8 @@ class Outcome:
         return f"[{self.client}] {mode} {self.prompt!r} {self.seconds:.1f}s: {what} ({self.request_id})"
 
 
-def client_for(url: str, timeout_s: float) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+def client_for(url: str, timeout_s: float, api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
                               timeout=timeout_s, http_client=httpx.AsyncClient(trust_env=False,
                                                                                timeout=timeout_s))
 
@@ -118,15 +118,17 @@ def mode(k: int) -> tuple[bool, bool]:
     return bool((k // 2) % 2), k % 2 == 0
 
 
-async def references(url: str, model: str) -> dict[tuple[str, bool], str]:
+async def references(url: str, model: str, api_key: str = "unused",
+                     max_tokens: int = MAX_TOKENS) -> dict[tuple[str, bool], str]:
     """The fault-free text of every (prompt, chat) the load sends."""
-    client = client_for(url, 120)
+    client = client_for(url, 120, api_key)
     refs = {}
     try:
         for prompt in PROMPTS:
             for chat in (False, True):
-                out = await one_request(client, model, prompt, chat, stream=False)
-                assert out.ok and out.tokens == MAX_TOKENS, str(out)
+                out = await one_request(client, model, prompt, chat, stream=False,
+                                        max_tokens=max_tokens)
+                assert out.ok and out.tokens == max_tokens, str(out)
                 refs[(prompt, chat)] = out.text
     finally:
         await client.close()
@@ -139,6 +141,8 @@ class Load:
     model: str
     clients: int = 4
     timeout_s: float = 90.0  # the client's own; the gateway's deadline is shorter
+    api_key: str = "unused"
+    max_tokens: int = MAX_TOKENS
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -147,12 +151,13 @@ class Load:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
 
     async def _client(self, i: int) -> None:
-        client = client_for(self.url, self.timeout_s)
+        client = client_for(self.url, self.timeout_s, self.api_key)
         try:
             k = i  # clients start at different modes
             while not self._stop.is_set():
                 chat, stream = mode(k)
-                out = await one_request(client, self.model, PROMPTS[i % len(PROMPTS)], chat, stream, i)
+                out = await one_request(client, self.model, PROMPTS[i % len(PROMPTS)], chat, stream,
+                                        i, self.max_tokens)
                 self.outcomes.append(out)
                 if not out.ok:
                     await asyncio.sleep(0.2)  # an error answer comes fast: do not spin
@@ -179,7 +184,8 @@ class Load:
 
 
 def check(outcomes: list[Outcome], refs: dict[tuple[str, bool], str], deadline_s: float,
-          allowed_status: frozenset[int] = frozenset(), allow_disconnect: bool = False) -> None:
+          allowed_status: frozenset[int] = frozenset(), allow_disconnect: bool = False,
+          max_tokens: int = MAX_TOKENS) -> None:
     """Every request completed correctly (all its tokens, the fault-free text: no gap, no
     duplicate) or got a clear error (an HTTP status in `allowed_status`, or with
     `allow_disconnect` a broken connection), and none took longer than the deadline."""
@@ -188,7 +194,7 @@ def check(outcomes: list[Outcome], refs: dict[tuple[str, bool], str], deadline_s
         if o.seconds > deadline_s:
             problems.append(f"past the deadline: {o}")
         if o.ok:
-            if o.tokens != MAX_TOKENS or o.finish != "length":
+            if o.tokens != max_tokens or o.finish != "length":
                 problems.append(f"wrong length: {o}")
             elif o.text != refs[(o.prompt, o.chat)]:
                 problems.append(f"text differs from the fault-free run: {o}\n  got  {o.text!r}\n"

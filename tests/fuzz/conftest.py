@@ -13,7 +13,6 @@ from redis import Redis as SyncRedis
 
 from services.gateway.settings import GatewaySettings
 from shared import wire
-from shared.modelgen import ensure_demo_model
 from shared.registry import model_id, model_record_from_dir
 from shared.servers import ServerProcess, free_port, start_nats, start_redis
 from shared.subjects import MODELS_HASH
@@ -33,8 +32,8 @@ def servers(tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("fz-data"))
+def model_dir(demo_model, tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory.mktemp("fz-data"))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from redis import Redis as SyncRedis
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from shared import wire
-from shared.modelgen import ensure_demo_model
 from shared.registry import model_id, model_record_from_dir
 from shared.servers import ServerProcess, free_port, start_nats, start_redis
 from shared.subjects import MODELS_HASH
@@ -61,8 +60,8 @@ def redis_url(_gw_redis: ServerProcess) -> str:
 
 
 @pytest.fixture(scope="package")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("gw-data"))
+def model_dir(demo_model, tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory.mktemp("gw-data"))
 
 
 def copy_model(src: Path, dst: Path) -> Path:

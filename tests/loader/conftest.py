@@ -9,13 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shared.modelgen import ensure_demo_model
 
 
 @pytest.fixture(scope="session")
-def tiny_source(tmp_path_factory) -> Path:
-    """The tiny demo model (float32 safetensors, HF directory), built once per session."""
-    return ensure_demo_model(tmp_path_factory.mktemp("loader-data"))
+def tiny_source(demo_model, tmp_path_factory) -> Path:
+    """The tiny demo model (float32 safetensors, HF directory)."""
+    return demo_model(tmp_path_factory.mktemp("loader-data"))
 
 
 @pytest.fixture

@@ -13,14 +13,13 @@ from redis.asyncio import Redis
 from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared.cluster import save_profile
-from shared.modelgen import ensure_demo_model
 
 from tests.node.harness import MODELS
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return ensure_demo_model(tmp_path_factory.mktemp("share"))
+def model_dir(demo_model, tmp_path_factory):
+    return demo_model(tmp_path_factory.mktemp("share"))
 
 
 @pytest.fixture(scope="session")

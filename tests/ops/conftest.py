@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from shared.modelgen import ensure_demo_model
 from shared.servers import free_port
 from services.stack import Stack, running_stack
 from tests.ops.otlp_receiver import OTLPReceiver
@@ -31,14 +29,16 @@ def otel_env(endpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def traced_stack(tmp_path_factory, monkeypatch_session) -> Iterator[TracedStack]:
+def traced_stack(tmp_path_factory, monkeypatch_session, demo_model,
+                 demo_profile) -> Iterator[TracedStack]:
     # The services name themselves (slinfer-gateway, -placer, -node) when OTEL_SERVICE_NAME is unset.
     monkeypatch_session.delenv("OTEL_SERVICE_NAME", raising=False)
-    model_dir = Path(ensure_demo_model(tmp_path_factory.mktemp("models")))
+    model_dir = demo_model(tmp_path_factory.mktemp("models"))
     metrics_port = free_port()
     with OTLPReceiver() as receiver:
         with running_stack(tmp_path_factory.mktemp("traced"), model_dir, otel_env(receiver.endpoint),
-                           {"node-0": {"SLINFER_NODE_METRICS_PORT": str(metrics_port)}}) as stack:
+                           {"node-0": {"SLINFER_NODE_METRICS_PORT": str(metrics_port)}},
+                           profile=demo_profile) as stack:
             yield TracedStack(stack, receiver, f"http://127.0.0.1:{metrics_port}/metrics")
 
 

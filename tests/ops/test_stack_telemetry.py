@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import telemetry as tm
 
 from tests.ops.otlp_receiver import ReceivedSpan
 
@@ -154,25 +158,42 @@ def _gauge(text: str, name: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-def test_node_metrics_endpoint_and_otlp_metrics(traced_stack):
+def _model_gauge(text: str, name: str, model: str) -> float | None:
+    """A vLLM-named gauge of `model` on node-0."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (sample.name == name and sample.labels.get("model_name") == model
+                    and sample.labels.get("slinfer_node_id") == "node-0"):
+                return sample.value
+    return None
+
+
+def _scrape_node_while_generating(traced_stack) -> str:
+    """The node's /metrics while a request generates there (ignore_eos, close to the model's
+    context), so an instance is there because the request holds it, not because keep-alive has
+    not run out; the gauges are sampled at the node's heartbeat, so the scrape waits for a
+    sample that shows the request running."""
     client = openai.OpenAI(base_url=f"{traced_stack.stack.url}/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    # Scraped while a request is generating (ignore_eos, close to the model's context), so an
-    # instance is there because the request holds it, not because keep-alive has not run out; the
-    # gauges are sampled at the node's heartbeat, so the scrape waits for a sample that shows it.
-    stream = client.completions.create(model=traced_stack.stack.model, prompt="Scrape me",
-                                       max_tokens=2000, stream=True, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    model = traced_stack.stack.model
+    stream = client.completions.create(model=model, prompt="Scrape me", max_tokens=2000, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True})
     try:
         next(iter(stream))  # the first token: the request is on the node
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(traced_stack.node_metrics_url, timeout=10).text
-            if (_gauge(text, "slinfer_node_instances") or 0) >= 1 or time.monotonic() > deadline:
-                break
+            if ((_gauge(text, "slinfer_node_instances") or 0) >= 1
+                    and (_model_gauge(text, "vllm:num_requests_running", model) or 0) >= 1
+                    or time.monotonic() > deadline):
+                return text
             time.sleep(0.1)
     finally:
         stream.close()
+
+
+def test_node_metrics_endpoint_and_otlp_metrics(traced_stack):
+    text = _scrape_node_while_generating(traced_stack)
     for name in ("slinfer_node_memory_budget_bytes", "slinfer_node_memory_pessimistic_bytes",
                  "slinfer_node_kv_allocated_bytes", "slinfer_node_memops_parked",
                  "slinfer_node_instances", "slinfer_node_iterations_per_second"):
@@ -180,6 +201,13 @@ def test_node_metrics_endpoint_and_otlp_metrics(traced_stack):
     assert _gauge(text, "slinfer_node_instances") >= 1  # the one the running request holds
     assert _gauge(text, "slinfer_node_kv_allocated_bytes") > 0
     assert _gauge(text, "slinfer_node_memory_budget_bytes") > 0
+    # vLLM's names for the same node: the generating request runs (prefilled), its KV is in use.
+    model = traced_stack.stack.model
+    assert _model_gauge(text, "vllm:num_requests_running", model) >= 1
+    assert _model_gauge(text, "vllm:num_requests_waiting", model) is not None
+    usage = _model_gauge(text, "vllm:kv_cache_usage_perc", model)
+    assert 0 < usage <= 1
+    assert _model_gauge(text, "vllm:gpu_cache_usage_perc", model) == usage
     receiver = traced_stack.receiver
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and not {
@@ -207,3 +235,132 @@ def test_json_logs_carry_the_trace_id_inside_a_request(traced_stack):
     for record in (gateway[0], placer[0]):
         assert record["trace_id"] == trace_id and re.fullmatch(r"[0-9a-f]{16}", record["span_id"])
         assert record["level"] == "INFO" and record["service"].startswith("slinfer-")
+
+
+# --- vLLM's metric names, GenAI token usage, per-tenant tokens, and the Grafana dashboard -------
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "slinfer-dashboard.json"
+
+
+def _values(text: str) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _total(values: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lbl), v in values.items() if n == name and want <= lbl)
+
+
+def _settled(url: str) -> dict:
+    """A scrape once earlier tests' requests have all been recorded (two scrapes agree)."""
+    previous = None
+    deadline = time.monotonic() + 30
+    while True:
+        values = _values(httpx.get(url, timeout=10).text)
+        if values == previous or time.monotonic() > deadline:
+            return values
+        previous = values
+        time.sleep(0.5)
+
+
+def test_vllm_and_genai_metrics_count_what_the_usage_says(traced_stack):
+    url, model = f"{traced_stack.stack.url}/metrics", traced_stack.stack.model
+    before = _settled(url)
+    client = openai.OpenAI(base_url=f"{traced_stack.stack.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count my tokens, please"}],
+        max_tokens=10, stream=True, stream_options={"include_usage": True}, temperature=0))
+    usage = [c.usage for c in chunks if c.usage][-1]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    deadline = time.monotonic() + 15
+    while True:
+        after = _values(httpx.get(url, timeout=10).text)
+        done = _total(after, "vllm:e2e_request_latency_seconds_count", model_name=model)
+        if done > _total(before, "vllm:e2e_request_latency_seconds_count", model_name=model):
+            break
+        assert time.monotonic() < deadline, "the request's metrics were never recorded"
+        time.sleep(0.1)
+
+    def delta(name: str, **labels: str) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    assert prompt > 0 and completion > 0
+    assert delta("vllm:prompt_tokens_total", model_name=model) == prompt
+    assert delta("vllm:generation_tokens_total", model_name=model) == completion
+    assert delta("vllm:request_success_total", model_name=model, finished_reason=finish) == 1
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert delta(f"{histogram}_count", model_name=model) == 1
+        assert delta(f"{histogram}_bucket", model_name=model, le="+Inf") == 1
+    if completion > 1:
+        assert delta("vllm:time_per_output_token_seconds_count", model_name=model) == 1
+        assert 1 <= delta("vllm:inter_token_latency_seconds_count", model_name=model) <= completion - 1
+    for kind, tokens in (("input", prompt), ("output", completion)):
+        labels = {"gen_ai_request_model": model, "gen_ai_token_type": kind}
+        assert delta("gen_ai_client_token_usage_count", **labels, gen_ai_provider_name="slinfer") == 1
+        assert delta("gen_ai_client_token_usage_sum", **labels) == tokens
+        assert delta("slinfer_tenant_tokens_total", **labels, slinfer_tenant="local") == tokens
+
+
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
+                 "or", "unless", "offset", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (strings, label matchers, ranges, grouping
+    clauses and function names left out)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for word in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        if word.group(0).lower() in _PROMQL_WORDS or expr[word.end():].lstrip().startswith("("):
+            continue
+        names.add(word.group(0))
+    return names
+
+
+def dashboard_metric_names() -> dict[str, set[str]]:
+    """Each panel's (and the template variables') metric names, by title."""
+    board = json.loads(DASHBOARD.read_text())
+    found = {p["title"]: set().union(*(promql_metric_names(t["expr"]) for t in p["targets"]))
+             for p in board["panels"]}
+    for var in board["templating"]["list"]:
+        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+        found[f"${var['name']}"] = set(re.findall(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)", query))
+    return found
+
+
+def test_promql_metric_names_skip_functions_labels_and_ranges():
+    expr = ('histogram_quantile(0.9, sum by (le, model_name) (rate(vllm:ttft_bucket{model_name=~"$m",'
+            'x="a{b}"}[$__rate_interval]))) / ignoring(le) (up or vector(0)) > bool 1')
+    assert promql_metric_names(expr) == {"vllm:ttft_bucket", "up"}
+
+
+# Series that appear only once a request met, or missed, its SLO: which of the two a test stack
+# sees depends on the machine's speed. The code must still declare them.
+_EVENT_ONLY = {"slinfer_requests_slo_met_total": tm.prometheus_name(tm.SLO_MET, "{request}") + "_total",
+               "slinfer_requests_slo_violated_total":
+               tm.prometheus_name(tm.SLO_VIOLATED, "{request}") + "_total"}
+
+
+def test_dashboard_reads_only_metrics_the_services_export(traced_stack):
+    """So the board cannot drift from the code: every metric name in its PromQL is one the
+    gateway or a node exports after real traffic (a request done, one generating)."""
+    _chat(traced_stack)
+    node = _scrape_node_while_generating(traced_stack)
+    gateway = httpx.get(f"{traced_stack.stack.url}/metrics", timeout=10).text
+    exported = {name for name, _ in _values(gateway)} | {name for name, _ in _values(node)}
+    wanted = dashboard_metric_names()
+    assert all(wanted.values()), f"panels with no metric found: {[t for t, n in wanted.items() if not n]}"
+    for name, declared in _EVENT_ONLY.items():
+        assert name == declared
+        exported.add(name)
+    missing = {title: sorted(names - exported) for title, names in wanted.items() if names - exported}
+    assert not missing, f"the dashboard reads metrics nothing exports: {missing}"
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "slinfer_tenant_tokens_total"):
+        assert any(name in names for names in wanted.values()), f"the dashboard does not show {name}"

@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared import telemetry as tm
+from shared.schemas import InferenceRequest
 
 OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_EXPORTER": "otlp"}
 
@@ -230,9 +232,100 @@ def test_slo_violation_uses_ttft_then_mean_tpot():
     ("slinfer.node.memory.budget", "By", "slinfer_node_memory_budget_bytes"),
     ("slinfer.node.iterations_per_second", "{iteration}/s", "slinfer_node_iterations_per_second"),
     ("slinfer.requests.dropped", "{request}", "slinfer_requests_dropped"),
+    ("vllm.time_to_first_token", "s", "vllm:time_to_first_token_seconds"),
+    ("vllm.num_requests_running", "{request}", "vllm:num_requests_running"),
+    ("vllm.kv_cache_usage_perc", "1", "vllm:kv_cache_usage_perc"),
+    ("gen_ai.client.token.usage", "{token}", "gen_ai_client_token_usage"),
 ])
 def test_prometheus_names(name, unit, expected):
     assert tm.prometheus_name(name, unit) == expected
+
+
+@dataclass
+class _Ended:
+    """A finished generation as the gateway's observer reads it (observe.GenerationResult)."""
+
+    completion_tokens: int
+    finish_reason: str | None
+    failure: str | None = None
+    failure_detail: str | None = None
+
+
+def _request(rid: str, prompt: int) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, tenant="acme", model="m", prompt_token_ids=[1] * prompt,
+                            max_tokens=16, arrival=0.0, ttft_slo_s=10.0, tpot_slo_s=10.0)
+
+
+def test_request_observer_counts_usage_per_tenant_and_vllm_names():
+    """Two choices of one response (7 prompt tokens; 3 and 2 tokens out) and a request the
+    client cancelled after its first token: the usage counts the response's prompt once, vLLM's
+    prompt counter each prefill; inter-token gaps are per token of each later message."""
+    from services.gateway.observe import RequestObserver
+
+    tel = tm.local("gateway")
+    metrics = tm.GenAIMetrics(tel.meter("t"))
+    first = RequestObserver(metrics, _request("r-0", 7), "chat")
+    second = RequestObserver(metrics, _request("r-1", 7), "chat", counts_prompt=False)
+    for obs, messages in ((first, (1, 2)), (second, (1, 1))):
+        at = obs.started + 0.01
+        obs.first_token(at)
+        obs.tokens(at + 0.1 * messages[1], messages[1])  # 0.1 s per token
+        obs.finished(_Ended(sum(messages), "stop"), None, None)
+    cancelled = RequestObserver(metrics, _request("r-2", 4), "text_completion")
+    cancelled.first_token(cancelled.started + 0.01)
+    cancelled.finished(_Ended(1, None, "cancelled"), None, None)
+    never = RequestObserver(metrics, _request("r-3", 9), "chat")  # ended before any token
+    never.finished(_Ended(0, None, "timeout"), None, None)
+    text = tel.metrics_text().decode()
+
+    def value(name: str, labels: str) -> float:
+        m = re.search(rf"^{re.escape(name)}\{{{labels}\}} (\S+)$", text, re.M)
+        assert m, (name, labels, text)
+        return float(m.group(1))
+
+    assert value("vllm:prompt_tokens_total", 'model_name="m"') == 7 + 7 + 4
+    assert value("vllm:generation_tokens_total", 'model_name="m"') == 3 + 2 + 1
+    assert value("vllm:request_success_total", 'finished_reason="stop",model_name="m"') == 2
+    assert value("vllm:request_success_total", 'finished_reason="abort",model_name="m"') == 1
+    assert value("vllm:time_to_first_token_seconds_count", 'model_name="m"') == 3
+    assert value("vllm:e2e_request_latency_seconds_count", 'model_name="m"') == 3
+    assert value("vllm:inter_token_latency_seconds_count", 'model_name="m"') == 2
+    assert value("vllm:inter_token_latency_seconds_sum", 'model_name="m"') == pytest.approx(0.2)
+    assert value("slinfer_tenant_tokens_total", 'gen_ai_request_model="m",gen_ai_token_type="input",'
+                 'slinfer_tenant="acme"') == 7 + 4
+    assert value("slinfer_tenant_tokens_total", 'gen_ai_request_model="m",gen_ai_token_type="output",'
+                 'slinfer_tenant="acme"') == 6
+    usage = ('gen_ai_operation_name="chat",gen_ai_provider_name="slinfer",gen_ai_request_model="m",'
+             'gen_ai_token_type="{}"')
+    assert value("gen_ai_client_token_usage_count", usage.format("input")) == 1
+    assert value("gen_ai_client_token_usage_sum", usage.format("input")) == 7
+    assert value("gen_ai_client_token_usage_count", usage.format("output")) == 2
+    assert value("gen_ai_client_token_usage_bucket", usage.format("output") + ',le="4.0"') == 2
+
+
+def test_node_model_loads_count_running_waiting_and_kv_blocks():
+    from shared import vllm_metrics as vm
+    from shared.core.types import (SLO, Hardware, InstanceStatus, InstanceView, ModelSpec,
+                                   NodeView, RequestView)
+
+    spec = ModelSpec("m", weight_bytes=1000, kv_bytes_per_token=2, max_context=64, kv_block_tokens=16)
+    other = ModelSpec("o", weight_bytes=1000, kv_bytes_per_token=1, max_context=64)
+    slo = SLO(1.0, 0.1)
+
+    def req(rid: str, prompt: int, generated: int, prefilled: bool) -> RequestView:
+        return RequestView(rid, "m", prompt, 0.0, slo, generated=generated, prefilled=prefilled)
+
+    ready = InstanceView("m#1", spec, "n0", requests=[req("a", 10, 3, True), req("b", 20, 0, False)])
+    second = InstanceView("m#2", spec, "n0", requests=[req("c", 40, 1, True)])
+    loading = InstanceView("o#1", other, "n0", status=InstanceStatus.LOADING,
+                           requests=[req("d", 5, 0, False)])
+    node = NodeView("n0", Hardware.CPU, 10**6, instances=[ready, second, loading])
+    kv = {"m#1": 2 * 64 + 5, "m#2": 2 * 64, "o#1": 100}  # bytes: 64 tokens each, in whole blocks
+    loads = {m.model: m for m in vm.model_loads(node, kv.__getitem__)}
+    assert loads["m"].running == 2 and loads["m"].waiting == 1
+    assert loads["m"].kv_used_tokens == 16 + 48  # 13 tokens in one block, 41 in three
+    assert loads["m"].kv_usage == pytest.approx(64 / 128)
+    assert (loads["o"].running, loads["o"].waiting, loads["o"].kv_usage) == (0, 1, 0.0)
 
 
 async def test_metrics_server_answers_get_metrics_only():

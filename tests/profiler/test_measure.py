@@ -16,10 +16,8 @@ def test_monotone_caps_noise_by_later_points():
 
 
 @pytest.mark.integration
-def test_profile_tiny_model_tables_are_sane(tmp_path):
-    from shared.modelgen import ensure_demo_model
-
-    model_dir = ensure_demo_model(tmp_path)
+def test_profile_tiny_model_tables_are_sane(tmp_path, demo_model):
+    model_dir = demo_model(tmp_path)
     # The LoRA cost has its own test below; here only the tables and their check.
     plan = ProfilePlan(max_len=128, max_batch=4, repeats=3, warmup=1, lora_ranks=())
     profile, check = profile_model(model_dir, "tiny", plan=plan, check_n=3)
@@ -34,14 +32,14 @@ def test_profile_tiny_model_tables_are_sane(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_profile_records_what_unmerged_lora_costs_per_rank_on_the_real_engine(tmp_path):
+def test_the_profile_records_what_unmerged_lora_costs_per_rank_on_the_real_engine(tmp_path,
+                                                                                 demo_model):
     """Random adapters of each rank are loaded on the torch engine, a batch spread over them is
     timed against the same batch without them, and the overhead lands in the profile (and in
     its stored report); the adapters are gone from the engine afterwards."""
     from services.profiler.run import read_report, write_report
-    from shared.modelgen import ensure_demo_model
 
-    model_dir = ensure_demo_model(tmp_path)
+    model_dir = demo_model(tmp_path)
     plan = ProfilePlan(max_len=64, max_batch=4, repeats=3, warmup=1, lora_ranks=(4, 16))
     profile, _ = profile_model(model_dir, "tiny", plan=plan)
     lora = profile.lora
@@ -61,11 +59,9 @@ def test_the_profile_records_what_unmerged_lora_costs_per_rank_on_the_real_engin
     assert no_lora.lora is None
 
 
-def test_lora_measurement_leaves_no_adapter_loaded(tmp_path, monkeypatch):
+def test_lora_measurement_leaves_no_adapter_loaded(tmp_path, monkeypatch, demo_model):
     """The adapters it builds are unloaded even when a measurement fails."""
-    from shared.modelgen import ensure_demo_model
-
-    model_dir = ensure_demo_model(tmp_path)
+    model_dir = demo_model(tmp_path)
     loaded: set[str] = set()
 
     class Engine:

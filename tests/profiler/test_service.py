@@ -20,7 +20,6 @@ from shared.cluster import load_perf
 from shared.core.types import Hardware
 from shared.model_state import (ModelState, get_status, queued_jobs, request_profiles,
                                 set_hardware_state)
-from shared.modelgen import ensure_demo_model
 from shared.registry import ModelRegistry, model_record_from_dir
 from tests.polling import until
 
@@ -28,10 +27,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 async def test_registration_makes_a_model_servable_and_a_broken_one_fails(nats_url, redis_url,
-                                                                         tmp_path):
+                                                                         tmp_path, demo_model):
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     registry = ModelRegistry(redis)
-    good = model_record_from_dir("lifecycle-ok", ensure_demo_model(tmp_path / "models"))
+    good = model_record_from_dir("lifecycle-ok", demo_model(tmp_path / "models"))
     await registry.register(good, replace=True)
     broken_dir = tmp_path / "broken"
     broken_dir.mkdir()
@@ -89,13 +88,14 @@ async def _state_is(redis: Redis, model: str, state: ModelState) -> bool:
 
 
 async def test_a_stopped_profiler_hands_its_job_back_and_the_next_one_finishes_it(own_servers,
-                                                                                  tmp_path):
+                                                                                  tmp_path,
+                                                                                  demo_model):
     """Stopped mid-profile (Ctrl+C on `slinfer up`), the service returns without waiting for
     the profile, the model says it is queued again, and the next profiler takes the job at once
     (before, the job was acked when the profile ended, and a killed profiler's job waited for a
     600 s ack wait)."""
     nats_url, redis_url = own_servers
-    record = model_record_from_dir("handed-back", ensure_demo_model(tmp_path / "models"))
+    record = model_record_from_dir("handed-back", demo_model(tmp_path / "models"))
     # A large plan, so the first service is stopped well inside its profile.
     first, stop, runner, nc, redis = await _start(nats_url, redis_url, 512, 32)
     try:
@@ -127,14 +127,15 @@ async def test_a_stopped_profiler_hands_its_job_back_and_the_next_one_finishes_i
         await redis.aclose()
 
 
-async def test_a_starting_profiler_requeues_a_model_left_mid_lifecycle(own_servers, tmp_path):
+async def test_a_starting_profiler_requeues_a_model_left_mid_lifecycle(own_servers, tmp_path,
+                                                                     demo_model):
     """A model left `profiling` with no job in the queue (its job lost with the stream) is
     queued again when a profiler starts; one whose job still waits is not queued twice."""
     nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
     models = tmp_path / "models"
     registry = ModelRegistry(redis)
-    orphan = model_record_from_dir("orphan", ensure_demo_model(models))
+    orphan = model_record_from_dir("orphan", demo_model(models))
     waiting = replace(orphan, name="waiting")
     try:
         for record in (orphan, waiting):
@@ -160,13 +161,14 @@ async def test_a_starting_profiler_requeues_a_model_left_mid_lifecycle(own_serve
         await redis.aclose()
 
 
-async def test_ctrl_c_mid_profile_exits_promptly_and_hands_the_job_back(own_servers, tmp_path):
+async def test_ctrl_c_mid_profile_exits_promptly_and_hands_the_job_back(own_servers, tmp_path,
+                                                                       demo_model):
     """SIGINT to a profiler process mid-profile (what `slinfer up` sends on Ctrl+C): it exits 0
     without finishing the profile, and the model waits for the next profiler, queued. Before,
     it finished the whole profile first, and `slinfer up` killed it after 10 s."""
     nats_url, redis_url = own_servers
     nc, redis = await nats.connect(nats_url), Redis.from_url(redis_url)
-    record = model_record_from_dir("interrupted", ensure_demo_model(tmp_path / "models"))
+    record = model_record_from_dir("interrupted", demo_model(tmp_path / "models"))
     env = dict(os.environ, SLINFER_NATS_URL=nats_url, SLINFER_REDIS_URL=redis_url,
                SLINFER_PROFILE_MAX_LEN="512", SLINFER_PROFILE_MAX_BATCH="32",
                PYTHONPATH=str(Path(__file__).resolve().parents[2]))

@@ -12,16 +12,15 @@ import pytest
 from services.node.engines.base import SamplingParams
 from services.node.loader.convert import convert_checkpoint
 from services.node.engines.stage_server import StageProcess, spawn_stage
-from shared.modelgen import ensure_demo_model
 
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
 PROMPTS = {"a": list(range(5, 40)), "b": list(range(100, 117)), "c": [7, 9, 11, 13]}
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
+def tiny(demo_model, tmp_path_factory) -> Path:
     """The tiny model as Hugging Face files only (stages read its safetensors)."""
-    return ensure_demo_model(tmp_path_factory.mktemp("stages-data"))
+    return demo_model(tmp_path_factory.mktemp("stages-data"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,80 @@
+"""Questions the multi-host test asks from inside a host (the root namespace cannot reach the
+segment). One per run, answer on stdout:
+
+    python -m tests.cluster.probe port HOST PORT [TIMEOUT]     until HOST:PORT accepts (exit 1 if not)
+    python -m tests.cluster.probe leader NATS_URLS STREAM      the server name leading STREAM
+    python -m tests.cluster.probe primary SENTINEL MASTER      host:port of the current primary
+    python -m tests.cluster.probe get URL KEY                  GET with a bearer key, the body
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+import urllib.request
+
+import nats
+import redis
+
+
+def wait_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+async def stream_leader(servers: list[str], stream: str, timeout_s: float = 30) -> str:
+    nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=3)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                info = await nc.jetstream().stream_info(stream)
+                if info.cluster and info.cluster.leader:
+                    return info.cluster.leader
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+def primary(sentinel: str, master: str) -> str:
+    host, port = sentinel.rsplit(":", 1)
+    client = redis.Redis(host=host, port=int(port), socket_timeout=2)
+    addr = client.execute_command("SENTINEL", "get-master-addr-by-name", master)
+    return f"{addr[0].decode()}:{addr[1].decode()}"
+
+
+def get(url: str, key: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    with opener.open(req, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def main(argv: list[str]) -> int:
+    what, args = argv[0], argv[1:]
+    if what == "port":
+        return 0 if wait_port(args[0], int(args[1]), float(args[2]) if len(args) > 2 else 30) else 1
+    if what == "leader":
+        print(asyncio.run(stream_leader(args[0].split(","), args[1])))
+    elif what == "primary":
+        print(primary(args[0], args[1]))
+    elif what == "get":
+        print(get(args[0], args[1]))
+    else:
+        raise SystemExit(f"unknown probe {what!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
