@@ -65,9 +65,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
 async def watch_prefill(nats_url: str, prefill: dict[str, float]):
     """Connect to the stack's NATS and note each request's engine prefill time (the node puts it
     on the first token message) in `prefill`; returns the connection, to close when done."""
-    import nats
+    from shared.bus import connect_nats
 
-    nc = await nats.connect(nats_url)
+    nc = await connect_nats(nats_url, "bench-e2e")
 
     async def on_token(msg) -> None:
         m = wire.decode(TokenMessage, msg.data)

@@ -30,7 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import nats  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
 from bench.engines_cpu import machine  # noqa: E402
@@ -39,10 +38,12 @@ from services.node.worker import NodeWorker  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
 from shared import wire  # noqa: E402
+from shared.bus import connect_nats  # noqa: E402
 from shared.cluster import profile_from_json, profile_to_json, save_profile  # noqa: E402
 from shared.core.config import CoreConfig  # noqa: E402
 from shared.core.perf_model import Profile  # noqa: E402
 from shared.modelgen import SHAPES, ensure_model  # noqa: E402
+from shared.redis_client import open_redis  # noqa: E402
 from shared.registry import model_record_from_dir  # noqa: E402
 from shared.schemas import (CancelNotice, CommandKind, InferenceRequest, NodeCommand,  # noqa: E402
                             NodeReply, TokenMessage)
@@ -164,8 +165,8 @@ async def bench_servers(prefix: str) -> AsyncIterator[tuple[tuple[str, str], obj
     try:
         redis_server = start_redis(tmp / "redis")
         try:
-            nc = await nats.connect(nats_server.url)
-            redis = Redis.from_url(redis_server.url)
+            nc = await connect_nats(nats_server.url, "bench-migration")
+            redis = open_redis(redis_server.url)
             try:
                 yield (nats_server.url, redis_server.url), nc, redis
             finally:

@@ -179,11 +179,10 @@ def median(xs: list[float]) -> float:
 
 
 async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) -> dict:
-    import nats
-
     from services.node.loader import read_index
     from services.node.loader.direct_io import drop_page_cache, resident_bytes
     from services.placer.multicast import multicast
+    from shared.bus import connect_nats
     from shared.servers import popen_tied, start_nats
     from shared.subjects import multicast_node_subject
 
@@ -213,7 +212,7 @@ async def measure_shape(shape: str, ks: list[int], repeats: int, blocks: int) ->
                                      "--node-id", name, "--nats", server.url,
                                      "--dram-cache-bytes", str(2 * size + (1 << 30))],
                                     cwd=ROOT, stdout=log, stderr=log))
-        nc = await nats.connect(server.url)
+        nc = await connect_nats(server.url, "bench-scaleout")
 
         async def ask(node: str, body: dict, timeout: float = 600.0) -> dict:
             msg = await nc.request(multicast_node_subject(node), json.dumps(body).encode(),
@@ -373,16 +372,14 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     profile keeps an instance to one request (`stand_in_profile`'s `one_request`)."""
     import dataclasses
 
-    import nats
-    from redis.asyncio import Redis
-
     from services.node.loader import read_index
     from shared.cluster import model_spec as cluster_spec
     from services.node.loader.direct_io import drop_page_cache
     from services.placer.placer import Placer
     from services.placer.settings import PlacerSettings
     from shared import wire
-    from shared.bus import ensure_streams
+    from shared.bus import connect_nats, ensure_streams
+    from shared.redis_client import open_redis
     from shared.cluster import read_nodes, save_profile
     from shared.core.config import CoreConfig
     from shared.core.cost import stage_bytes
@@ -416,8 +413,8 @@ async def serve_shape(shape: str, ks: list[int], repeats: int,
     servers = [start_nats(tmp / "nats"), start_redis(tmp / "redis")]
     nats_url, redis_url = servers[0].url, servers[1].url
     procs, logs = [], []
-    nc = await nats.connect(nats_url)
-    redis = Redis.from_url(redis_url)
+    nc = await connect_nats(nats_url, "bench-scaleout")
+    redis = open_redis(redis_url)
     loop = {"stop": asyncio.Event(), "runner": None}  # the placer's run loop
     try:
         await ensure_streams(nc.jetstream())

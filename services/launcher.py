@@ -249,13 +249,12 @@ def ensure_profile(opts: Options, name: str, path: Path, sup: Supervisor) -> Non
 def store_profile(cache: Path, redis_url: str) -> None:
     import asyncio
 
-    from redis.asyncio import Redis
-
     from services.profiler.run import read_report
     from shared.cluster import save_profile
+    from shared.redis_client import open_redis
 
     async def store() -> None:
-        redis = Redis.from_url(redis_url)
+        redis = open_redis(redis_url)
         try:
             await save_profile(redis, read_report(cache))
         finally:
@@ -284,11 +283,12 @@ def child_env(opts: Options, nats_url: str, redis_url: str, **extra: str) -> dic
     # The local stack has CPU nodes only, and most dev machines have no AMX: let the placer use
     # them anyway (the stack's models are small). An explicit setting in the environment wins.
     env.setdefault("SLINFER_REQUIRE_MATRIX_ACCEL", "false")
-    # The nodes' model multicast (λScale) between processes of this machine: loopback, each node
-    # on a free port (docker-compose gives each node container its interface and name instead).
-    env.setdefault("SLINFER_MULTICAST_HOST", "127.0.0.1")
+    # The nodes' listeners (metrics, model multicast, layer stages) between processes of this
+    # machine: loopback, each multicast endpoint on a free port (docker-compose gives each node
+    # container its interface and name instead).
+    env.setdefault("SLINFER_NODE_BIND_HOST", "127.0.0.1")
+    env.setdefault("SLINFER_NODE_ADVERTISE_HOST", "127.0.0.1")
     env.setdefault("SLINFER_MULTICAST_PORT", "0")
-    env.setdefault("SLINFER_MULTICAST_ADVERTISE_HOST", "127.0.0.1")
     env.update(extra)
     return env
 

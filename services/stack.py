@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from redis.asyncio import Redis
 
 from services.launcher import Child, spawn, stop_child
 from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared.cluster import save_profile
 from shared.core.perf_model import Profile
+from shared.redis_client import open_redis
 from shared.servers import ServerProcess, free_port, start_nats, start_redis
 
 MODEL = "tiny-llama"
@@ -38,7 +38,7 @@ DEFAULT_PLAN = ProfilePlan(max_len=512, max_batch=8, repeats=3, warmup=1, lora_r
 
 def store_profile(redis_url: str, profile: Profile) -> None:
     async def go() -> None:
-        redis = Redis.from_url(redis_url)
+        redis = open_redis(redis_url)
         try:
             await save_profile(redis, profile)
         finally:

@@ -16,6 +16,7 @@ from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, ca
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.snapshot import rebase, to_snapshot
 from shared.core.types import SLO, AdapterSpec, ModelSpec, NodeView, RequestView
+from shared.redis_client import write_confirmed
 from shared.schemas import InferenceRequest, ModelRecord, NodeReply
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
                              node_key, profile_field)
@@ -130,8 +131,10 @@ def profile_from_json(text: str | bytes) -> Profile:
 
 
 async def save_profile(redis: Redis, profile: Profile) -> None:
-    await redis.hset(PROFILES_HASH, profile_field(profile.model, profile.hardware.value),
-                     profile_to_json(profile))
+    """Stored, and confirmed by a replica when there are replicas (a profile takes minutes to
+    measure: a failover must not lose it)."""
+    field, data = profile_field(profile.model, profile.hardware.value), profile_to_json(profile)
+    await write_confirmed(redis, f"profile {field}", lambda p: p.hset(PROFILES_HASH, field, data))
 
 
 # A node's calibration older than this is from a node that has stopped reporting: ignored.

@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from shared import wire
+from shared.bus import ensure_stream, publish_retrying
 from shared.schemas import ModelRecord
 from shared.subjects import JOB_STREAM, MODEL_STATE_HASH, PROFILES_HASH, job_subject
 
@@ -170,14 +171,11 @@ async def forget(redis: Redis, model: str) -> None:
     await redis.hdel(MODEL_STATE_HASH, model)
 
 
-async def ensure_job_stream(js: JetStreamContext) -> None:
-    """Work-queue retention: a job is gone once a profiler acked it."""
-    config = StreamConfig(name=JOB_STREAM, subjects=[job_subject("*")],
-                          retention=RetentionPolicy.WORK_QUEUE)
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+async def ensure_job_stream(js: JetStreamContext, replicas: int | None = None) -> None:
+    """Work-queue retention: a job is gone once a profiler acked it. `replicas`: as in
+    `shared.bus.ensure_stream`."""
+    await ensure_stream(js, StreamConfig(name=JOB_STREAM, subjects=[job_subject("*")],
+                                         retention=RetentionPolicy.WORK_QUEUE), replicas)
 
 
 async def request_profiles(js: JetStreamContext, redis: Redis, model: str,
@@ -194,8 +192,9 @@ async def request_profiles(js: JetStreamContext, redis: Redis, model: str,
 
 async def _publish_job(js: JetStreamContext, model: str, kind: str,
                        msg_id: str | None = None) -> None:
-    await js.publish(job_subject(kind), wire.encode(ProfileJob(model, kind, time.time())),
-                     headers={"Nats-Msg-Id": msg_id or f"profile:{model}:{kind}:{time.time_ns()}"})
+    # Retried across a stream-leader election under one id: a job is queued once.
+    await publish_retrying(js, job_subject(kind), wire.encode(ProfileJob(model, kind, time.time())),
+                           {"Nats-Msg-Id": msg_id or f"profile:{model}:{kind}:{time.time_ns()}"})
 
 
 async def queued_jobs(js: JetStreamContext, kind: str) -> set[str]:

@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 
 from shared import wire
 from shared.core.types import SLO_CLASSES
+from shared.redis_client import write_confirmed
 from shared.schemas import ModelRecord
 from shared.subjects import MODELS_HASH, STATE_EPOCH_KEY
 
@@ -82,9 +83,12 @@ class ModelRegistry:
 
     async def register(self, record: ModelRecord, *, replace: bool = False) -> ModelRecord:
         data = wire.encode(record)
+        what = f"registering {record.name}"
         if replace:
-            await self._redis.hset(MODELS_HASH, record.name, data)
-        elif not await self._redis.hsetnx(MODELS_HASH, record.name, data):
+            await write_confirmed(self._redis, what,
+                                  lambda p: p.hset(MODELS_HASH, record.name, data))
+        elif not (await write_confirmed(self._redis, what,
+                                        lambda p: p.hsetnx(MODELS_HASH, record.name, data)))[0]:
             raise ModelExistsError(f"model {record.name!r} is already registered")
         return record
 
@@ -125,7 +129,9 @@ class ModelRegistry:
         return sorted(records, key=lambda r: r.name)
 
     async def delete(self, name: str) -> bool:
-        return bool(await self._redis.hdel(MODELS_HASH, name))
+        removed, = await write_confirmed(self._redis, f"deleting {name}",
+                                         lambda p: p.hdel(MODELS_HASH, name))
+        return bool(removed)
 
     async def mark_intact(self) -> None:
         """Mark this Redis as holding the durable state, unless it is marked already (a service

@@ -256,8 +256,34 @@ def start_nats(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
     return _start("nats", argv, data_dir, f"nats://{host}:{port}", host, port, timeout_s)
 
 
+def start_nats_cluster(data_dir: Path, size: int = 3, host: str = "127.0.0.1",
+                       name: str = "slinfer", timeout_s: float = 15.0) -> list[ServerProcess]:
+    """`size` JetStream servers routed to each other as one cluster (server names n0, n1, ...;
+    data in data_dir/n<i>). Each listens as soon as it runs; JetStream answers once the cluster
+    elected its meta leader, a few seconds later (`shared.bus.ensure_stream` waits for that)."""
+    ports = [free_port(host) for _ in range(size)]
+    routes = [free_port(host) for _ in range(size)]
+    seeds = ",".join(f"nats://{host}:{r}" for r in routes)
+    servers: list[ServerProcess] = []
+    try:
+        for i, (port, route) in enumerate(zip(ports, routes)):
+            store = data_dir / f"n{i}"
+            argv = [nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd",
+                    str(store / "jetstream"), "--server_name", f"n{i}", "--cluster_name", name,
+                    "--cluster", f"nats://{host}:{route}", "--routes", seeds]
+            servers.append(_start("nats", argv, store, f"nats://{host}:{port}", host, port,
+                                  timeout_s))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                password: str | None = None, timeout_s: float = 15.0) -> ServerProcess:
+                password: str | None = None, timeout_s: float = 15.0,
+                replica_of: ServerProcess | None = None) -> ServerProcess:
+    """A valkey server; with `replica_of`, a replica of that one (same password)."""
     port = port or free_port(host)
     # Durable: an append-only file in data_dir, fsynced every second (a crash of the server
     # alone loses nothing the kernel already has; a machine crash, at most the last second).
@@ -267,5 +293,31 @@ def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1"
             "--protected-mode", "no"]
     if password:
         argv += ["--requirepass", password]
+    if replica_of is not None:
+        argv += ["--replicaof", replica_of.host, str(replica_of.port)]
+        if password:
+            argv += ["--masterauth", password]
     auth = f":{password}@" if password else ""
     return _start("redis", argv, data_dir, f"redis://{auth}{host}:{port}/0", host, port, timeout_s)
+
+
+def start_sentinel(data_dir: Path, primary: ServerProcess, master: str = "slinfer",
+                   password: str | None = None, port: int | None = None, quorum: int = 1,
+                   down_after_ms: int = 1000, timeout_s: float = 15.0) -> ServerProcess:
+    """A valkey Sentinel watching `primary` as `master`; its `url` is the redis+sentinel:// URL
+    of this one Sentinel. It rewrites its config file as it learns the replicas and failovers."""
+    host = primary.host
+    port = port or free_port(host)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = data_dir / "sentinel.conf"
+    lines = [f"bind {host}", f"port {port}", f"dir {data_dir}", "protected-mode no",
+             f"sentinel monitor {master} {primary.host} {primary.port} {quorum}",
+             f"sentinel down-after-milliseconds {master} {down_after_ms}",
+             f"sentinel failover-timeout {master} {max(3 * down_after_ms, 3000)}"]
+    if password:
+        lines.append(f"sentinel auth-pass {master} {password}")
+    config.write_text("\n".join(lines) + "\n")
+    argv = [redis_server_binary(), str(config), "--sentinel"]
+    auth = f":{password}@" if password else ""
+    return _start("sentinel", argv, data_dir, f"redis+sentinel://{auth}{host}:{port}/{master}",
+                  host, port, timeout_s)

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
 from shared import telemetry
-from shared.bus import connect
+from shared.bus import connect_nats
 from shared.redis_client import open_redis
 
 S = TypeVar("S")
@@ -24,7 +24,7 @@ Body = Callable[[S, NATS, Redis, asyncio.Event, telemetry.Telemetry], Awaitable[
 
 
 async def _serve(settings, client_name: str, body: Body, tel: telemetry.Telemetry) -> None:
-    nc = await connect(settings.nats_url, client_name)
+    nc = await connect_nats(settings.nats_url, client_name)
     redis = open_redis(settings.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,9 +6,13 @@ compose file or a shell fails at start with a message that says what to fix.
 
 Environment variables shared by every service (the same names inside and outside Docker):
 
-    SLINFER_NATS_URL    NATS server URL                   (default nats://127.0.0.1:4222)
-    SLINFER_REDIS_URL   Redis URL, may carry a password   (default redis://127.0.0.1:6379/0)
-    SLINFER_DATA_DIR    where models, profiles and logs live (default .data)
+    SLINFER_NATS_URL         NATS server URL, or several comma-separated (one cluster)
+                             (default nats://127.0.0.1:4222)
+    SLINFER_REDIS_URL        Redis URL, may carry a password; or Sentinels:
+                             redis+sentinel://[:pw@]host:26379,host2:26379/<master>[/<db>]
+                             (default redis://127.0.0.1:6379/0)
+    SLINFER_STREAM_REPLICAS  copies JetStream keeps of each stream (default 1; 3 in a cluster)
+    SLINFER_DATA_DIR         where models, profiles and logs live (default .data)
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -24,6 +29,12 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_DATA_DIR = ".data"
+ENV_NATS_URL = "SLINFER_NATS_URL"
+ENV_REDIS_URL = "SLINFER_REDIS_URL"
+ENV_STREAM_REPLICAS = "SLINFER_STREAM_REPLICAS"
+NATS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
+MAX_STREAM_REPLICAS = 5  # JetStream's own bound
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str | None:
@@ -93,6 +104,93 @@ def _check_range(name: str, number: float, minimum: float | None, maximum: float
         raise ValueError(f"{name} must be <= {maximum}, got {number}")
 
 
+def nats_servers(value: str, name: str = ENV_NATS_URL) -> list[str]:
+    """The server URLs of a NATS setting: one URL or a comma-separated list (nats-py takes a
+    list; it rejects the comma-joined string)."""
+    servers = [part.strip() for part in value.split(",")]
+    if any(not server for server in servers):
+        raise ValueError(f"{name}: an empty server in {value!r}")
+    for server in servers:
+        if not server.startswith(NATS_SCHEMES):
+            raise ValueError(f"{name} must be nats:// (or tls://) URLs, comma-separated, got "
+                             f"{server!r}")
+        _check_host_port(name, server)
+    return servers
+
+
+def check_redis_url(value: str, name: str = ENV_REDIS_URL) -> str:
+    """`value` when it is a URL `shared.redis_client.open_redis` can open, else ValueError."""
+    from shared.redis_client import SENTINEL_SCHEME, parse_sentinel_url
+
+    if value.startswith(SENTINEL_SCHEME):
+        parse_sentinel_url(value, name)
+        return value
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{name} must be a redis://, rediss:// or redis+sentinel:// URL, got "
+                         f"{redact_url(value)!r}")
+    if not value.startswith("unix://"):
+        _check_host_port(name, value)
+    return value
+
+
+def _check_host_port(name: str, url: str) -> None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{name}: bad port in {redact_url(url)!r}") from None
+    if not parts.hostname and port is None:
+        raise ValueError(f"{name}: no host in {redact_url(url)!r}")
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
+def env_nats_url(env: Mapping[str, str] | None = None) -> str:
+    """SLINFER_NATS_URL, checked (see `nats_servers`)."""
+    value = env_str(ENV_NATS_URL, DEFAULT_NATS_URL, env=env)
+    nats_servers(value)
+    return value
+
+
+def env_redis_url(env: Mapping[str, str] | None = None) -> str:
+    """SLINFER_REDIS_URL, checked (see `check_redis_url`)."""
+    return check_redis_url(env_str(ENV_REDIS_URL, DEFAULT_REDIS_URL, env=env))
+
+
+def env_stream_replicas(env: Mapping[str, str] | None = None) -> int:
+    """SLINFER_STREAM_REPLICAS: 1 for one NATS server (a single server refuses more); 3 for a
+    cluster of three, so a stream outlives the loss of one server."""
+    return env_int(ENV_STREAM_REPLICAS, 1, env=env, minimum=1, maximum=MAX_STREAM_REPLICAS)
+
+
+@dataclass(frozen=True)
+class ListenHosts:
+    """Where a node's listeners bind and the address other hosts dial them at."""
+
+    bind: str = "127.0.0.1"  # SLINFER_NODE_BIND_HOST
+    advertise: str = "127.0.0.1"  # SLINFER_NODE_ADVERTISE_HOST (default: the bind host)
+
+
+def listen_hosts_from_env(env: Mapping[str, str] | None = None) -> ListenHosts:
+    bind = env_str("SLINFER_NODE_BIND_HOST", "127.0.0.1", env=env)
+    advertise = env_str("SLINFER_NODE_ADVERTISE_HOST", None, env=env)
+    if advertise is None:
+        if bind in WILDCARD_HOSTS:
+            # Another host cannot dial "0.0.0.0": the address it reaches this one at is needed.
+            raise ValueError(f"SLINFER_NODE_ADVERTISE_HOST is required when "
+                             f"SLINFER_NODE_BIND_HOST is {bind!r} (every address)")
+        advertise = bind
+    elif advertise in WILDCARD_HOSTS:
+        raise ValueError(f"SLINFER_NODE_ADVERTISE_HOST must be an address other hosts can dial, "
+                         f"got {advertise!r}")
+    return ListenHosts(bind, advertise)
+
+
 @dataclass(frozen=True)
 class CommonSettings:
     """What every service needs to find the rest of the stack."""
@@ -101,18 +199,22 @@ class CommonSettings:
     redis_url: str = DEFAULT_REDIS_URL  # SLINFER_REDIS_URL
     data_dir: Path = Path(DEFAULT_DATA_DIR)  # SLINFER_DATA_DIR
 
+    stream_replicas: int = 1  # SLINFER_STREAM_REPLICAS
+
     def __post_init__(self) -> None:
-        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"SLINFER_NATS_URL must be a nats:// URL, got {self.nats_url!r}")
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"SLINFER_REDIS_URL must be a redis:// URL, got {self.redis_url!r}")
+        nats_servers(self.nats_url)
+        check_redis_url(self.redis_url)
+        if not 1 <= self.stream_replicas <= MAX_STREAM_REPLICAS:
+            raise ValueError(f"{ENV_STREAM_REPLICAS} must be in 1..{MAX_STREAM_REPLICAS}, got "
+                             f"{self.stream_replicas}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CommonSettings:
         return cls(
-            nats_url=env_str("SLINFER_NATS_URL", DEFAULT_NATS_URL, env=env),
-            redis_url=env_str("SLINFER_REDIS_URL", DEFAULT_REDIS_URL, env=env),
+            nats_url=env_nats_url(env),
+            redis_url=env_redis_url(env),
             data_dir=Path(env_str("SLINFER_DATA_DIR", DEFAULT_DATA_DIR, env=env)),
+            stream_replicas=env_stream_replicas(env),
         )
 
 

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import nats
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -35,8 +34,9 @@ from services.gateway.watchdog import WatchdogConfig
 from services.gateway.validation import (ChatBody, CompletionBody, DetokenizeBody,
                                          TokenizeBody)
 from shared import telemetry as tm
-from shared.bus import ensure_streams
+from shared.bus import connect_nats, ensure_streams
 from shared.redis_client import open_redis
+from shared.settings import redact_url
 from shared.registry import ModelRegistry
 
 log = logging.getLogger("slinfer.gateway")
@@ -59,8 +59,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         if not settings.auth_enabled:
             log.warning("auth is OFF: %s is not set; every caller is tenant 'local' and the gateway "
                         "serves %s only", ENV_API_KEYS, settings.host)
-        nc = await nats.connect(settings.nats_url, name="slinfer-gateway", connect_timeout=5,
-                                max_reconnect_attempts=-1, allow_reconnect=True)
+        nc = await connect_nats(settings.nats_url, "slinfer-gateway", connect_timeout=5)
         # Bounded waits: a Redis that went away answers 503 in seconds instead of hanging requests.
         redis = open_redis(settings.redis_url, REDIS_TIMEOUT_S)
         metrics_server = None
@@ -68,7 +67,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         try:
             await redis.ping()
             js = nc.jetstream()
-            await ensure_streams(js)
+            await ensure_streams(js, settings.stream_replicas)
             registry = ModelRegistry(redis)
             await registry.mark_intact()  # a fresh Redis: its (empty) registry is the truth
             watchdog = WatchdogConfig(quiet_s=settings.stream_quiet_s,
@@ -81,7 +80,8 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             if settings.metrics_port is not None:
                 metrics_server = await tm.serve_metrics(tel, settings.metrics_host,
                                                         settings.metrics_port)
-            log.info("gateway ready: NATS %s, Redis %s", settings.nats_url, settings.redis_url)
+            log.info("gateway ready: NATS %s, Redis %s", settings.nats_url,
+                     redact_url(settings.redis_url))
             yield
         finally:
             if metrics_server is not None:

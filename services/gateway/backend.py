@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 
 from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
+from shared.bus import PUBLISH_RETRY_S, publish_retrying
 from shared.core.types import resume_grace
 from shared.outcomes import read_outcome
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
@@ -36,10 +37,20 @@ from shared.telemetry import inject_headers
 
 log = logging.getLogger("slinfer.gateway")
 
-# Pauses between tries of a cancel's publish: a stream without a leader (NATS restarting, or a
-# cluster electing one: about 5 s) stores nothing, and a core-NATS publish is dropped silently
-# then, so a cancel goes through JetStream and is tried again for about 20 s.
-CANCEL_RETRY_PAUSES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0)
+# A stream without a leader (NATS restarting, or a cluster electing one: about 5 s) stores
+# nothing, and a core-NATS publish is dropped silently then, so a cancel goes through JetStream
+# and is tried again for this long (pauses growing to CANCEL_MAX_PAUSE_S).
+CANCEL_RETRY_S, CANCEL_MAX_PAUSE_S = 20.0, 4.0
+# A resumed attempt has no client waiting on its publish: it may wait out a whole election.
+RESUBMIT_RETRY_S = PUBLISH_RETRY_S
+
+
+def submit_window(request: InferenceRequest, timeout_s: float, now: float) -> float:
+    """How long a new request's publish is retried: through a stream-leader election, but not
+    past its TTFT SLO (published later, the placers drop it as overloaded: a 503 now is the
+    same answer, sooner, and before a stream's headers went out) nor its timeout."""
+    ttft_left = request.arrival + request.ttft_slo_s - now
+    return max(0.0, min(timeout_s, PUBLISH_RETRY_S, ttft_left))
 
 
 class BackendUnavailable(Exception):
@@ -91,11 +102,13 @@ class InferenceBackend:
                      trace_headers: dict[str, str] | None = None) -> TokenStream:
         """Subscribe to the request's token subject, then publish the request (in that order, so no
         token can be missed). `trace_headers`: the W3C trace context the request carries (its
-        gateway span's). Raises BackendUnavailable if the stream does not take it."""
+        gateway span's). Raises BackendUnavailable if the stream does not take it, tried again
+        (same message id) through a stream-leader election, within the request's timeout."""
         sub = await self._nc.subscribe(token_subject(request.request_id))
         try:
-            await self._js.publish(REQUEST_SUBJECT, wire.encode(request), timeout=min(timeout_s, 10.0),
-                                   headers=self.request_headers(request, trace_headers))
+            await publish_retrying(self._js, REQUEST_SUBJECT, wire.encode(request),
+                                   self.request_headers(request, trace_headers),
+                                   within_s=submit_window(request, timeout_s, time.time()))
         except Exception as exc:  # nats raises timeouts, no-responders, API errors
             await _unsubscribe(sub)
             # The stream may have stored it with only the acknowledgement lost (NATS going down):
@@ -106,12 +119,15 @@ class InferenceBackend:
         return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s,
                            request=request, backend=self, trace_headers=trace_headers)
 
-    async def resubmit(self, request: InferenceRequest, trace_headers: dict[str, str] | None) -> None:
+    async def resubmit(self, request: InferenceRequest, trace_headers: dict[str, str] | None,
+                       within_s: float = RESUBMIT_RETRY_S) -> None:
         """Publish a resumed attempt (its own message id: the stream must not drop it as a
-        duplicate of the first). Raises what the publish raises."""
+        duplicate of the first), retried through a stream-leader election. Raises what the last
+        try raised."""
         headers = {**self.request_headers(request, trace_headers),
                    "Nats-Msg-Id": f"{request.request_id}:attempt:{request.attempt}"}
-        await self._js.publish(REQUEST_SUBJECT, wire.encode(request), timeout=5.0, headers=headers)
+        await publish_retrying(self._js, REQUEST_SUBJECT, wire.encode(request), headers,
+                               within_s=within_s)
 
     async def probe(self, node_id: str, request_id: str, attempt: int) -> Probe:
         """Ask the node what became of the request; without an answer, look for the node in the
@@ -165,16 +181,11 @@ class InferenceBackend:
         task.add_done_callback(self._cancels.discard)
 
     async def _send_cancel(self, notice: bytes, msg_id: str) -> None:
-        for pause in (0.0, *CANCEL_RETRY_PAUSES_S):
-            await asyncio.sleep(pause)
-            try:
-                await self._js.publish(CANCEL_SUBJECT, notice, timeout=2.0,
-                                       headers={"Nats-Msg-Id": msg_id})
-                return
-            except Exception as exc:  # no stream responder, timeout, NATS reconnecting
-                last = exc
-        log.warning("cancel %s not stored after %d tries: %r", msg_id,
-                    1 + len(CANCEL_RETRY_PAUSES_S), last)
+        try:
+            await publish_retrying(self._js, CANCEL_SUBJECT, notice, {"Nats-Msg-Id": msg_id},
+                                   within_s=CANCEL_RETRY_S, max_pause_s=CANCEL_MAX_PAUSE_S)
+        except Exception as exc:
+            log.warning("cancel %s not stored within %.0fs: %r", msg_id, CANCEL_RETRY_S, exc)
 
     async def settle_cancels(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) for the cancels still being sent: at shutdown, before the
@@ -302,7 +313,9 @@ class TokenStream:
             return self._end(done)
         resumed = resumed_request(req, self.output, self.attempt + 1, time.time())
         try:
-            await self._backend.resubmit(resumed, self._trace_headers)
+            # Retried through an election, but not past the request's own deadline.
+            await self._backend.resubmit(resumed, self._trace_headers, within_s=min(
+                RESUBMIT_RETRY_S, max(0.0, self._deadline - time.monotonic())))
         except Exception as exc:  # NATS down: the next check tries again
             log.warning("request %s: resume failed (%r); retrying at the next check",
                         self.request_id, exc)

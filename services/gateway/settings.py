@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from shared.settings import DEFAULT_NATS_URL, DEFAULT_REDIS_URL, env_float, env_int, env_str
+from shared.settings import (DEFAULT_NATS_URL, DEFAULT_REDIS_URL, ENV_STREAM_REPLICAS,
+                             MAX_STREAM_REPLICAS, check_redis_url, env_float, env_int, env_nats_url,
+                             env_redis_url, env_str, env_stream_replicas, nats_servers)
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -47,6 +49,7 @@ OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as
 class GatewaySettings:
     nats_url: str = DEFAULT_NATS_URL
     redis_url: str = DEFAULT_REDIS_URL
+    stream_replicas: int = 1  # SLINFER_STREAM_REPLICAS: copies of each JetStream stream
     host: str = "127.0.0.1"  # address uvicorn binds; loopback only when auth is off
     port: int = 8000
     # API key -> tenant. Empty: no auth, every caller is tenant "local", loopback only.
@@ -83,10 +86,11 @@ class GatewaySettings:
     max_choices: int = 16
 
     def __post_init__(self) -> None:
-        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"{ENV_NATS_URL} must be a nats:// URL, got {self.nats_url!r}")
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{ENV_REDIS_URL} must be a redis:// URL, got {self.redis_url!r}")
+        nats_servers(self.nats_url, ENV_NATS_URL)
+        check_redis_url(self.redis_url, ENV_REDIS_URL)
+        if not 1 <= self.stream_replicas <= MAX_STREAM_REPLICAS:
+            raise ValueError(f"{ENV_STREAM_REPLICAS} must be in 1..{MAX_STREAM_REPLICAS}, got "
+                             f"{self.stream_replicas}")
         if not self.host:
             raise ValueError(f"{ENV_HOST} must not be empty")
         if not 0 <= self.port <= 65535:
@@ -162,8 +166,9 @@ class GatewaySettings:
         """Unset or blank variables take the defaults; bad values raise ValueError naming them."""
         d = cls.__dataclass_fields__
         return cls(
-            nats_url=env_str(ENV_NATS_URL, DEFAULT_NATS_URL, env=env),
-            redis_url=env_str(ENV_REDIS_URL, DEFAULT_REDIS_URL, env=env),
+            nats_url=env_nats_url(env),
+            redis_url=env_redis_url(env),
+            stream_replicas=env_stream_replicas(env),
             host=env_str(ENV_HOST, d["host"].default, env=env),
             port=env_int(ENV_PORT, d["port"].default, env=env, minimum=0, maximum=65535),
             api_keys=parse_api_keys(env_str(ENV_API_KEYS, "", env=env) or ""),

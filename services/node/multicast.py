@@ -565,9 +565,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(args) -> int:
-    from shared.bus import connect
+    from shared.bus import connect_nats
 
-    nc = await connect(args.nats, f"multicast-{args.node_id}")
+    nc = await connect_nats(args.nats, f"multicast-{args.node_id}")
     loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=args.dram_cache_bytes,
                                              threads=args.loader_threads, dram_bytes_per_s=1e10))
     endpoint = MulticastEndpoint(nc, args.node_id, loader, args.host, args.port,

@@ -233,14 +233,15 @@ class NodeObserver:
         self._server = None
 
     # --- lifecycle and gauges ---------------------------------------------------------------
-    async def start(self, metrics_port: int) -> None:
+    async def start(self, metrics_port: int, host: str = "127.0.0.1") -> None:
         """Serve the gauges (`sample` them first) and, with a port, Prometheus metrics."""
         tm.register_node_gauges(self.tel.meter("slinfer.node"),
                                 {"slinfer.node_id": self.node_id, "slinfer.hardware": self.hardware},
                                 lambda: self._stats)
         if metrics_port:
-            self._server = await tm.serve_metrics(self.tel, "0.0.0.0", metrics_port)
-            log.info("node %s: Prometheus metrics on :%d/metrics", self.node_id, metrics_port)
+            self._server = await tm.serve_metrics(self.tel, host, metrics_port)
+            log.info("node %s: Prometheus metrics on %s:%d/metrics", self.node_id, host,
+                     metrics_port)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -18,11 +18,14 @@ from nats.aio.msg import Msg
 
 from services.node.observe import NodeObserver
 from shared import wire
+from shared.bus import PUBLISH_RETRY_S, publish_retrying
 from shared.cluster import decode_reply, encode_reply
 from shared.schemas import InferenceRequest, MemOpCompletion, NodeCommand, NodeReply, TokenMessage
 from shared.subjects import REQUEST_SUBJECT, memop_subject, node_command_subject, token_subject
 
 log = logging.getLogger("slinfer.node")
+
+REQUEUE_PAUSE_S = 2.0  # between rounds of retries while NATS is away (not an election)
 
 
 class Outbox:
@@ -95,20 +98,22 @@ class Outbox:
             self._retries.add(task)  # a reference, so the task is not collected mid-way
             task.add_done_callback(self._retries.discard)
 
-    async def _publish_request(self, resumed: InferenceRequest) -> None:
+    async def _publish_request(self, resumed: InferenceRequest, within_s: float = 0.0) -> None:
+        """One id per requeue, on every try: a try stored with only its ack lost is not stored
+        twice. `within_s`: how long to retry through a stream-leader election (0: one try)."""
         msg_id = f"{resumed.request_id}:resume:{resumed.attempt}:{len(resumed.resumed_token_ids)}"
-        await self.js.publish(REQUEST_SUBJECT, wire.encode(resumed),  # stays in the request's trace
-                              headers={**resumed.trace_context, "Nats-Msg-Id": msg_id}, timeout=5)
+        await publish_retrying(self.js, REQUEST_SUBJECT, wire.encode(resumed),  # in its trace
+                               {**resumed.trace_context, "Nats-Msg-Id": msg_id}, within_s=within_s)
 
     async def _requeue_later(self, resumed: InferenceRequest) -> None:
-        delay = 0.25
         while not self.closed:
-            await asyncio.sleep(delay)
-            if resumed.deadline and time.time() > resumed.deadline:
+            left = resumed.deadline - time.time() if resumed.deadline else PUBLISH_RETRY_S
+            if left <= 0:
                 log.warning("gave up requeueing %s: its deadline passed", resumed.request_id)
                 return
             try:
-                await self._publish_request(resumed)
+                await self._publish_request(resumed, within_s=min(PUBLISH_RETRY_S, left))
                 return
-            except Exception:
-                delay = min(2.0, delay * 2)
+            except Exception as exc:  # NATS down longer than an election: try again
+                log.info("requeue of %s still failing (%r)", resumed.request_id, exc)
+                await asyncio.sleep(REQUEUE_PAUSE_S)

@@ -8,7 +8,9 @@ from services.node.loader.settings import LoaderSettings
 from shared.hardware import HardwareInfo, NoGPU, detect_cpu, detect_gpu
 from shared.core.config import CoreConfig
 from shared.core.preload import PRELOAD_INTERVAL_S
-from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
+from shared.settings import (WILDCARD_HOSTS, ListenHosts, core_config_from_env, env_bool,
+                             env_float, env_int, env_nats_url, env_redis_url, env_str,
+                             env_stream_replicas, listen_hosts_from_env)
 
 GiB = 1024**3
 
@@ -23,6 +25,10 @@ class NodeSettings:
     nats_url: str
     redis_url: str
     core: CoreConfig = CoreConfig()
+    stream_replicas: int = 1  # SLINFER_STREAM_REPLICAS: copies of each JetStream stream
+    # Where every listener of the node binds (metrics, multicast, layer stages) and the address
+    # other hosts dial it at (SLINFER_NODE_BIND_HOST / SLINFER_NODE_ADVERTISE_HOST).
+    hosts: ListenHosts = ListenHosts()
     # Online calibration: correct the profile this node's iterations drift from, and publish the
     # correction for the placer (the error is measured and exported either way).
     calibrate: bool = True
@@ -38,9 +44,10 @@ class NodeSettings:
     # request for a model the node has no profile of re-reads them at once before refusing it.
     profile_refresh_s: float = 5.0
     # λScale model multicast (services/node/multicast.py): the endpoint's TCP listener (port 0:
-    # any free one) and the address peers connect to (default: the bind address; set it when
-    # binding 0.0.0.0). The link bandwidth is what the placer plans with until received blocks
-    # measured one. Off: the node neither sends nor receives models.
+    # any free one) and the address peers connect to, also the layer stages' (default: the
+    # node's hosts; SLINFER_MULTICAST_HOST / _ADVERTISE_HOST override them). The link bandwidth
+    # is what the placer plans with until received blocks measured one. Off: the node neither
+    # sends nor receives models.
     multicast: bool = True
     multicast_host: str = "127.0.0.1"
     multicast_port: int = 0
@@ -64,15 +71,20 @@ class NodeSettings:
         if accel not in ("auto", "true", "false", "1", "0"):
             raise ValueError(f"SLINFER_MATRIX_ACCEL must be auto, true or false, not {accel!r}")
         matrix = info.matrix_accel if accel == "auto" else accel in ("true", "1")
+        hosts = listen_hosts_from_env()
+        multicast_host, multicast_advertise = multicast_hosts(
+            hosts, env_str("SLINFER_MULTICAST_HOST"), env_str("SLINFER_MULTICAST_ADVERTISE_HOST"))
         return cls(
             node_id=env_str("SLINFER_NODE_ID", "node-0"),
             hardware=hardware,
             device=env_str("SLINFER_DEVICE", "cuda:0" if hardware == "gpu" else "cpu"),
             memory_bytes=env_int("SLINFER_NODE_MEMORY_BYTES", default_mem, minimum=1),
             matrix_accel=matrix,
-            nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
-            redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            nats_url=env_nats_url(),
+            redis_url=env_redis_url(),
             core=core_config_from_env(),
+            stream_replicas=env_stream_replicas(),
+            hosts=hosts,
             calibrate=env_bool("SLINFER_CALIBRATION", True),
             heartbeat_s=env_float("SLINFER_HEARTBEAT_S", 0.25, minimum=0.01),
             metrics_port=env_int("SLINFER_NODE_METRICS_PORT", 0, minimum=0),
@@ -82,9 +94,9 @@ class NodeSettings:
             loader=LoaderSettings.from_env(),
             profile_refresh_s=env_float("SLINFER_PROFILE_REFRESH_S", 5.0, minimum=0.1),
             multicast=env_bool("SLINFER_MULTICAST", True),
-            multicast_host=env_str("SLINFER_MULTICAST_HOST", "127.0.0.1"),
+            multicast_host=multicast_host,
             multicast_port=env_int("SLINFER_MULTICAST_PORT", 0, minimum=0),
-            multicast_advertise_host=env_str("SLINFER_MULTICAST_ADVERTISE_HOST", "") or None,
+            multicast_advertise_host=multicast_advertise,
             multicast_link_bytes_per_s=env_float("SLINFER_MULTICAST_LINK_BYTES_PER_S", 1.25e9,
                                                  minimum=1.0),
             multicast_rate_bytes_per_s=env_float("SLINFER_MULTICAST_RATE_BYTES_PER_S", 0.0,
@@ -92,6 +104,21 @@ class NodeSettings:
             preload_interval_s=env_float("SLINFER_PRELOAD_INTERVAL_S", PRELOAD_INTERVAL_S,
                                          minimum=0.0),
         )
+
+
+def multicast_hosts(node: ListenHosts, bind: str | None,
+                    advertise: str | None) -> tuple[str, str]:
+    """The multicast endpoint's (and layer stages') bind and advertised addresses: the node's,
+    unless SLINFER_MULTICAST_HOST / _ADVERTISE_HOST (`bind`, `advertise`) say otherwise; a
+    specific multicast bind address is also what peers dial, unless it binds every address."""
+    if bind is None:
+        return node.bind, advertise or node.advertise
+    if advertise is None:
+        advertise = node.advertise if bind in WILDCARD_HOSTS else bind
+    elif advertise in WILDCARD_HOSTS:
+        raise ValueError(f"SLINFER_MULTICAST_ADVERTISE_HOST must be an address other hosts can "
+                         f"dial, got {advertise!r}")
+    return bind, advertise
 
 
 def _detect(hardware: str) -> HardwareInfo:

@@ -115,7 +115,7 @@ class NodeWorker:
         self.pipelines.start()
         self.layers.start()
         await self._start_multicast()
-        await ensure_streams(rt.js)
+        await ensure_streams(rt.js, s.stream_replicas)
         await self.sync.load_profiles()
         await self.sync.read_registry()
         await rt.nc.subscribe(node_command_subject(s.node_id), cb=self.intake.on_command)
@@ -129,7 +129,7 @@ class NodeWorker:
         await publish_node(rt.redis, rt.view(), ttl_s=s.heartbeat_s * 12)
         await self.sync.join_profiling()
         self._sample()
-        await rt.obs.start(s.metrics_port)
+        await rt.obs.start(s.metrics_port, s.hosts.bind)
         self._tasks = [asyncio.create_task(self.token_loop.run(), name="token-loop"),
                        asyncio.create_task(self.sync.heartbeat(), name="heartbeat")]
         if s.preload_interval_s > 0:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from shared.core.config import CoreConfig
 from shared.core.module_scaling import ModuleSettings
 from shared.core.preload import PRELOAD_INTERVAL_S
-from shared.settings import core_config_from_env, env_bool, env_float, env_int, env_str
+from shared.settings import (core_config_from_env, env_bool, env_float, env_int, env_nats_url,
+                             env_redis_url, env_str, env_stream_replicas)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class PlacerSettings:
     core: CoreConfig
     admit_timeout_s: float = 5.0
     name: str = "placer"
+    stream_replicas: int = 1  # SLINFER_STREAM_REPLICAS: copies of each JetStream stream
     # JetStream redelivers a request this long after its placer's last sign of life (a placer
     # that died with it in its queue); live placers renew their claim every third of it.
     ack_wait_s: float = 10.0
@@ -33,8 +35,8 @@ class PlacerSettings:
     @classmethod
     def from_env(cls) -> PlacerSettings:
         core = burst_from_env(core_config_from_env())
-        return cls(nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
-                   redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        return cls(nats_url=env_nats_url(), redis_url=env_redis_url(),
+                   stream_replicas=env_stream_replicas(),
                    core=core,
                    admit_timeout_s=env_float("SLINFER_ADMIT_TIMEOUT_S", 5.0, minimum=0.1),
                    name=env_str("SLINFER_PLACER_NAME", "placer"),

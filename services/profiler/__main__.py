@@ -36,11 +36,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _store(url: str, profile) -> None:
-    from redis.asyncio import Redis
-
     from shared.cluster import save_profile
+    from shared.redis_client import open_redis
 
-    redis = Redis.from_url(url)
+    redis = open_redis(url)
     try:
         await save_profile(redis, profile)
     finally:

@@ -35,7 +35,7 @@ from shared.cluster import save_profile
 from shared.model_state import (ModelState, ProfileJob, all_statuses, ensure_job_stream,
                                 queued_jobs, requeue_job, set_hardware_state)
 from shared.registry import ModelRegistry
-from shared.settings import env_int, env_str
+from shared.settings import env_int, env_nats_url, env_redis_url, env_str, env_stream_replicas
 from shared.subjects import JOB_STREAM, job_subject
 
 log = logging.getLogger("slinfer.profiler")
@@ -66,14 +66,15 @@ class ProfilerSettings:
     max_len: int = 1024
     max_batch: int = 16
     name: str = "profiler-cpu"
+    stream_replicas: int = 1  # SLINFER_STREAM_REPLICAS: copies of the job stream
 
     @classmethod
     def from_env(cls) -> ProfilerSettings:
         hardware = env_str("SLINFER_NODE_HARDWARE", "cpu").lower()
         if hardware not in ("cpu", "gpu"):
             raise ValueError(f"SLINFER_NODE_HARDWARE must be cpu or gpu, not {hardware!r}")
-        return cls(nats_url=env_str("SLINFER_NATS_URL", "nats://127.0.0.1:4222"),
-                   redis_url=env_str("SLINFER_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        return cls(nats_url=env_nats_url(), redis_url=env_redis_url(),
+                   stream_replicas=env_stream_replicas(),
                    hardware=hardware,
                    device=env_str("SLINFER_DEVICE", "cuda:0" if hardware == "gpu" else "cpu"),
                    max_len=env_int("SLINFER_PROFILE_MAX_LEN", 1024, minimum=16),
@@ -90,7 +91,7 @@ class ProfilerService:
         self.handed_back = 0  # jobs given back to the queue because the service stopped
 
     async def start(self) -> None:
-        await ensure_job_stream(self.js)
+        await ensure_job_stream(self.js, self.s.stream_replicas)
         durable = f"profiler-{self.s.hardware}"
         # Create or update: a durable consumer made by an older version keeps its ack wait.
         await self.js.add_consumer(JOB_STREAM, ConsumerConfig(

@@ -1,0 +1,108 @@
+"""Redis through Sentinels, on real valkey processes (a primary, a replica, one Sentinel):
+`open_redis` with a redis+sentinel:// URL finds the primary, a registry write is confirmed by the
+replica (WAIT) before it returns, and after the primary is SIGKILLed the Sentinel promotes the
+replica and the same client writes again, with the confirmed write still there."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from shared.redis_client import has_replicas, open_redis, write_confirmed
+from shared.registry import ModelRegistry
+from shared.schemas import ModelRecord
+from shared.servers import ServerProcess, start_redis, start_sentinel
+
+pytestmark = pytest.mark.integration  # real valkey processes
+
+PASSWORD = "s3cret"
+
+
+def _record(name: str) -> ModelRecord:
+    return ModelRecord(name=name, path=f"/models/{name}", weight_bytes=1000)
+
+
+async def _until(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = await check()
+            if result:
+                return result
+        except Exception:  # noqa: BLE001 - a server between roles: ask again
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def _servers(stack: ExitStack, tmp_path) -> tuple[ServerProcess, ServerProcess, ServerProcess]:
+    primary = start_redis(tmp_path / "primary", password=PASSWORD)
+    stack.callback(primary.stop)
+    replica = start_redis(tmp_path / "replica", password=PASSWORD, replica_of=primary)
+    stack.callback(replica.stop)
+    sentinel = start_sentinel(tmp_path / "sentinel", primary, "main", password=PASSWORD,
+                              down_after_ms=500)
+    stack.callback(sentinel.stop)
+    return primary, replica, sentinel
+
+
+async def test_sentinel_failover_keeps_confirmed_writes_and_writes_again(tmp_path, caplog):
+    with ExitStack() as stack:
+        primary, replica, sentinel = _servers(stack, tmp_path)
+        assert sentinel.url == f"redis+sentinel://:{PASSWORD}@127.0.0.1:{sentinel.port}/main"
+        redis = open_redis(sentinel.url, 2.0)
+        replica_client = open_redis(replica.url, 2.0)
+        try:
+            # The replica's first sync done: from then on it holds what WAIT confirmed.
+            await _until(lambda: _linked(replica_client), 10, "replica in sync")
+            await _until(lambda: has_replicas(redis), 10, "primary sees its replica")
+            caplog.set_level(logging.WARNING, logger="slinfer.redis")
+            registry = ModelRegistry(redis)
+            await registry.register(_record("before"))
+            assert not [r for r in caplog.records if "no replica confirmed" in r.message]
+            # Confirmed means on the replica now, before anything else happens.
+            assert await ModelRegistry(replica_client).get("before") is not None
+
+            primary.proc.kill()  # SIGKILL: no goodbye to the replica
+            primary.proc.wait()
+            killed = time.monotonic()
+            # The same client: its next connection asks the Sentinel for the primary again.
+            await _until(lambda: _write(redis, "after"), 20, "a write after the failover")
+            stalled = time.monotonic() - killed
+            role = (await replica_client.info("replication"))["role"]
+            assert role == "master", role
+            assert await registry.get("before") is not None  # confirmed before the kill: kept
+            assert await redis.get("after") == b"1"
+            print(f"\nSentinel failover: writes stalled {stalled:.1f}s")
+            assert stalled < 15
+        finally:
+            await redis.aclose()
+            await replica_client.aclose()
+
+
+async def test_a_write_without_replicas_does_not_wait(tmp_path):
+    server = start_redis(tmp_path / "alone")
+    redis = open_redis(server.url, 2.0)
+    try:
+        assert not await has_replicas(redis)
+        started = time.monotonic()
+        assert await write_confirmed(redis, "alone", lambda p: p.set("k", "v")) == [True]
+        assert time.monotonic() - started < 0.5  # no WAIT for a replica that is not there
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+async def _linked(replica) -> bool:
+    info = await replica.info("replication")
+    return info.get("master_link_status") == "up"
+
+
+async def _write(redis, key: str) -> bool:
+    return bool(await redis.set(key, "1"))
