@@ -79,7 +79,7 @@ class RequestIntake:
         self._settling: set[asyncio.Task] = set()  # answers whose ack is not confirmed yet
 
     async def start(self) -> None:
-        await ensure_streams(self.js)
+        await ensure_streams(self.js, self.port.s.stream_replicas)
         self.sub = await self.js.pull_subscribe(
             REQUEST_SUBJECT, durable=PLACER_DURABLE,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.port.s.ack_wait_s,
