@@ -198,6 +198,19 @@ def test_settings_reach_every_container(gpu_ha: list[dict]) -> None:
         assert names.index("REDIS_PASSWORD") < names.index("SLINFER_REDIS_URL")
 
 
+@pytest.mark.parametrize("secret, expected", [
+    ("valkey", "redis://:$(REDIS_PASSWORD)@my-redis:6379/0"),
+    ("", "redis://my-redis:6379/0"),  # a server without a password
+])
+def test_one_redis_server_instead_of_sentinels(secret: str, expected: str) -> None:
+    docs = render(*KEYS, "--set-json", "redis.sentinels=[]",
+                  "--set", "redis.url=redis://my-redis:6379/0",
+                  "--set", f"redis.passwordSecret.name={secret}")
+    for d, _, c in containers(docs):
+        assert env_of(c)["SLINFER_REDIS_URL"]["value"] == expected, d["metadata"]["name"]
+        assert ("REDIS_PASSWORD" in env_of(c)) == bool(secret)
+
+
 def test_every_setting_the_chart_gives_is_one_the_code_reads(manifests: list[dict]) -> None:
     """The chart cannot drift from the code: a variable no code reads fails here (the same rule
     as tests/test_compose.py: the subcommand's package and shared/, or an OpenTelemetry name)."""
@@ -230,7 +243,8 @@ def test_nats_values_make_the_cluster_the_chart_points_at() -> None:
     nats = yaml.safe_load((HELM_DIR / "values-nats.yaml").read_text())["config"]
     ours = chart_defaults()["nats"]
     assert nats["cluster"]["enabled"] and nats["jetstream"]["enabled"]
-    assert nats["jetstream"]["fileStore"]["enabled"] and nats["jetstream"]["fileStore"]["pvc"]["enabled"]
+    store = nats["jetstream"]["fileStore"]
+    assert store["enabled"] and store["pvc"]["enabled"]
     replicas = nats["cluster"]["replicas"]
     assert replicas == 3 and ours["streamReplicas"] <= replicas
     # Release `nats`: pods nats-<i> behind the headless Service nats-headless.
