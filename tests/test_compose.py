@@ -29,6 +29,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "slinfer-dashboard.json"
 # Set by compose for its Prometheus to scrape; `slinfer up` runs no Prometheus and leaves them off.
 SCRAPE_ONLY = {"SLINFER_GATEWAY_METRICS_HOST", "SLINFER_GATEWAY_METRICS_PORT",
                "SLINFER_NODE_METRICS_PORT"}
+PROFILES = ("gpu", "profiler", "ha", "observability")
 
 
 def compose_binary() -> str:
@@ -58,7 +59,10 @@ def services(*profiles: str) -> dict[str, dict]:
 
 
 def slinfer_services(*profiles: str) -> dict[str, dict]:
-    return {n: s for n, s in services(*profiles).items() if n not in INFRA | OBSERVABILITY}
+    """The services that run the slinfer image (the rest are NATS, Redis/Valkey, Jaeger,
+    Prometheus, Grafana)."""
+    return {n: s for n, s in services(*profiles).items()
+            if s.get("image", "").startswith("slinfer:")}
 
 
 # ---------------------------------------------------------------- compose validates
@@ -84,6 +88,37 @@ def test_config_fails_without_the_redis_password() -> None:
     done = compose_config(env={"SLINFER_API_KEYS": "k:t"})
     assert done.returncode != 0
     assert "SLINFER_REDIS_PASSWORD" in done.stderr
+
+
+def test_ha_profile_clusters_nats_and_watches_valkey_with_sentinels() -> None:
+    svc = services("ha")
+    nats = {n: s for n, s in svc.items() if re.fullmatch(r"nats-\d", n)}
+    assert len(nats) == 3
+    routes = {f"nats://{n}:6222" for n in nats}
+    for name, s in nats.items():
+        cmd = s["command"]
+        assert "-js" in cmd and cmd[cmd.index("--name") + 1] == name
+        assert set(cmd[cmd.index("--routes") + 1].split(",")) == routes
+        assert "js-enabled-only" not in " ".join(s["healthcheck"]["test"])  # before a meta leader
+    assert "--replicaof valkey-1 6379" in " ".join(svc["valkey-2"]["command"])
+    sentinels = {n: s for n, s in svc.items() if n.startswith("sentinel-")}
+    assert len(sentinels) == 3
+    for s in sentinels.values():
+        assert "sentinel monitor slinfer valkey-1 6379 2" in " ".join(s["command"])
+    ha = {n: s for n, s in slinfer_services("ha").items() if n.endswith(("-ha", "-ha-1", "-ha-2"))}
+    commands = sorted(s["command"][1] for s in ha.values())
+    assert commands == ["gateway", "node", "node", "placer", "placer", "profiler"]
+    assert len({s["environment"]["SLINFER_NODE_ID"] for s in ha.values()
+                if s["command"][1] == "node"}) == 2
+    for name, s in ha.items():
+        env = s["environment"]
+        assert env["SLINFER_NATS_URL"].split(",") == [f"nats://{n}:4222" for n in sorted(nats)]
+        assert env["SLINFER_REDIS_URL"].startswith("redis+sentinel://:test-password@")
+        assert env["SLINFER_REDIS_URL"].endswith(
+            "@sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/slinfer/0"), name
+        assert env["SLINFER_STREAM_REPLICAS"] == "3", name
+        assert {d for d, c in s["depends_on"].items() if c["condition"] == "service_healthy"} \
+            >= set(nats) | set(sentinels), name
 
 
 def test_infrastructure_has_healthchecks_and_services_wait_for_them() -> None:
@@ -160,14 +195,14 @@ def test_grafana_provisions_the_dashboard_on_the_provisioned_datasource() -> Non
 
 
 def test_every_service_runs_a_known_slinfer_subcommand() -> None:
-    for name, s in slinfer_services("gpu", "profiler").items():
+    for name, s in slinfer_services(*PROFILES).items():
         command = s["command"]
         assert command[0] == "slinfer", f"{name}: command {command} is not `slinfer ...`"
         assert command[1] in cli.COMMANDS, f"{name}: `slinfer {command[1]}` is not a CLI command"
 
 
 def test_every_command_flag_is_one_the_subcommand_accepts() -> None:
-    for name, s in slinfer_services("gpu", "profiler").items():
+    for name, s in slinfer_services(*PROFILES).items():
         flags = [a for a in s["command"][2:] if a.startswith("--")]
         if not flags:
             continue
@@ -180,7 +215,7 @@ def test_every_command_flag_is_one_the_subcommand_accepts() -> None:
             assert re.search(rf"{re.escape(flag)}\b", done.stdout), f"{name}: {flag} unknown"
 
 
-def _otel_variables() -> set[str]:
+def otel_variables() -> set[str]:
     """The names OpenTelemetry's API and SDK read (they declare them as constants)."""
     from opentelemetry import environment_variables as api_env
     from opentelemetry.sdk import environment_variables as sdk_env
@@ -189,7 +224,7 @@ def _otel_variables() -> set[str]:
             if k.startswith("OTEL_") and isinstance(v, str)}
 
 
-def _source_of(subcommand: str) -> str:
+def code_of(subcommand: str) -> str:
     """Python source the subcommand runs: its own package plus shared/."""
     parts = cli.COMMANDS[subcommand].module.split(".")
     pkg = REPO.joinpath(*parts[:2]) if parts[0] in ("services", "sim") else REPO / parts[0]
@@ -199,13 +234,13 @@ def _source_of(subcommand: str) -> str:
 
 
 def test_every_environment_variable_is_read_by_the_code() -> None:
-    otel = _otel_variables()
+    otel = otel_variables()
     unread: list[str] = []
     missing_modules: set[str] = set()
-    for name, s in slinfer_services("gpu", "profiler").items():
+    for name, s in slinfer_services(*PROFILES).items():
         subcommand = s["command"][1]
         module_file = REPO / (cli.COMMANDS[subcommand].module.replace(".", "/") + ".py")
-        source = _source_of(subcommand)
+        source = code_of(subcommand)
         for var in s.get("environment", {}):
             if var.startswith("OTEL_"):
                 assert var in otel, f"{name}: {var} is not an OpenTelemetry variable"
