@@ -24,15 +24,18 @@ ECHO = "echo"
 RESPONSE_FORMAT = "response_format"
 TOOL_CHOICE = "tool_choice"
 GRAMMAR_FEATURES = frozenset({RESPONSE_FORMAT, TOOL_CHOICE})
+# POST /v1/embeddings: the prefill's last hidden states pooled into a vector, not a token.
+EMBEDDINGS = "embeddings"
 
 ALL_FEATURES = frozenset({LOGPROBS, PRESENCE_PENALTY, FREQUENCY_PENALTY, LOGIT_BIAS, MIN_P,
-                          ECHO, *GRAMMAR_FEATURES})
+                          ECHO, *GRAMMAR_FEATURES, EMBEDDINGS})
 
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
     "torch": ALL_FEATURES,
-    # OpenVINO GenAI and vLLM have their own versions of some of these (vLLM's guided decoding,
-    # OpenVINO GenAI's structured output among them); their adapters here do not pass them on
-    # yet, so they refuse them rather than sample without them.
+    # OpenVINO GenAI and vLLM have their own versions of some of these (vLLM's guided decoding
+    # and pooling runner, OpenVINO GenAI's structured output and TextEmbeddingPipeline among
+    # them); their adapters here do not pass them on yet, so they refuse them rather than
+    # sample without them.
     "openvino": frozenset(),
     "vllm": frozenset(),
 }
@@ -43,12 +46,13 @@ ENGINE_FEATURES["auto"] = ENGINE_FEATURES["torch"]
 
 def asked_features(logprobs: int | None, presence_penalty: float, frequency_penalty: float,
                    logit_bias: Sized, min_p: float, grammar_param: str | None = None,
-                   prompt_logprobs: int | None = None) -> list[str]:
+                   prompt_logprobs: int | None = None, embedding: bool = False) -> list[str]:
     """The features a request's values ask for (a neutral value asks for none); `grammar_param`:
-    the parameter whose output grammar the request carries (None: none)."""
+    the parameter whose output grammar the request carries (None: none); `embedding`: it asks
+    for the prompt's embedding instead of output tokens."""
     asked = {LOGPROBS: logprobs is not None, PRESENCE_PENALTY: presence_penalty != 0,
              FREQUENCY_PENALTY: frequency_penalty != 0, LOGIT_BIAS: len(logit_bias) > 0,
-             MIN_P: min_p != 0, ECHO: prompt_logprobs is not None}
+             MIN_P: min_p != 0, ECHO: prompt_logprobs is not None, EMBEDDINGS: embedding}
     return [name for name, on in asked.items() if on] + ([grammar_param] if grammar_param else [])
 
 

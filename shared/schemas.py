@@ -34,6 +34,24 @@ class ModelRecord:
     layers: int = 0
     head_bytes: int = 0
     token_bytes: int = 0
+    # What POST /v1/embeddings answers for this model: its last hidden states pooled over the
+    # input ("mean", "last": the last token's, "cls": the first token's), L2-normalised or not;
+    # `matryoshka`: a prefix of the vector is an embedding too, so a request may ask `dimensions`.
+    pooling: str = "mean"
+    normalize: bool = True
+    matryoshka: bool = False
+
+
+POOLINGS = ("mean", "last", "cls")
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """An embedding request: a prefill with no decode whose answer is the prompt's last hidden
+    states pooled (`ModelRecord.pooling`), L2-normalised where `normalize`."""
+
+    pooling: str = "mean"
+    normalize: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,9 @@ class InferenceRequest:
     # log-probability after the first (given the tokens before it) and the k most likely
     # alternatives' (`TokenMessage.prompt_logprobs`; only engines with the "echo" feature).
     prompt_logprobs: int | None = None
+    # Not a generation: the prompt's embedding (max_tokens is 0). The node runs its prefill,
+    # answers the vector in the final message (`TokenMessage.embedding`) and frees its K/V.
+    embedding: Embedding | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -164,6 +185,9 @@ class TokenMessage:
     # A request that asked for prompt logprobs, on the message of its first output token (the
     # final one too if that token ends it): one entry per prompt token after the first.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # An embedding request's final message: the vector, float32 little-endian (OpenAI's base64
+    # encoding_format is these bytes), pooled and normalised as the request asked.
+    embedding: bytes = b""
 
 
 class CommandKind(str, enum.Enum):

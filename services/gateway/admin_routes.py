@@ -57,6 +57,12 @@ class RegisterModel(_Strict):
     public: bool = False  # public (operator only): every tenant sees it; else the caller's own
     base_model: str | None = None  # set for a LoRA adapter: the model it applies to
     replace: bool = False  # overwrite the caller's own model of that name
+    # POST /v1/embeddings for this model: how its last hidden states pool into a vector (mean,
+    # last token, first token), whether it is L2-normalised, and whether a request may ask for
+    # a shorter vector (`dimensions`: only a matryoshka-trained model's prefixes are embeddings).
+    pooling: Literal["mean", "last", "cls"] = "mean"
+    normalize: bool = True
+    matryoshka: bool = False
 
 
 def _forbidden(message: str, param: str | None = None) -> errors.APIError:
@@ -101,6 +107,8 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
             slo_class=body.slo_class, owner=owner, base=base)
     except ModelDirError as exc:
         raise errors.invalid_request(str(exc), param="path", code="invalid_model_dir") from None
+    record = dataclasses.replace(record, pooling=body.pooling, normalize=body.normalize,
+                                 matryoshka=body.matryoshka)
     await _check_no_clash(ctx, body.name, owner)
     previous = await ctx.registry.get(record.name)
     try:

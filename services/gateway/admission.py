@@ -74,17 +74,19 @@ class Admission:
         """A slot for one more request of `tenant` on `model` (a registry id), or 429."""
         return self.acquire_many(tenant, model, 1)[0]
 
-    def acquire_many(self, tenant: str, model: str, count: int) -> list[Slot]:
-        """`count` slots at once (a request's choices), or none and 429. A count no cap could
-        ever hold is a 400 naming `n`: waiting would not help."""
+    def acquire_many(self, tenant: str, model: str, count: int, param: str = "n",
+                     each: str = "choice") -> list[Slot]:
+        """`count` slots at once (a request's choices, or an embedding request's inputs: `each`),
+        or none and 429. A count no cap could ever hold is a 400 naming `param`: waiting would
+        not help."""
         cap = self._s.tenant_max_concurrency
         queue = self._s.model_max_queue
         for limit, what in ((cap, "requests in flight per tenant"),
                             (queue, "requests in flight per model")):
             if limit and count > limit:
                 raise errors.invalid_request(
-                    f"n ({count}) is more than this gateway's {limit} {what}: each choice is "
-                    "a request in flight.", param="n", code="invalid_value")
+                    f"{param} ({count}) is more than this gateway's {limit} {what}: each "
+                    f"{each} is a request in flight.", param=param, code="invalid_value")
         if cap and self.tenant_in_flight[tenant] + count > cap:
             raise _too_many(f"Too many requests in flight: at most {cap} per tenant (each of a "
                             "request's n choices counts); retry when one has finished.",

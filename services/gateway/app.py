@@ -19,12 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway import admin_routes, drain_routes, errors, openai_routes, token_routes
+from services.gateway import (admin_routes, drain_routes, embedding_routes, errors,
+                              openai_routes, token_routes)
 from services.gateway import openapi_docs as docs
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
 from services.gateway.deps import Context, GatewayContext
+from services.gateway.embeddings import EmbeddingBody
 from services.gateway.errors import install_error_handlers
 from services.gateway.observe import ServerSpanMiddleware
 from services.gateway.service import GatewayService
@@ -98,6 +100,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(token_routes.router)
+    app.include_router(embedding_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(drain_routes.router)
 
@@ -136,6 +139,7 @@ def _publish_schema(app: FastAPI) -> None:
             app.openapi_schema = docs.finish_schema(schema, {
                 "ChatBody": ChatBody, "CompletionBody": CompletionBody,
                 "TokenizeBody": TokenizeBody, "DetokenizeBody": DetokenizeBody,
+                "EmbeddingBody": EmbeddingBody,
                 "RegisterModel": admin_routes.RegisterModel})
         return app.openapi_schema
 

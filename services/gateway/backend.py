@@ -226,6 +226,7 @@ class TokenStream:
         self.prefill_s: float | None = None  # the node's engine prefill time (first token message)
         # The prompt's logprobs (a request that asked): from the first message that has them.
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.embedding = b""  # an embedding request's vector (its final message's)
         self._request = request
         self._backend = backend
         self._trace_headers = trace_headers
@@ -331,6 +332,8 @@ class TokenStream:
 
     def _nothing_left(self, req: InferenceRequest) -> FinishReason | None:
         """The output is complete already (only its final message was lost with the node)."""
+        if req.embedding is not None:
+            return None  # its one answer is the final message's vector
         if self.output and self.output[-1] in req.eos_token_ids:
             return FinishReason.STOP
         if len(self.output) >= req.max_tokens:
@@ -347,6 +350,8 @@ class TokenStream:
             self.prompt_tokens = m.prompt_tokens
         if m.prompt_logprobs and not self.prompt_logprobs:
             self.prompt_logprobs = m.prompt_logprobs
+        if m.embedding:
+            self.embedding = m.embedding
         logprobs = m.logprobs if len(m.logprobs) == len(m.token_ids) else []
         for i, token in enumerate(m.token_ids):
             if m.seq + i >= self._next:

@@ -93,9 +93,7 @@ class Generation:
             async for event in self._stream.events():
                 if isinstance(event, Tokens):
                     if self.timings.first_token is None:
-                        self.timings.first_token = time.monotonic()
-                        if self._observer is not None:
-                            self._observer.first_token(self.timings.first_token)
+                        self._first_output()
                     elif self._observer is not None:
                         self._observer.tokens(time.monotonic(), len(event.token_ids))
                     self._accept(event)
@@ -107,6 +105,8 @@ class Generation:
                     yield delta
                 else:
                     self._node_done = True
+                    if self._stream.embedding and self.timings.first_token is None:
+                        self._first_output()  # an embedding request's one output: its vector
                     await self._check(event)
                     self._text += self._detok.flush()
                     delta, stopped = self._take(final=True)
@@ -119,6 +119,16 @@ class Generation:
             self.failure = "timeout"
             await self._cancel("timeout")
             raise errors.request_timeout(self._timeout_s) from None
+
+    def _first_output(self) -> None:
+        self.timings.first_token = time.monotonic()
+        if self._observer is not None:
+            self._observer.first_token(self.timings.first_token)
+
+    @property
+    def embedding(self) -> bytes:
+        """An embedding request's vector (float32 little-endian), once it finished; b"" else."""
+        return self._stream.embedding
 
     def _accept(self, event: Tokens) -> None:
         """Each token's text, one at a time (so each knows where its text starts), and its

@@ -194,6 +194,9 @@ class RegisteredModel(BaseModel):
     kv_bytes_per_token: int
     eos_token_ids: list[int]
     created_at: float
+    pooling: str | None = None  # POST /v1/embeddings: mean | last | cls
+    normalize: bool | None = None
+    matryoshka: bool | None = None
     lifecycle: Lifecycle | None = None
 
 
@@ -247,6 +250,24 @@ class Version(BaseModel):
     version: str
 
 
+class EmbeddingObject(BaseModel):
+    object: str  # "embedding"
+    index: int  # the input's position
+    embedding: list[float] | str  # floats, or base64 of float32 little-endian (encoding_format)
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: str  # "list"
+    model: str
+    data: list[EmbeddingObject]
+    usage: EmbeddingUsage
+
+
 def _ok(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"model": model, "description": description}
 
@@ -272,6 +293,7 @@ INSTANCE_LIST = _ok(InstanceList, "The instances the caller may see.")
 TOKENIZED = _ok(Tokenized, "The token ids the model would be given for this prompt.")
 DETOKENIZED = _ok(Detokenized, "The text of the token ids.")
 VERSION = _ok(Version, "slinfer's version.")
+EMBEDDING_LIST = _ok(EmbeddingList, "One embedding per input, in input order.")
 
 
 def finish_schema(schema: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:

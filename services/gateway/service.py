@@ -138,7 +138,7 @@ class GatewayService:
         if not prompt_ids:
             raise errors.invalid_request("The prompt is empty after tokenization.", param=param,
                                          code="empty_prompt")
-        await self._check_engine(record, params)
+        await self.check_engine(record, params.features())
         check_grammar_fits(params)
         self._check_token_ids(params, vocab_size(tokenizer))
         max_tokens = self._max_tokens(record, len(prompt_ids), params.max_tokens, param)
@@ -149,11 +149,10 @@ class GatewayService:
         return Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt_ids, params=params,
                         max_tokens=max_tokens)
 
-    async def _check_engine(self, record: ModelRecord, params: SamplingParams) -> None:
+    async def check_engine(self, record: ModelRecord, asked: list[str]) -> None:
         """Refuse by name what the model's engine would not honour (shared/engine_features.py):
         a 400 now, rather than a request that runs without it. A LoRA adapter runs on its
         backbone's engine."""
-        asked = params.features()
         if not asked:
             return
         engine = record.engine
@@ -239,14 +238,26 @@ class GatewayService:
         that the cluster places and schedules like any. `operation` is its GenAI operation name
         (chat, text_completion)."""
         n = prepared.params.n
-        # 429 here, before the request is queued anywhere (after `prepare`, so a model the
-        # tenant may not see is a 404, never a "queue full" that would tell it exists). Each
-        # choice holds a slot: it is a generation in flight like any request.
-        slots = self.admission.acquire_many(tenant, prepared.record.name, n)
         requests = [self.build_request(prepared, choice_id(response_id, i, n), tenant, i)
                     for i in range(n)]
-        observers = [RequestObserver(self.metrics, r, operation, counts_prompt=i == 0)
-                     for i, r in enumerate(requests)]
+        # Each choice's prompt is the same one: its usage counts once.
+        launched = await self.launch(requests, prepared.record, tenant, operation,
+                                     counts_prompt=[i == 0 for i in range(n)])
+        return Choices([self._generation(prepared, stream, observer, slot)
+                        for stream, observer, slot in launched])
+
+    async def launch(self, requests: list[InferenceRequest], record: ModelRecord, tenant: str,
+                     operation: str, counts_prompt: list[bool], param: str = "n",
+                     each: str = "choice") -> list[tuple[TokenStream, RequestObserver, Slot]]:
+        """Submit requests for `record` together (all or none), each holding an admission slot
+        and observed as `operation`, whose prompt counts in the token usage where
+        `counts_prompt` says. Each is a request's `each`, counted by its parameter `param`."""
+        # 429 here, before the request is queued anywhere (after `prepare`, so a model the
+        # tenant may not see is a 404, never a "queue full" that would tell it exists). Each
+        # request holds a slot: it is a generation in flight like any request.
+        slots = self.admission.acquire_many(tenant, record.name, len(requests), param, each)
+        observers = [RequestObserver(self.metrics, r, operation, counts_prompt=counts)
+                     for r, counts in zip(requests, counts_prompt)]
         try:
             # The request span's context rides the NATS headers.
             streams = await self._submit(requests, observers)
@@ -258,8 +269,7 @@ class GatewayService:
             for observer in observers:
                 observer.failed_to_submit(exc)
             raise errors.backend_unavailable(str(exc)) from exc
-        return Choices([self._generation(prepared, stream, observer, slot)
-                        for stream, observer, slot in zip(streams, observers, slots)])
+        return list(zip(streams, observers, slots))
 
     async def _submit(self, requests: list[InferenceRequest],
                       observers: list[RequestObserver]) -> list[TokenStream]:

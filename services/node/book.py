@@ -97,7 +97,8 @@ def sampling_params(req: InferenceRequest, output_len: int) -> SamplingParams:
                           min_p=req.min_p, prior_output=output_len, grammar=req.grammar,
                           # Sent with the first output token: a request resumed or migrated
                           # with output already had them sent by its first node.
-                          prompt_logprobs=req.prompt_logprobs if output_len == 0 else None)
+                          prompt_logprobs=req.prompt_logprobs if output_len == 0 else None,
+                          embedding=req.embedding)
 
 
 def wire_logprobs(logprobs: TokenLogprobs | None) -> list[TokenLogprob]:

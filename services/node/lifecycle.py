@@ -72,10 +72,12 @@ class RequestLifecycle:
 
     async def finish(self, live: Live, reason: FinishReason, error: str | None = None,
                      count_in_core: bool = True, prefill_s: float | None = None,
-                     prompt_logprobs: list[TokenLogprob] | None = None) -> TokenMessage:
+                     prompt_logprobs: list[TokenLogprob] | None = None,
+                     embedding: bytes = b"") -> TokenMessage:
         """Send the final message (whole output, so the gateway can fill gaps) and forget it.
-        Before its first await, the request is gone from the book and the core. Returns the
-        final message (with `prompt_logprobs` when its one token is the request's first)."""
+        Before its first await, the request is gone from the book and the core, and its K/V
+        are freed. Returns the final message (with `prompt_logprobs` when its one token is the
+        request's first; with `embedding`, an embedding request's vector, after its prefill)."""
         rid = live.request.request_id
         self.book.live.pop(rid, None)
         self._release(live.instance_id, rid)
@@ -87,7 +89,8 @@ class RequestLifecycle:
             finish_reason=reason, output_token_ids=list(live.output),
             prompt_tokens=len(live.request.prompt_token_ids), error=error,
             node_id=self.rt.s.node_id, prefill_s=prefill_s, attempt=live.request.attempt,
-            logprobs=live.last_logprobs if last else [], prompt_logprobs=prompt_logprobs or [])
+            logprobs=live.last_logprobs if last else [], prompt_logprobs=prompt_logprobs or [],
+            embedding=embedding)
         self.book.remember(live, RequestState.FINISHED, final)
         await self.rt.outbox.token(final)
         self.rt.obs.ended(rid, reason.value, live.generated_here, error)

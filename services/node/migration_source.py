@@ -81,6 +81,9 @@ class MigrationSource:
             return record
         refusal = engine_refusal(resolve_engine(self.rt.records[live.instance_id].engine,
                                                 self.rt.s.device))
+        if live.request.embedding is not None:
+            # Its whole work is one prefill, which a move would only run again over there.
+            refusal = "an embedding request runs its prefill where it is"
         if refusal is not None:
             record.reason = f"refused: {refusal}"
             self.migrations.append(record)

@@ -142,4 +142,10 @@ class TokenLoop:
                     logprobs=result.logprobs.get(rid),
                     prompt_logprobs=result.prompt_logprobs.get(rid)):
                 finished.add(rid)
+        for rid, vector in result.embeddings.items():  # a prefill with no decode: done
+            live = self.book.live.get(rid)
+            if live is not None:
+                await self.requests.finish(live, FinishReason.STOP, count_in_core=False,
+                                           prefill_s=prefill_s, embedding=vector)
+                finished.add(rid)
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import nats
+import numpy as np
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared import wire
@@ -79,6 +80,24 @@ def token_script(
     return steps
 
 
+def scripted_vector(req: InferenceRequest) -> np.ndarray:
+    """What a node sends for an embedding request: a unit vector that depends on its prompt
+    (its length and first id)."""
+    v = np.arange(1, 9, dtype="<f4") + np.float32(len(req.prompt_token_ids) + req.prompt_token_ids[0])
+    return v / np.linalg.norm(v)
+
+
+def embedding_script(req: InferenceRequest, vector: bytes | None = None,
+                     error: str | None = None) -> list[Step]:
+    """A node's answer to an embedding request: one final message, with the vector (or the
+    error)."""
+    data = scripted_vector(req).astype("<f4").tobytes() if vector is None else vector
+    return [TokenMessage(req.request_id, 0, [], finished=True,
+                         finish_reason=FinishReason.ERROR if error else FinishReason.STOP,
+                         prompt_tokens=len(req.prompt_token_ids), node_id="fake-node",
+                         error=error, embedding=b"" if error else data)]
+
+
 @dataclass
 class Responder:
     nats_url: str
@@ -128,7 +147,8 @@ class Responder:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _play(self, req: InferenceRequest) -> None:
-        script = self.script or (lambda r: token_script(r, self.default_output()))
+        script = self.script or (lambda r: embedding_script(r) if r.embedding is not None
+                                 else token_script(r, self.default_output()))
         for step in script(req):
             if isinstance(step, Hang):
                 return

@@ -163,7 +163,8 @@ def test_declared_length_over_limit_answers_without_the_body(gateway):
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [
-    ("GET", "/nope", 404), ("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405),
+    ("GET", "/nope", 404), ("POST", "/v1/images/generations", 404),
+    ("GET", "/v1/completions", 405), ("GET", "/v1/embeddings", 405),
     ("DELETE", "/v1/models", 405)])
 def test_unknown_routes_and_methods(client_a, method, path, status):
     resp = client_a.request(method, path)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from shared import engine_features
-from shared.schemas import OutputGrammar
+from shared.schemas import POOLINGS, Embedding, OutputGrammar
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -54,6 +54,10 @@ class SamplingParams:
     # The prompt's logprobs (echo): None = none; k = the prefill also gives each prompt token
     # after the first its log-probability and the k most likely (StepResult.prompt_logprobs).
     prompt_logprobs: int | None = None
+    # An embedding request (max_tokens 0): the prefill returns the prompt's pooled last hidden
+    # states (StepResult.embeddings) instead of a token. Only engines with the "embeddings"
+    # feature compute them.
+    embedding: Embedding | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
     # A prefill of a request that asked for prompt logprobs: one per prompt token after the first.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # A prefill of an embedding request: its vector (float32 little-endian bytes), and no token.
+    embeddings: dict[str, bytes] = field(default_factory=dict)
 
 
 class KVCacheFull(RuntimeError):
@@ -152,7 +158,7 @@ def asked_features(params: SamplingParams) -> list[str]:
                                           params.frequency_penalty, params.logit_bias,
                                           params.min_p,
                                           params.grammar.param if params.grammar else None,
-                                          params.prompt_logprobs)
+                                          params.prompt_logprobs, params.embedding is not None)
 
 
 class RequestBook:
@@ -205,6 +211,12 @@ class RequestBook:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         if not 0 <= params.prior_output <= tokens:
             raise ValueError(f"prior_output must be in 0..{tokens}, got {params.prior_output}")
+        embedding = params.embedding
+        if embedding is not None and (embedding.pooling not in POOLINGS or params.max_tokens
+                                      or params.grammar is not None or params.prompt_logprobs
+                                      is not None or params.logprobs is not None):
+            raise ValueError(f"an embedding request pools with one of {POOLINGS} and asks for "
+                             "no output (max_tokens 0, no grammar, no logprobs)")
         if params.grammar is not None and (params.ignore_eos or params.min_tokens
                                            or not params.eos_token_ids):
             # A complete output ends with an end token, the only one its grammar then allows.

@@ -43,6 +43,7 @@ from .base import (KVCacheFull, MemoryReport, RequestBook, SamplingParams, StepR
 from .grammar import Grammars, TokenGrammar, mask_rows
 from .kv_cache import PagedKVCache
 from .lora import LoraAdapter, LoraBatch, group_by_adapter, read_adapter
+from .pooling import pool
 from .sampling import add_logit_bias, keep_min_p, penalize_output, prompt_logprobs
 from .split import Split
 from .stage_client import StageClient
@@ -384,7 +385,8 @@ class TorchEngine(RequestBook):
 
     @torch.inference_mode()
     def prefill(self, request_id: str) -> StepResult:
-        """All of the request's tokens in one forward pass; returns its next token."""
+        """All of the request's tokens in one forward pass; returns its next token (an
+        embedding request's: its pooled hidden states, and no token)."""
         _, cache = self._loaded()
         request = self._request(request_id)
         if request.computed:
@@ -397,7 +399,12 @@ class TorchEngine(RequestBook):
             positions = torch.arange(n, device=self.device)[None]
             lora = LoraBatch.of_rows([request.adapter])
             prompt: dict[str, list[TokenLogprobs]] = {}
-            if request.params.prompt_logprobs is None:
+            embedding = request.params.embedding
+            if embedding is not None:  # no token: the pooled hidden states are the answer
+                hidden = self._hidden(ids, positions, spec, lora,
+                                      last_only=embedding.pooling == "last")
+                vector = pool(hidden[0], embedding)
+            elif request.params.prompt_logprobs is None:
                 logits = self._forward(ids, positions, spec, lora)
             else:  # every position's hidden state: each predicts the prompt token after it
                 hidden = self._hidden(ids, positions, spec, lora, last_only=False)
@@ -405,11 +412,15 @@ class TorchEngine(RequestBook):
                 prompt[request_id] = prompt_logprobs(
                     self.model.lm_head, hidden[0], request.tokens[1:request.prompt_len],
                     request.params.prompt_logprobs or 0)
-            (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
+            if embedding is None:
+                (token,), logprobs = self._pick(logits[:, -1], [request_id], [request])
         except BaseException:
             abort_step(cache, spec)
             raise
         finish_step(cache, spec)
+        if embedding is not None:
+            request.computed = n  # its K/V stay until the node releases it, at once
+            return StepResult(embeddings={request_id: vector})
         self._append(request, token, computed=n)
         return StepResult({request_id: token}, logprobs, prompt)
 
