@@ -1,6 +1,7 @@
 """The client side of the multi-host test, run inside one of its hosts (the test process sits in
 the root namespace, which cannot reach the segment): it stores the model's profile, registers
-the model, waits for the nodes, takes the fault-free references, then sends a steady load and
+the model, waits for the nodes, takes the fault-free references, multicasts the model from one
+node to the other (λScale, across hosts), then sends a steady load and
 records every token message on NATS until the test creates the stop file. Progress (completed
 requests) goes to `<out>.progress` as it happens; everything else to `<out>` at the end (JSON).
 
@@ -20,6 +21,8 @@ from pathlib import Path
 import httpx
 
 from shared.settings import nats_servers
+from services.placer.multicast import multicast
+from shared.bus import connect_nats
 from shared.cluster import profile_from_json, save_profile
 from shared.redis_client import open_redis
 from tests.faults.load import PROMPTS, Load, Outcome, TokenRecorder, client_for, references
@@ -70,6 +73,7 @@ async def _until_healthy(http: httpx.AsyncClient, gateway: str, timeout_s: float
 async def run(a: argparse.Namespace) -> None:
     await prepare(a)
     refs = await references(a.gateway, a.model, a.key, MAX_TOKENS)
+    scaleout = await _multicast(a)
     recorder = TokenRecorder(nats_servers(a.nats))
     await recorder.start()
     load = Load(a.gateway, a.model, clients=CLIENTS, timeout_s=120, api_key=a.key,
@@ -89,11 +93,26 @@ async def run(a: argparse.Namespace) -> None:
         "refs": [[p, chat, text] for (p, chat), text in refs.items()],
         "outcomes": [dataclasses.asdict(o) for o in outcomes],
         "long": dataclasses.asdict(long_outcome) if long_outcome else None,
+        "multicast": scaleout,
         "ran_twice": recorder.ran_twice(),
         # requests whose token messages came from more than one (attempt, node): moved or resumed
         "moved": {rid: path for rid in {m.request_id for m in recorder.messages}
                   if len(path := recorder.nodes_of(rid)) > 1},
     }))
+
+
+async def _multicast(a: argparse.Namespace) -> dict:
+    """λScale's transfer of the model from node-0 (h2) to node-1 (h3), over the TCP endpoints
+    they advertise on the segment."""
+    nc = await connect_nats(a.nats, "multihost-driver")
+    try:
+        report = await multicast(nc, a.model_dir, "node-0", ["node-1"], timeout_s=120)
+    finally:
+        await nc.close()
+    (dest,) = report.destinations
+    return {"ok": report.ok, "bytes": report.bytes, "seconds": report.seconds,
+            "error": dest.error, "block_sources": sorted(set(dest.block_sources.values())),
+            "blocks_received": len(dest.block_seconds)}
 
 
 async def _drain_holder(a: argparse.Namespace, request_id: str) -> None:
