@@ -183,7 +183,7 @@ async def _check_no_clash(ctx: Context, name: str, owner: str | None, alias: boo
 
 
 def _name_taken(name: str, public: bool = False, param: str = "name") -> errors.APIError:
-    what = "public model or alias" if public else "model of yours"
+    what = "public model or alias" if public else "model or alias of yours"
     replace = "" if public or param != "name" else " (or set replace=true to overwrite it)"
     return errors.APIError(409, f"A {what} named {name!r} is already registered; pick another name"
                            f"{replace}.", param=param, code="model_exists")
