@@ -20,6 +20,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "up": Command("services.launcher", "run the whole local stack (NATS, Redis, placer, nodes, gateway)"),
+    "models": Command("services.models_cli",
+                      "add, list, inspect, alias and delete models on a running gateway"),
     "gateway": Command("services.gateway.__main__", "OpenAI-compatible HTTP gateway and admin API"),
     "placer": Command("services.placer.__main__", "placement service: consumes the request stream"),
     "node": Command("services.node.__main__", "node worker: runs engine instances on one CPU/GPU node"),

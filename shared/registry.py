@@ -9,6 +9,11 @@ given, a private model's `<owner>~<name>` (`model_id`; "~" is not allowed in nam
 ever another model's name). Clients call a model by the name its owner gave it
 (`display_name`); the gateway resolves that for the caller's tenant (`resolve`).
 
+An alias is one more name for a model, with the model's owner and so its visibility: a public
+model's aliases are public, a private model's are private to its owner. Aliases live in their own
+hash (`ALIASES_HASH`: alias id -> model id), so the placer and the nodes never see them: a request
+for an alias is the model's request once the gateway resolved it (`resolve_served`).
+
 `model_record_from_dir` turns a Hugging Face directory into a record: it reads `config.json`
 (and `generation_config.json`, safetensors headers) for the numbers the placer sizes memory with.
 """
@@ -29,7 +34,7 @@ from shared import wire
 from shared.core.types import SLO_CLASSES
 from shared.redis_client import write_confirmed
 from shared.schemas import ModelRecord
-from shared.subjects import MODELS_HASH, STATE_EPOCH_KEY
+from shared.subjects import ALIASES_HASH, MODELS_HASH, STATE_EPOCH_KEY
 
 ENGINES = ("torch", "openvino", "vllm")
 
@@ -108,6 +113,47 @@ class ModelRegistry:
         # A record stored under a bare name by an older gateway may be private: visibility says.
         return record if record is not None and visible_to(record, tenant) else None
 
+    async def resolve_served(self, name: str, tenant: str) -> ModelRecord | None:
+        """The model a request for `name` by `tenant` is served by: `resolve`'s model, else the
+        model of `tenant`'s own alias, else of a public alias. A model costs one read (both of
+        its possible ids in one HMGET: one round trip fewer than `resolve` for a public model);
+        an alias two more (its id, then its model); a name that is neither, one more."""
+        fields = [name] if PRIVATE_SEPARATOR in name else [model_id(name, tenant), name]
+        for field, data in zip(fields, await self._redis.hmget(MODELS_HASH, fields)):
+            if data is not None:
+                record = wire.decode(ModelRecord, data)
+                if visible_to(record, tenant) and (field == name or record.owner == tenant):
+                    return record
+        for target in await self._redis.hmget(ALIASES_HASH, fields):
+            if target is not None:
+                record = await self.get(_text(target))
+                # an alias is visible to whoever sees its model, and to no one else
+                if record is not None and visible_to(record, tenant):
+                    return record
+        return None
+
+    async def add_alias(self, alias: str, model: ModelRecord) -> str:
+        """Name `model` also `alias` (with the model's owner). Returns the alias's id; raises
+        ModelExistsError when that alias exists (for any model)."""
+        alias_id = model_id(alias, model.owner)
+        added, = await write_confirmed(self._redis, f"aliasing {model.name} as {alias_id}",
+                                       lambda p: p.hsetnx(ALIASES_HASH, alias_id, model.name))
+        if not added:
+            raise ModelExistsError(f"alias {alias_id!r} exists already")
+        return alias_id
+
+    async def aliases(self) -> dict[str, str]:
+        """Every alias: alias id -> the registry id of its model."""
+        raw = await self._redis.hgetall(ALIASES_HASH)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+    async def remove_aliases(self, *alias_ids: str) -> int:
+        if not alias_ids:
+            return 0
+        removed, = await write_confirmed(self._redis, f"removing aliases {list(alias_ids)}",
+                                         lambda p: p.hdel(ALIASES_HASH, *alias_ids))
+        return int(removed)
+
     async def get_visible(self, name: str, tenant: str) -> ModelRecord | None:
         """`resolve`, by its older name."""
         return await self.resolve(name, tenant)
@@ -142,6 +188,15 @@ class ModelRegistry:
         """False while Redis has lost its data and no placer has restored the registry yet: a
         model missing now may only be missing for a moment (503, not 404)."""
         return bool(await self._redis.exists(STATE_EPOCH_KEY))
+
+
+def aliases_of(aliases: dict[str, str], model: str) -> list[str]:
+    """The ids of `model`'s aliases (from `ModelRegistry.aliases`), sorted."""
+    return sorted(a for a, target in aliases.items() if target == model)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 # --- reading a model directory -------------------------------------------------------------------

@@ -46,6 +46,9 @@ CANCEL_STREAM = "SLINFER_CANCELS"
 # --- Redis ----------------------------------------------------------------------------------------
 NODES_SET = "slinfer:nodes"
 MODELS_HASH = "slinfer:models"  # field = model name, value = msgpack ModelRecord
+# Model aliases: field = the alias's id (`registry.model_id(alias, owner)`, the owner being its
+# model's), value = the registry id of the model it serves
+ALIASES_HASH = "slinfer:aliases"
 PROFILES_HASH = "slinfer:profiles"  # field = "<model>|<hardware kind>", value = JSON profile
 # Online calibration: field = "<model>|<hardware kind>|<node id>", value = JSON
 # {"prefill": factor, "decode": factor, "updated": unix seconds}

@@ -13,6 +13,13 @@ Registering a model starts its lifecycle (`services.gateway.lifecycle`): it is c
 profiled on each hardware kind of the cluster by the profiler services, and every model view
 (`POST`, `GET /admin/models`, `GET /admin/models/{name}`) carries `lifecycle`: the state
 (`converting`, `profiling`, `ready`, `failed`) per hardware kind with its progress and reason.
+
+Aliases: `POST /admin/models/{name}/aliases` gives a model one more name that requests may call
+it by (`GET /admin/aliases` lists them, `DELETE /admin/aliases/{alias}` removes one). An alias
+belongs to its model's owner: whoever may change the model may alias it, and whoever sees the
+model sees the alias. One name means one thing in each tenant's view: an alias may not take a
+name a model or another alias holds there, nor a model an alias's. Model views list their
+aliases; deleting a model deletes its aliases.
 """
 
 from __future__ import annotations
@@ -30,16 +37,16 @@ from fastapi.responses import JSONResponse
 from services.gateway import errors, lifecycle
 from services.gateway.auth import Principal
 from services.gateway.deps import Caller, Context, RawBody
-from services.gateway.openapi_docs import (ADMIN_ERRORS, DELETED, INSTANCE_LIST, MODEL_RECORD,
-                                           NODE_LIST, RECORD_LIST, json_body)
+from services.gateway.openapi_docs import (ADMIN_ERRORS, ALIAS, ALIAS_LIST, DELETED, INSTANCE_LIST,
+                                           MODEL_RECORD, NODE_LIST, RECORD_LIST, json_body)
 from services.gateway.paths import confined_model_dir
 from services.gateway.validation import _Strict, parse_body
 from shared import wire
 from shared.cluster import decode_node
 from shared.core.types import SLO_CLASSES, NodeView
 from shared.model_state import forget as forget_state
-from shared.registry import (ModelDirError, ModelExistsError, display_name, model_id,
-                             model_record_from_dir, strip_owner)
+from shared.registry import (PRIVATE_SEPARATOR, ModelDirError, ModelExistsError, aliases_of,
+                             display_name, model_id, model_record_from_dir, strip_owner)
 from shared.schemas import ModelRecord
 from shared.subjects import NODES_SET, node_key
 
@@ -65,19 +72,27 @@ class RegisterModel(_Strict):
     matryoshka: bool = False
 
 
+class AddAlias(_Strict):
+    alias: str  # the new name; owned, and so seen, as the model is
+
+
 def _forbidden(message: str, param: str | None = None) -> errors.APIError:
     return errors.APIError(403, message, type="permission_error", param=param,
                            code="permission_denied")
 
 
 def _check_name(body: RegisterModel) -> None:
-    if not MODEL_NAME.fullmatch(body.name) or ".." in body.name:
-        raise errors.invalid_request("name must be 1-128 characters of letters, digits and ._:/@+- "
-                                     "starting with a letter or digit.", param="name",
-                                     code="invalid_value")
+    _check_model_name(body.name, "name")
     if body.slo_class not in SLO_CLASSES:
         raise errors.invalid_request(f"slo_class must be one of {sorted(SLO_CLASSES)}.",
                                      param="slo_class", code="invalid_value")
+
+
+def _check_model_name(name: str, param: str) -> None:
+    if not MODEL_NAME.fullmatch(name) or ".." in name:
+        raise errors.invalid_request(f"{param} must be 1-128 characters of letters, digits and "
+                                     "._:/@+- starting with a letter or digit.", param=param,
+                                     code="invalid_value")
 
 
 def _allowed_roots(ctx: Context, caller: Principal) -> list | None:
@@ -120,7 +135,7 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
              record.path)
     status = await lifecycle.start(ctx.nc, ctx.redis, record, previous,
                                    ctx.settings.profile_hardware)
-    view = model_view(record, caller)
+    view = model_view(record, caller, await ctx.registry.aliases())
     view["lifecycle"] = lifecycle.view(status, set(), None if caller.operator else record.path)
     return JSONResponse(view, status_code=201)
 
@@ -135,36 +150,61 @@ async def _base_model(ctx: Context, name: str | None, tenant: str) -> ModelRecor
     return base
 
 
-async def _check_no_clash(ctx: Context, name: str, owner: str | None) -> None:
-    """One name, one meaning for every tenant: a private name may not shadow a public model
-    (public names are no secret), and the operator may not publish a name a tenant already
-    uses privately (the operator may know that)."""
+async def _check_no_clash(ctx: Context, name: str, owner: str | None, alias: bool = False) -> None:
+    """One name, one meaning for every tenant: a private name (model or alias) may not shadow a
+    public model or alias (public names are no secret), the operator may not publish a name a
+    tenant already uses privately (the operator may know that), and a model and an alias never
+    share a name. `alias`: `name` is to be an alias (another alias of that name is left to the
+    registry's own check); else a model (a model of that name is left to `replace`)."""
+    param = "alias" if alias else "name"
+    aliases = await ctx.registry.aliases()
     if owner is not None:
         public = await ctx.registry.get(name)
-        if public is not None and public.owner is None:
-            raise _name_taken(name, public=True)
+        if (public is not None and public.owner is None) or name in aliases:
+            raise _name_taken(name, public=True, param=param)
+        own = model_id(name, owner)
+        if not alias and own in aliases:
+            raise _alias_taken(name)
+        if alias and await ctx.registry.get(own) is not None:
+            raise _name_taken(name, param=param)
         return
-    clash = [r for r in await ctx.registry.list() if r.owner is not None and display_name(r) == name]
-    if clash:  # only the operator publishes, and the operator may see every name
-        raise errors.APIError(409, f"Tenant {clash[0].owner!r} has a private model named {name!r}; "
-                              "pick another public name.", param="name", code="model_exists")
+    private = [r.owner for r in await ctx.registry.list() if r.owner is not None
+               and display_name(r) == name]
+    private += [a.partition(PRIVATE_SEPARATOR)[0] for a in aliases
+                if PRIVATE_SEPARATOR in a and a.partition(PRIVATE_SEPARATOR)[2] == name]
+    if private:  # only the operator publishes, and the operator may see every name
+        raise errors.APIError(409, f"Tenant {private[0]!r} has a private model or alias named "
+                              f"{name!r}; pick another public name.", param=param,
+                              code="model_exists")
+    if not alias and name in aliases:
+        raise _alias_taken(name)
+    if alias and await ctx.registry.get(name) is not None:
+        raise _name_taken(name, public=True, param=param)
 
 
-def _name_taken(name: str, public: bool = False) -> errors.APIError:
-    what = "public model" if public else "model of yours"
+def _name_taken(name: str, public: bool = False, param: str = "name") -> errors.APIError:
+    what = "public model or alias" if public else "model or alias of yours"
+    replace = "" if public or param != "name" else " (or set replace=true to overwrite it)"
     return errors.APIError(409, f"A {what} named {name!r} is already registered; pick another name"
-                           f"{'' if public else ' (or set replace=true to overwrite it)'}.",
-                           param="name", code="model_exists")
+                           f"{replace}.", param=param, code="model_exists")
+
+
+def _alias_taken(name: str) -> errors.APIError:
+    return errors.APIError(409, f"{name!r} is an alias already; pick another name, or remove the "
+                           f"alias first (DELETE /admin/aliases/{name}).", param="name",
+                           code="model_exists")
 
 
 def _who(caller: Principal) -> str:
     return "the operator" if caller.operator else f"tenant {caller.tenant}"
 
 
-def model_view(record: ModelRecord, caller: Principal) -> dict[str, Any]:
-    """A record as `caller` may read it: the operator sees everything (names are registry ids);
-    a tenant sees names as it calls them and no server paths."""
+def model_view(record: ModelRecord, caller: Principal, aliases: dict[str, str]) -> dict[str, Any]:
+    """A record as `caller` may read it, with its aliases (`ModelRegistry.aliases`): the
+    operator sees everything (names are registry ids); a tenant sees names as it calls them and
+    no server paths."""
     plain = wire.to_plain(record)
+    plain["aliases"] = [_as_called(a, caller) for a in aliases_of(aliases, record.name)]
     if caller.operator:
         return plain
     plain.pop("path")
@@ -174,12 +214,17 @@ def model_view(record: ModelRecord, caller: Principal) -> dict[str, Any]:
     return plain
 
 
+def _as_called(name_or_id: str, caller: Principal) -> str:
+    return name_or_id if caller.operator else strip_owner(name_or_id, caller.tenant)
+
+
 @router.get("/models", response_model=None, responses={200: RECORD_LIST})
 async def list_registered(caller: Caller, ctx: Context) -> dict[str, Any]:
     records = await ctx.registry.list(None if caller.operator else caller.tenant)
     states = await lifecycle.views(ctx.redis, records, caller.operator)
-    return {"object": "list",
-            "data": [{**model_view(r, caller), "lifecycle": states[r.name]} for r in records]}
+    aliases = await ctx.registry.aliases()
+    return {"object": "list", "data": [{**model_view(r, caller, aliases), "lifecycle": states[r.name]}
+                                       for r in records]}
 
 
 @router.get("/models/{name:path}", response_model=None, responses={200: MODEL_RECORD})
@@ -187,14 +232,16 @@ async def get_registered(name: str, caller: Caller, ctx: Context) -> dict[str, A
     """One model as the caller calls it (the operator also by registry id), with its lifecycle."""
     record = await _visible(ctx, name, caller)
     states = await lifecycle.views(ctx.redis, [record], caller.operator)
-    return {**model_view(record, caller), "lifecycle": states[record.name]}
+    return {**model_view(record, caller, await ctx.registry.aliases()),
+            "lifecycle": states[record.name]}
 
 
 @router.delete("/models/{name:path}", response_model=None, responses={200: DELETED})
 async def delete_model(name: str, caller: Caller, ctx: Context) -> dict[str, Any]:
-    record = await _deletable(ctx, name, caller)
+    record = await _changeable(ctx, name, caller, "delete")
     if not await ctx.registry.delete(record.name):
         raise errors.model_not_found(name)
+    await ctx.registry.remove_aliases(*aliases_of(await ctx.registry.aliases(), record.name))
     ctx.service.tokenizers.forget(record.path)
     await forget_state(ctx.redis, record.name)  # its profiles stay: instances may still run
     log.info("%s deleted model %s", _who(caller), record.name)
@@ -211,11 +258,65 @@ async def _visible(ctx: Context, name: str, caller: Principal) -> ModelRecord:
     return record
 
 
-async def _deletable(ctx: Context, name: str, caller: Principal) -> ModelRecord:
+async def _changeable(ctx: Context, name: str, caller: Principal, what: str) -> ModelRecord:
     record = await _visible(ctx, name, caller)
     if not caller.operator and record.owner != caller.tenant:
-        raise _forbidden(f"Only the operator may delete the public model {name!r}.")
+        raise _forbidden(f"Only the operator may {what} the public model {name!r}.")
     return record
+
+
+@router.post("/models/{name:path}/aliases", status_code=201, response_model=None,
+             openapi_extra=json_body("AddAlias"), responses={201: ALIAS})
+async def add_alias(name: str, caller: Caller, raw: RawBody, ctx: Context) -> JSONResponse:
+    """Another name for the model `name`; requests for the alias are served by the model."""
+    body = parse_body(AddAlias, raw)
+    _check_model_name(body.alias, "alias")
+    record = await _changeable(ctx, name, caller, "alias")
+    await _check_no_clash(ctx, body.alias, record.owner, alias=True)
+    try:
+        alias_id = await ctx.registry.add_alias(body.alias, record)
+    except ModelExistsError:
+        raise _name_taken(body.alias, public=record.owner is None, param="alias") from None
+    log.info("%s aliased model %s as %s", _who(caller), record.name, alias_id)
+    return JSONResponse(alias_view(alias_id, record.name, caller), status_code=201)
+
+
+def alias_view(alias_id: str, model: str, caller: Principal) -> dict[str, Any]:
+    owner, _, _ = alias_id.rpartition(PRIVATE_SEPARATOR)
+    return {"id": _as_called(alias_id, caller), "object": "model.alias",
+            "model": _as_called(model, caller), "owned_by": owner or "public"}
+
+
+def _alias_visible(alias_id: str, caller: Principal) -> bool:
+    """An alias has its model's owner, so the model's visibility: public, or the caller's."""
+    owner, _, _ = alias_id.rpartition(PRIVATE_SEPARATOR)
+    return caller.operator or owner in ("", caller.tenant)
+
+
+@router.get("/aliases", response_model=None, responses={200: ALIAS_LIST})
+async def list_aliases(caller: Caller, ctx: Context) -> dict[str, Any]:
+    aliases = await ctx.registry.aliases()
+    return {"object": "list", "data": [alias_view(a, m, caller) for a, m in sorted(aliases.items())
+                                       if _alias_visible(a, caller)]}
+
+
+@router.delete("/aliases/{alias:path}", response_model=None, responses={200: DELETED})
+async def delete_alias(alias: str, caller: Caller, ctx: Context) -> dict[str, Any]:
+    """Remove an alias, by the name the caller calls it (the operator also by its id); its model
+    stays."""
+    aliases = await ctx.registry.aliases()
+    candidates = [alias] if caller.operator else []
+    if PRIVATE_SEPARATOR not in alias:
+        candidates += [model_id(alias, caller.tenant), alias]
+    found = next((a for a in candidates if a in aliases and _alias_visible(a, caller)), None)
+    if found is None:
+        raise errors.APIError(404, f"The alias {alias!r} does not exist or you do not have access "
+                              "to it.", param="alias", code="model_not_found")
+    if not caller.operator and PRIVATE_SEPARATOR not in found:
+        raise _forbidden(f"Only the operator may remove the public alias {alias!r}.")
+    await ctx.registry.remove_aliases(found)
+    log.info("%s removed alias %s (of %s)", _who(caller), found, aliases[found])
+    return {"id": alias, "object": "model.alias", "deleted": True}
 
 
 async def _nodes(ctx: Context, caller: Principal) -> list[NodeView]:

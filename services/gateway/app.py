@@ -140,7 +140,8 @@ def _publish_schema(app: FastAPI) -> None:
                 "ChatBody": ChatBody, "CompletionBody": CompletionBody,
                 "TokenizeBody": TokenizeBody, "DetokenizeBody": DetokenizeBody,
                 "EmbeddingBody": EmbeddingBody,
-                "RegisterModel": admin_routes.RegisterModel})
+                "RegisterModel": admin_routes.RegisterModel,
+                "AddAlias": admin_routes.AddAlias})
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -42,24 +42,36 @@ log = logging.getLogger("slinfer.gateway")
 LOGGED_NAMES = 32  # a log line names this many ignored fields at most
 
 
-def model_object(record: ModelRecord) -> dict[str, Any]:
-    """A model as its callers name it (a private model by its owner's name for it)."""
+def model_object(record: ModelRecord, alias: str | None = None) -> dict[str, Any]:
+    """A model as its callers name it (a private model by its owner's name for it), or one of
+    its aliases (`alias`: as its callers name it). `root` names the model that serves it, as vLLM's cards do for the several
+    names of one model (`--served-model-name`)."""
     parent = None if record.base_model is None else strip_owner(record.base_model, record.owner)
-    return {"id": display_name(record), "object": "model", "created": int(record.created_at),
-            "owned_by": record.owner or "public", "parent": parent}
+    name = display_name(record)
+    return {"id": alias or name, "object": "model",
+            "created": int(record.created_at), "owned_by": record.owner or "public",
+            "parent": parent, "root": name}
 
 
 @router.get("/v1/models", response_model=None, responses={200: MODEL_LIST, **READ_ERRORS})
 async def list_models(tenant: Tenant, registry: Registry) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(r) for r in await registry.list(tenant)]}
+    records = {r.name: r for r in await registry.list(tenant)}
+    aliases = await registry.aliases()
+    data = [model_object(r) for r in records.values()]
+    data += [model_object(records[m], alias=strip_owner(a, records[m].owner))
+             for a, m in sorted(aliases.items()) if m in records]
+    return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{name:path}", response_model=None, responses={200: MODEL, **READ_ERRORS})
 async def get_model(name: str, tenant: Tenant, registry: Registry) -> dict[str, Any]:
     record = await registry.resolve(name, tenant)
+    if record is not None:
+        return model_object(record)
+    record = await registry.resolve_served(name, tenant)  # an alias
     if record is None:
         raise model_not_found(name)
-    return model_object(record)
+    return model_object(record, alias=strip_owner(name, tenant))
 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=json_body("CompletionBody"),

@@ -152,6 +152,7 @@ class ModelObject(BaseModel):
     created: int
     owned_by: str
     parent: str | None
+    root: str  # the model that serves it: its own id, or an alias's model
 
 
 class ModelList(BaseModel):
@@ -198,11 +199,24 @@ class RegisteredModel(BaseModel):
     normalize: bool | None = None
     matryoshka: bool | None = None
     lifecycle: Lifecycle | None = None
+    aliases: list[str] = []  # its other names, as the caller calls them
 
 
 class RegisteredList(BaseModel):
     object: str
     data: list[RegisteredModel]
+
+
+class Alias(BaseModel):
+    id: str  # the alias, as the caller calls it
+    object: str  # "model.alias"
+    model: str  # the model it names
+    owned_by: str  # its model's owner, or "public"
+
+
+class AliasList(BaseModel):
+    object: str
+    data: list[Alias]
 
 
 class Deleted(BaseModel):
@@ -287,7 +301,9 @@ HEALTH = _ok(Health, "NATS and Redis are reachable.")
 HEALTH_DOWN = _ok(Health, "NATS or Redis is unreachable.")
 MODEL_RECORD = _ok(RegisteredModel, "The registered model.")
 RECORD_LIST = _ok(RegisteredList, "The models the caller may see.")
-DELETED = _ok(Deleted, "The model was deleted.")
+DELETED = _ok(Deleted, "The model (or alias) was deleted.")
+ALIAS = _ok(Alias, "The alias.")
+ALIAS_LIST = _ok(AliasList, "The aliases the caller may see.")
 NODE_LIST = _ok(NodeList, "The live nodes, with the instances the caller may see.")
 INSTANCE_LIST = _ok(InstanceList, "The instances the caller may see.")
 TOKENIZED = _ok(Tokenized, "The token ids the model would be given for this prompt.")

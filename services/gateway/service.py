@@ -66,7 +66,7 @@ class GatewayService:
         self.files = FilesCheck(registry, redis)
 
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
-        record = await self.registry.resolve(name, tenant)
+        record = await self.registry.resolve_served(name, tenant)
         if record is None:
             if not await self.registry.intact():  # Redis lost its data; a placer restores it
                 raise errors.registry_unavailable()

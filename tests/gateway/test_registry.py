@@ -168,8 +168,40 @@ async def test_resolve_prefers_the_tenants_own_then_public(redis_url):
         assert await reg.resolve(model_id("res-y", "tb"), "ta") is None  # ids do not get around it
         assert (await reg.resolve("res-legacy", "ta")).path == "/l"
         assert await reg.resolve("res-legacy", "tb") is None
+        # A request resolves the same models the same way (in one read: resolve_served).
+        for name, tenant in (("res-x", "ta"), ("res-x", "tb"), ("res-y", "tb"), ("res-y", "ta"),
+                             (model_id("res-y", "tb"), "ta"), ("res-legacy", "ta"),
+                             ("res-legacy", "tb")):
+            assert await reg.resolve_served(name, tenant) == await reg.resolve(name, tenant)
     finally:
         await redis.hdel(MODELS_HASH, *ids)
+        await redis.aclose()
+
+
+@pytest.mark.integration
+async def test_an_alias_serves_its_model_to_whoever_sees_the_model(redis_url):
+    redis = Redis.from_url(redis_url)
+    reg = ModelRegistry(redis)
+    public = ModelRecord(name="al-pub", path="/public")
+    private = ModelRecord(name=model_id("al-own", "ta"), path="/ta", owner="ta")
+    try:
+        for record in (public, private):
+            await reg.register(record)
+        assert await reg.add_alias("al-p", public) == "al-p"
+        assert await reg.add_alias("al-q", private) == model_id("al-q", "ta")
+        with pytest.raises(ModelExistsError):
+            await reg.add_alias("al-p", public)
+        assert (await reg.resolve_served("al-p", "tb")).path == "/public"
+        assert (await reg.resolve_served("al-q", "ta")).path == "/ta"
+        assert await reg.resolve_served("al-q", "tb") is None
+        assert await reg.resolve_served(model_id("al-q", "ta"), "tb") is None  # nor by its id
+        assert await reg.resolve("al-p", "tb") is None  # resolve: models only (the admin API's)
+        assert await reg.aliases() == {"al-p": "al-pub", model_id("al-q", "ta"): private.name}
+        assert await reg.remove_aliases("al-p", model_id("al-q", "ta")) == 2
+        assert await reg.resolve_served("al-p", "tb") is None
+    finally:
+        await reg.remove_aliases("al-p", model_id("al-q", "ta"))
+        await redis.hdel(MODELS_HASH, public.name, private.name)
         await redis.aclose()
 
 
