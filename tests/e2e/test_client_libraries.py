@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import jsonschema_rs
 import openai
@@ -24,9 +23,7 @@ from pydantic import BaseModel, Field
 # back-off; the copy it ships is enough for an OpenAI-compatible endpoint.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-with warnings.catch_warnings():  # pydantic's notes on litellm's ReadOnly TypedDicts
-    warnings.simplefilter("ignore", UserWarning)
-    import litellm  # noqa: E402
+import litellm  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 from llama_index.llms.openai_like import OpenAILike  # noqa: E402
@@ -34,7 +31,9 @@ from llama_index.llms.openai_like import OpenAILike  # noqa: E402
 from shared.default_model import NAME  # noqa: E402
 from tests.e2e.clients import openai_client  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600),
+              # pydantic's notes on litellm's ReadOnly TypedDicts, at its first call
+              pytest.mark.filterwarnings("ignore:.*ReadOnly.*:UserWarning")]
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # this model's greedy answer
 LIMIT = 40  # tokens; every answer below ends well before
