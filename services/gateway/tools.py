@@ -18,7 +18,8 @@ tool_choice: `none` shows the model no tools and parses nothing; `auto` (the def
 tools) lets it choose, and parses what it writes; `required` constrains the output to one or
 more calls (exactly one with parallel_tool_calls false) of the given tools; a named function
 constrains it to exactly one call of that function. A forced call's arguments are generated
-against the function's `parameters` schema.
+against the function's `parameters` schema, its objects closed (shared/grammar.py): a caller
+passes them to its function, which has no use for keys it does not declare.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 from services.gateway.errors import invalid_request
 from services.gateway.validation import ChatBody, FunctionDef, check_grammar
 from shared.engine_features import TOOL_CHOICE
-from shared.grammar import LARK, with_layout
+from shared.grammar import LARK, closed_objects, with_layout
 from shared.schemas import OutputGrammar
 
 CALL_OPEN = "<tool_call>"
@@ -110,7 +111,8 @@ def call_grammar(functions: list[FunctionDef], several: bool) -> OutputGrammar:
     for i, f in enumerate(functions):
         head = _literal(f'{CALL_OPEN}\n{{"name": {json.dumps(f.name)}, "arguments": ')
         rules.append(f"call_{i}: {head} args_{i} {tail}")
-        rules.append(f"args_{i}: %json {json.dumps(with_layout(f.parameters or NO_PARAMETERS))}")
+        parameters = closed_objects(f.parameters or NO_PARAMETERS)
+        rules.append(f"args_{i}: %json {json.dumps(with_layout(parameters))}")
     return OutputGrammar(LARK, "\n".join(rules) + "\n", TOOL_CHOICE)
 
 

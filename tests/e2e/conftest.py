@@ -36,9 +36,17 @@ def stack(tmp_path_factory, demo_model_dir, demo_profile: Profile) -> Iterator[S
 def real_stack(tmp_path_factory, real_model_dir: Path) -> Iterator[Stack]:
     """The stack serving the default real model (SmolLM2-135M-Instruct) under its own name, in
     the best-effort SLO class: these tests check what the model says, and on a busy 2-core box
-    its measured profile rightly says a standard TTFT cannot be met."""
-    with running_stack(tmp_path_factory.mktemp("real-stack"), real_model_dir, plan=REAL_PLAN,
-                       model=NAME) as stack:
+    its measured profile rightly says a standard TTFT cannot be met. The profile is measured
+    twice and the faster time kept at each point, as for the demo model: measured once while
+    other test runs loaded the box (load 7 on 2 cores), it twice priced a ~170-token tool prompt
+    beyond even the batch class's SLO (10 s TTFT; 0.35 s measured on a quiet box), and the
+    placer dropped that request as slo_infeasible (503)."""
+    from services.profiler.run import profile_model
+    from tests.conftest import fastest_of
+
+    first, second = (profile_model(real_model_dir, NAME, plan=REAL_PLAN)[0] for _ in range(2))
+    with running_stack(tmp_path_factory.mktemp("real-stack"), real_model_dir,
+                       profile=fastest_of(first, second), model=NAME) as stack:
         register_slo_class(stack, NAME, "batch")
         yield stack
 

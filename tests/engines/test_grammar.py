@@ -13,7 +13,8 @@ import jsonschema_rs
 import pytest
 
 from services.node.engines.base import RequestBook, SamplingParams
-from shared.grammar import ANY_JSON_OBJECT, GrammarError, compile_grammar, json_schema_grammar
+from shared.grammar import (ANY_JSON_OBJECT, GrammarError, closed_objects, compile_grammar,
+                            json_schema_grammar)
 from shared.schemas import OutputGrammar
 from tests.engines import engine_checks as checks
 
@@ -43,6 +44,11 @@ REFS = {"$defs": {"Pet": {"type": "object", "properties": {
                                               "maxItems": 3}},
     "required": ["pets"], "additionalProperties": False}
 SCHEMAS = {"enum": ENUM, "nested": NESTED, "array": ARRAY, "refs": REFS}
+# As Pydantic and hand-written tool schemas come: properties listed, the object not closed.
+OPEN = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]},
+    "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["color"]}
 
 
 @pytest.fixture
@@ -70,6 +76,15 @@ def test_greedy_and_sampled_outputs_validate_against_the_schema(engine, tokenize
     for i, p in enumerate(params):
         value = document(tokenizer, engine, checks.run_to_end(engine, f"{name}-{i}", PROMPT, p))
         validator.validate(value)
+
+
+def test_an_open_object_is_generated_with_its_listed_keys_only(engine, tokenizer):
+    params = [constrained(engine, OPEN)]
+    params += [constrained(engine, OPEN, temperature=1.0, seed=seed) for seed in range(3)]
+    for i, p in enumerate(params):
+        value = document(tokenizer, engine, checks.run_to_end(engine, f"open-{i}", PROMPT, p))
+        jsonschema_rs.validate(OPEN, value)
+        assert set(value) <= set(OPEN["properties"]), value
 
 
 def test_free_output_does_not_parse_so_the_mask_did_the_work(engine, tokenizer):
@@ -143,6 +158,53 @@ def test_the_compiled_grammar_is_shared_by_requests(engine):
     assert grammar._initial.cache_info().misses == 1
     for i in range(3):
         engine.release(f"c{i}")
+
+
+# -- closing objects (no engine) ---------------------------------------------------------------------
+
+
+def test_listed_properties_close_their_object_at_every_depth():
+    pet = {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}
+    schema = {"$defs": {"Pet": pet}, "type": "object", "required": ["pets"], "properties": {
+        "pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}},
+        "best": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]},
+        "owner": {"allOf": [{"type": "object", "properties": {"name": {"type": "string"}}}]},
+        "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "free": {"type": "object"}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Pet"] == {**pet, "additionalProperties": False}
+    assert closed["properties"]["owner"]["allOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["tags"] == schema["properties"]["tags"]  # other keys asked for
+    assert closed["properties"]["free"] == {"type": "object"}  # no properties listed: any object
+    assert "additionalProperties" not in schema and "additionalProperties" not in pet  # a copy
+    extra = {"pets": [{"kind": "cat", "age": 3}]}
+    jsonschema_rs.validate(schema, extra)
+    assert not jsonschema_rs.is_valid(closed, extra)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+    {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},  # b is not listed
+    {"type": "object", "properties": {"a": {}}, "minProperties": 2},
+])
+def test_an_object_that_asks_for_other_keys_keeps_them(schema):
+    assert closed_objects(schema) == schema
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"not": {"type": "object", "properties": {}}}}},
+    {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+    {"oneOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+    # anyOf and $ref apply to the same object: closing either side would refuse the other's keys
+    {"properties": {"a": {}}, "required": ["a"],
+     "anyOf": [{"properties": {"b": {}}, "required": ["b"]}]},
+    {"$defs": {"B": {"properties": {"b": {}}, "required": ["b"]}},
+     "properties": {"a": {}}, "required": ["a"], "$ref": "#/$defs/B"},
+])
+def test_a_schema_where_closing_could_change_its_meaning_is_left_whole(schema):
+    assert closed_objects(schema) == schema
 
 
 # -- refusals ----------------------------------------------------------------------------------------
