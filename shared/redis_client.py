@@ -27,12 +27,16 @@ from urllib.parse import unquote
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 RETRIES = 3  # enough for every stale pooled connection to be replaced by a fresh one
 BACKOFF_CAP_S, BACKOFF_BASE_S = 0.2, 0.02
+# Behind Sentinels a dead primary is replaced within a few seconds (down-after-milliseconds,
+# then the election and the promotion: ~2 s measured with a 1 s down-after): a command retries
+# that long, each try asking the Sentinels for the primary again, instead of failing the caller.
+FAILOVER_RETRIES, FAILOVER_BACKOFF_CAP_S = 14, 0.5  # ~5.5 s in all
 SENTINEL_SCHEME = "redis+sentinel://"
 SENTINEL_PORT = 26379
 SENTINEL_TIMEOUT_S = 2.0  # asking a Sentinel must not hang a command on a dead one
@@ -80,8 +84,9 @@ def _host_port(part: str, name: str) -> tuple[str, int]:
     return host, int(port or SENTINEL_PORT)
 
 
-def _retry() -> dict:
-    return {"retry": Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES,
+def _retry(failover: bool = False) -> dict:
+    cap, tries = (FAILOVER_BACKOFF_CAP_S, FAILOVER_RETRIES) if failover else (BACKOFF_CAP_S, RETRIES)
+    return {"retry": Retry(ExponentialBackoff(cap=cap, base=BACKOFF_BASE_S), tries,
                            supported_errors=(RedisConnectionError,)),
             "retry_on_error": [RedisConnectionError]}
 
@@ -94,13 +99,28 @@ def open_redis(url: str, timeout_s: float | None = None) -> Redis:
                           **_retry())
 
 
+class _AskingConnection(SentinelManagedConnection):
+    """A connection to the primary that asks the Sentinels where it is on every reconnect.
+    redis-py's own (redis-py issue 3874) asks only on a pool's first connect: a command retried
+    after the primary died reconnects through `connect_check_health` to the dead address until
+    its retries run out, though the Sentinels promoted a replica a second in."""
+
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
+        if not retry_socket_connect:  # from connect_to(): the address was just asked for
+            await super().connect_check_health(check_health=check_health,
+                                               retry_socket_connect=False)
+            return
+        await self.connect()  # asks the Sentinels, then connect_to() the primary they name
+
+
 def _open_sentinel(target: SentinelTarget, timeout_s: float | None) -> Redis:
     asking = timeout_s or SENTINEL_TIMEOUT_S
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={
         "socket_connect_timeout": asking, "socket_timeout": asking})
     return sentinel.master_for(target.master, db=target.db, password=target.password,
                                socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                               **_retry())
+                               connection_class=_AskingConnection, **_retry(failover=True))
 
 
 # ---------------------------------------------------------------- writes a replica confirms

@@ -1,4 +1,4 @@
-"""Re-creating the registry and the profiles after Redis lost its data.
+"""Re-creating the registry (models and their aliases) and the profiles after Redis lost its data.
 
 What is durable where (README, "Crashes, restarts and what survives them"): valkey keeps the
 model registry and the measured profiles in its append-only file, so a restart on its data
@@ -24,11 +24,11 @@ import uuid
 
 from redis.asyncio import Redis
 
-from shared.subjects import MODELS_HASH, PROFILES_HASH, STATE_EPOCH_KEY
+from shared.subjects import ALIASES_HASH, MODELS_HASH, PROFILES_HASH, STATE_EPOCH_KEY
 
 log = logging.getLogger("slinfer.placer")
 
-KEPT = (MODELS_HASH, PROFILES_HASH)
+KEPT = (MODELS_HASH, PROFILES_HASH, ALIASES_HASH)  # the registry (models, their aliases), the profiles
 
 
 class StateKeeper:

@@ -11,6 +11,7 @@ import time
 from contextlib import ExitStack
 
 import pytest
+from redis.asyncio import Redis
 
 from shared.redis_client import has_replicas, open_redis, write_confirmed
 from shared.registry import ModelRegistry
@@ -86,6 +87,30 @@ async def test_sentinel_failover_keeps_confirmed_writes_and_writes_again(tmp_pat
             await replica_client.aclose()
 
 
+async def test_a_call_made_during_a_failover_waits_it_out(tmp_path):
+    """One registry read issued right after the primary died answers (from the promoted
+    replica) instead of raising: a Sentinel client retries for as long as a failover takes, so
+    the gateway does not answer 503 for a ~2 s failover."""
+    with ExitStack() as stack:
+        primary, replica, sentinel = _servers(stack, tmp_path)
+        redis = open_redis(sentinel.url, 2.0)
+        replica_client = open_redis(replica.url, 2.0)
+        try:
+            await _until(lambda: _linked(replica_client), 10, "replica in sync")
+            await ModelRegistry(redis).register(_record("kept"))
+            await _until(lambda: ModelRegistry(replica_client).get("kept"), 10, "the copy")
+            # The Sentinel learns replicas from the primary's INFO (every 10 s): until it knows
+            # one, it has nobody to promote.
+            await _until(lambda: _sentinel_knows_replica(sentinel), 30, "the Sentinel's replica")
+            primary.proc.kill()
+            primary.proc.wait()
+            assert (await ModelRegistry(redis).get("kept")) is not None  # no retry loop here
+            assert (await replica_client.info("replication"))["role"] == "master"
+        finally:
+            await redis.aclose()
+            await replica_client.aclose()
+
+
 async def test_a_write_without_replicas_does_not_wait(tmp_path):
     server = start_redis(tmp_path / "alone")
     redis = open_redis(server.url, 2.0)
@@ -97,6 +122,14 @@ async def test_a_write_without_replicas_does_not_wait(tmp_path):
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def _sentinel_knows_replica(sentinel: ServerProcess) -> bool:
+    client = Redis(host=sentinel.host, port=sentinel.port)
+    try:
+        return bool(await client.execute_command("SENTINEL", "REPLICAS", "main"))
+    finally:
+        await client.aclose()
 
 
 async def _linked(replica) -> bool:

@@ -26,7 +26,7 @@ from shared.core.types import Hardware
 from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
 from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeReply)
-from shared.subjects import REQUEST_SUBJECT
+from shared.subjects import ALIASES_HASH, REQUEST_SUBJECT
 from tests.placer.conftest import (GB, MODEL, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
                                    flat_profile, gpu_profile, publish, request, running_placer,
                                    settings, until)
@@ -330,9 +330,12 @@ async def test_an_emptied_redis_gets_its_registry_and_profiles_back(servers, con
     async with running_placer(servers) as placer:
         await publish(nc, request("first"))
         await until(lambda: node.commanded("first"), what="the first request")
+        await ModelRegistry(redis).add_alias("m-latest", MODEL)
+        await until(lambda: placer.keeper.copy.get(ALIASES_HASH), what="the keeper's copy")
         await redis.flushall()  # what a restart without the append-only file leaves
-        await until(lambda: placer.keeper.restored >= 2, what="the write-back")
+        await until(lambda: placer.keeper.restored >= 3, what="the write-back")
         assert [r.name for r in await ModelRegistry(redis).list()] == ["m"]
+        assert list((await ModelRegistry(redis).aliases()).values()) == ["m"]
         assert await redis.hlen("slinfer:profiles") == 1
         assert await ModelRegistry(redis).intact()
         await publish(nc, request("second"))
