@@ -13,6 +13,13 @@ a deleted data directory) comes back empty. Then:
   It writes back with HSETNX, so it never overwrites what someone stored meanwhile, and a model
   deleted through the admin API stays deleted (a deletion does not touch the epoch).
 
+The same write-back follows a failover behind Sentinels: a replica promoted after the primary
+died lacks whatever the primary took but had not yet sent it (writes the registry confirms with
+WAIT are on the replica; others may not be). The keeper notices a new primary by its replication
+id (`master_replid`, new whenever a server becomes a primary or restarts) and writes back with
+HSETNX what its copy holds and the new primary lacks. (A model deleted in the second before the
+failover may come back; delete it again.)
+
 If every placer restarted too while Redis was empty, nobody holds a copy: register the models and
 store the profiles again (`slinfer up` does both at start).
 """
@@ -37,6 +44,7 @@ class StateKeeper:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self.epoch: bytes | None = None  # the epoch the copy below was read under
+        self.primary: str | None = None  # the replication id of the primary it was read from
         self.copy: dict[str, dict[bytes, bytes]] = {key: {} for key in KEPT}
         self.restored = 0  # hash fields written back, in total (tests, logs)
         self.checks = 0
@@ -45,10 +53,14 @@ class StateKeeper:
         """Refresh the copy, or write it back if Redis lost its data. Returns the fields
         written back now. Raises Redis errors (the caller backs off)."""
         self.checks += 1
+        primary = await self._primary_id()
         epoch, *hashes = await self._read()
         if epoch is not None and epoch == self.epoch:
-            self.copy = dict(zip(KEPT, hashes))
+            if self.primary is not None and primary != self.primary:
+                return await self._after_failover(primary, hashes)
+            self.copy, self.primary = dict(zip(KEPT, hashes)), primary
             return 0
+        self.primary = primary
         written = 0
         if self.epoch is not None:  # we knew this Redis, and its state is gone
             written = await self._write_back()
@@ -60,6 +72,20 @@ class StateKeeper:
         for key, current in zip(KEPT, hashes):
             self.copy[key] = {**self.copy[key], **current}
         return written
+
+    async def _after_failover(self, primary: str, hashes: list) -> int:
+        """A new primary holds the same state (epoch): write back what it lost, keep the rest."""
+        written = await self._write_back()
+        if written:
+            log.warning("Redis has a new primary (a failover): wrote back %d registry and profile "
+                        "entries it lacked", written)
+        _, *hashes = await self._read()
+        self.copy = {key: {**self.copy[key], **current} for key, current in zip(KEPT, hashes)}
+        self.primary = primary
+        return written
+
+    async def _primary_id(self) -> str:
+        return str((await self._redis.info("replication")).get("master_replid", ""))
 
     async def _read(self) -> list:
         # One transaction: a Redis that restarts between the reads cannot give us an empty copy

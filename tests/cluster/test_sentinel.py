@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from contextlib import ExitStack
 
 import pytest
 from redis.asyncio import Redis
 
+from services.placer.keeper import StateKeeper
 from shared.redis_client import has_replicas, open_redis, write_confirmed
 from shared.registry import ModelRegistry
 from shared.schemas import ModelRecord
@@ -109,6 +111,44 @@ async def test_a_call_made_during_a_failover_waits_it_out(tmp_path):
         finally:
             await redis.aclose()
             await replica_client.aclose()
+
+
+async def test_what_a_failover_lost_a_placer_writes_back(tmp_path):
+    """A registration the primary took while its replica was stalled is not on the replica the
+    Sentinel promotes when the primary dies: the placer's keeper sees the new primary and writes
+    its copy back."""
+    with ExitStack() as stack:
+        primary, replica, sentinel = _servers(stack, tmp_path)
+        redis = open_redis(sentinel.url, 2.0)
+        replica_client = open_redis(replica.url, 2.0)
+        keeper = StateKeeper(redis)
+        try:
+            await _until(lambda: _linked(replica_client), 10, "replica in sync")
+            await _until(lambda: _sentinel_knows_replica(sentinel), 30, "the Sentinel's replica")
+            await keeper.check()
+            # A replica cut off from its primary (stalled, its link dropped) misses what follows.
+            replica.proc.send_signal(signal.SIGSTOP)
+            try:
+                direct = open_redis(primary.url, 2.0)
+                await direct.execute_command("CLIENT", "KILL", "TYPE", "replica")
+                await direct.aclose()
+                await ModelRegistry(redis).register(_record("late"))  # unconfirmed (logged)
+                await keeper.check()  # the placer's copy has it
+                primary.proc.kill()
+                primary.proc.wait()
+            finally:
+                replica.proc.send_signal(signal.SIGCONT)
+            await _until(lambda: _is_primary(replica_client), 30, "the replica's promotion")
+            assert await ModelRegistry(replica_client).get("late") is None  # lost in the failover
+            assert await keeper.check() >= 1
+            assert await ModelRegistry(redis).get("late") is not None
+        finally:
+            await redis.aclose()
+            await replica_client.aclose()
+
+
+async def _is_primary(client) -> bool:
+    return (await client.info("replication"))["role"] == "master"
 
 
 async def test_a_write_without_replicas_does_not_wait(tmp_path):
