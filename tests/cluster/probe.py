@@ -58,7 +58,7 @@ def primary(sentinel: str, master: str) -> str:
 def call(url: str, key: str, method: str = "GET") -> str:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {key}"})
-    with opener.open(req, timeout=5) as resp:
+    with opener.open(req, timeout=15) as resp:  # past a Redis failover behind the gateway
         return resp.read().decode()
 
 
