@@ -15,6 +15,8 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -34,6 +36,8 @@ STREAM_MAX_AGE_S = 3600.0
 PUBLISH_RETRY_S = 15.0
 PUBLISH_TRY_TIMEOUT_S = 2.0
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.1, 1.0
+START_RETRY_S = 60.0  # a service's JetStream set-up waits this long for a cluster to settle
+T = TypeVar("T")
 # A fresh cluster elects its meta leader and learns its peers within seconds.
 STREAM_SETUP_S = 30.0
 # JetStream API errors that pass: unavailable (no meta leader yet), insufficient resources (a
@@ -58,6 +62,25 @@ def passing(exc: BaseException) -> bool:
     return isinstance(exc, APIError) and (exc.code == 503 or exc.err_code in _PASSING_ERR_CODES)
 
 
+async def retrying(call: Callable[[], Awaitable[T]], what: str, *, within_s: float,
+                   max_pause_s: float = MAX_PAUSE_S) -> T:
+    """`call()`, tried again with back-off while its failure is `passing` and `within_s` lasts
+    (0: one try); raises the last error. A JetStream request made while the cluster elects a
+    leader (a restart, a failover, or a service starting right after its servers) fails so for
+    seconds."""
+    give_up = time.monotonic() + within_s
+    pause = FIRST_PAUSE_S
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not passing(exc) or time.monotonic() + pause >= give_up:
+                raise
+            log.info("%s failed, retrying in %.1fs: %r", what, pause, exc)
+        await asyncio.sleep(pause)
+        pause = min(max_pause_s, pause * 2)
+
+
 async def publish_retrying(js: JetStreamContext, subject: str, payload: bytes,
                            headers: dict[str, str], *, within_s: float = PUBLISH_RETRY_S,
                            try_timeout_s: float = PUBLISH_TRY_TIMEOUT_S,
@@ -67,18 +90,10 @@ async def publish_retrying(js: JetStreamContext, subject: str, payload: bytes,
     ack lost would be stored twice. Raises the last error."""
     if "Nats-Msg-Id" not in headers:
         raise ValueError("publish_retrying needs a Nats-Msg-Id header")
-    give_up = time.monotonic() + within_s
-    pause = FIRST_PAUSE_S
-    while True:
-        try:
-            return await js.publish(subject, payload, headers=headers, timeout=try_timeout_s)
-        except Exception as exc:
-            if not passing(exc) or time.monotonic() + pause >= give_up:
-                raise
-            log.info("publish to %s (%s) failed, retrying in %.1fs: %r", subject,
-                     headers["Nats-Msg-Id"], pause, exc)
-        await asyncio.sleep(pause)
-        pause = min(max_pause_s, pause * 2)
+    return await retrying(
+        lambda: js.publish(subject, payload, headers=headers, timeout=try_timeout_s),
+        f"publish to {subject} ({headers['Nats-Msg-Id']})", within_s=within_s,
+        max_pause_s=max_pause_s)
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig, replicas: int | None = None,

@@ -55,7 +55,7 @@ from services.node.runtime import Arrival, NodeRuntime
 from services.node.settings import NodeSettings
 from services.node.token_loop import IterationRecord, TokenLoop
 from shared import telemetry as tm
-from shared.bus import ensure_streams
+from shared.bus import START_RETRY_S, ensure_streams, retrying
 from shared.cluster import publish_node, remove_calibration, remove_node
 from shared.core.calibration import Calibrator
 from shared.core.migration import MigrationLog, MigrationPolicy
@@ -123,9 +123,10 @@ class NodeWorker:
         # The reservation station's input: this node's memory-op completions, from the stream.
         # An ordered consumer: it lives in the server's memory, and the client re-creates it from
         # the last sequence it saw when its heartbeats stop (a nats-server restart).
-        await rt.js.subscribe(memop_subject(s.node_id), cb=self.memops.on_done,
-                              deliver_policy=DeliverPolicy.NEW, ordered_consumer=True,
-                              idle_heartbeat=MEMOP_HEARTBEAT_S)
+        await retrying(lambda: rt.js.subscribe(
+            memop_subject(s.node_id), cb=self.memops.on_done, deliver_policy=DeliverPolicy.NEW,
+            ordered_consumer=True, idle_heartbeat=MEMOP_HEARTBEAT_S), "the memory-op stream",
+            within_s=START_RETRY_S)  # a cluster that is still electing answers late
         await publish_node(rt.redis, rt.view(), ttl_s=s.heartbeat_s * 12)
         await self.sync.join_profiling()
         self._sample()

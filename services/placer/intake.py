@@ -34,7 +34,7 @@ from services.placer.port import PlacerPort
 from shared import telemetry as tm
 from shared import wire
 from shared.outcomes import record_outcome
-from shared.bus import STREAM_MAX_AGE_S, ensure_streams
+from shared.bus import START_RETRY_S, STREAM_MAX_AGE_S, ensure_streams, retrying
 from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
 from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT,
                              answered_key, token_subject)
@@ -79,17 +79,24 @@ class RequestIntake:
         self._settling: set[asyncio.Task] = set()  # answers whose ack is not confirmed yet
 
     async def start(self) -> None:
+        """The streams, the durable consumer, the cancel replay. Each JetStream call is retried
+        while a cluster settles (a placer started with its servers, or during an election)."""
         await ensure_streams(self.js, self.port.s.stream_replicas)
-        self.sub = await self.js.pull_subscribe(
+        self.sub = await retrying(lambda: self.js.pull_subscribe(
             REQUEST_SUBJECT, durable=PLACER_DURABLE,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.port.s.ack_wait_s,
-                                  max_ack_pending=10_000))
+                                  max_ack_pending=10_000)), "the request consumer",
+            within_s=START_RETRY_S)
         # Every cancel of the last hour, then the new ones (an ordered consumer: it re-creates
         # itself after a NATS restart). Placing starts once the replay caught up, so a request
         # cancelled while no placer ran is not placed now.
-        last = (await self.js.stream_info(CANCEL_STREAM)).state.last_seq
-        await self.js.subscribe(CANCEL_SUBJECT, cb=self._on_cancel, ordered_consumer=True,
-                                deliver_policy=DeliverPolicy.ALL, idle_heartbeat=1.0)
+        info = await retrying(lambda: self.js.stream_info(CANCEL_STREAM), "the cancel stream",
+                              within_s=START_RETRY_S)
+        last = info.state.last_seq
+        await retrying(lambda: self.js.subscribe(
+            CANCEL_SUBJECT, cb=self._on_cancel, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL, idle_heartbeat=1.0), "the cancel replay",
+            within_s=START_RETRY_S)
         deadline = time.monotonic() + CANCEL_REPLAY_S
         while self._cancel_seq < last and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

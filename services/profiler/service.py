@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 from services.profiler.measure import ProfilePlan
 from services.profiler.run import profile_model
 from shared import wire
+from shared.bus import START_RETRY_S, retrying
 from shared.cluster import save_profile
 from shared.model_state import (ModelState, ProfileJob, all_statuses, ensure_job_stream,
                                 queued_jobs, requeue_job, set_hardware_state)
@@ -94,10 +95,14 @@ class ProfilerService:
         await ensure_job_stream(self.js, self.s.stream_replicas)
         durable = f"profiler-{self.s.hardware}"
         # Create or update: a durable consumer made by an older version keeps its ack wait.
-        await self.js.add_consumer(JOB_STREAM, ConsumerConfig(
+        # (Each retried while a cluster settles: a profiler started with its servers.)
+        await retrying(lambda: self.js.add_consumer(JOB_STREAM, ConsumerConfig(
             durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
-            filter_subject=job_subject(self.s.hardware)))
-        self.sub = await self.js.pull_subscribe(job_subject(self.s.hardware), durable=durable)
+            filter_subject=job_subject(self.s.hardware))), "the job consumer",
+            within_s=START_RETRY_S)
+        self.sub = await retrying(
+            lambda: self.js.pull_subscribe(job_subject(self.s.hardware), durable=durable),
+            "the job subscription", within_s=START_RETRY_S)
         requeued = await self.requeue_orphans()
         if requeued:
             log.info("re-queued %s: left mid-lifecycle with no job", ", ".join(requeued))

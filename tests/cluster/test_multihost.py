@@ -130,6 +130,9 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
             cluster.start_services()
             driver = Driver(cluster, model_dir, profile_file, tmp_path)
             driver.wait_ready(300)
+            dead = [p.name for p in cluster.procs.values() if not p.alive()]
+            assert not dead, "\n".join(f"{n} died:\n{cluster.procs[n].log()[-3000:]}"
+                                        for n in dead)  # e.g. a start-up the cluster refused
             faults: dict[str, float] = {}
             driver.wait_completed(AFTER_FAULT, 120, "steady load")
 
