@@ -131,7 +131,8 @@ async def _drain_holder(a: argparse.Namespace, request_id: str) -> None:
             await asyncio.sleep(0.05)
         (node,) = holders
         r = await http.post(f"{a.gateway}/admin/nodes/{node}/drain", headers=auth)
-    Path(f"{a.out}.long.drain").write_text(json.dumps({"node": node, "reply": r.json()}))
+    Path(f"{a.out}.long.drain").write_text(json.dumps({"node": node, "reply": r.json(),
+                                                       "request_id": request_id}))
 
 
 async def _long_request(a: argparse.Namespace) -> Outcome | None:

@@ -70,14 +70,14 @@ class Driver:
         self._until(lambda: self.completed() >= n, timeout_s, what)
         return time.monotonic()
 
-    def drain_under_long_request(self, timeout_s: float = 60) -> tuple[str, dict]:
+    def drain_under_long_request(self, timeout_s: float = 60) -> tuple[str, dict, str]:
         """Send the long request; the driver drains its node once it streams. (That node, the
-        drain's answer.)"""
+        drain's answer, the request's id.)"""
         Path(f"{self.out}.long").touch()
         done = Path(f"{self.out}.long.drain")
         self._until(done.exists, timeout_s, "the long request's node to be drained")
         drained = json.loads(done.read_text())
-        return drained["node"], drained["reply"]
+        return drained["node"], drained["reply"], drained["request_id"]
 
     def finish(self) -> dict:
         self.stop_file.touch()
@@ -112,6 +112,23 @@ def _node_ids(cluster: Cluster) -> set[str] | None:
     except RuntimeError:
         return None
     return {n["node_id"] for n in json.loads(body)["data"]}
+
+
+def _until_held_by(cluster: Cluster, request_id: str, node_id: str, timeout_s: float = 60) -> None:
+    """Until the cluster view shows `node_id` holding `request_id` (a live migration to it
+    committed): only then may the source's host die without the request being resumed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            body = cluster.probe(cluster.seg["h1"], "get",
+                                 f"{cluster.gateway_url}/admin/instances", OPERATOR_KEY)
+            if any(i["node_id"] == node_id and request_id in i["requests"]
+                   for i in json.loads(body)["data"]):
+                return
+        except RuntimeError:  # the gateway could not say just now: ask again
+            pass
+        assert time.monotonic() < deadline, f"{request_id} never moved to {node_id}"
+        time.sleep(0.2)
 
 
 def other(node_id: str) -> str:
@@ -161,8 +178,9 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
 
             # A live migration across hosts: the node holding a long request drains it to the
             # other node, on another host.
-            source, drain = driver.drain_under_long_request()
+            source, drain, long_id = driver.drain_under_long_request()
             assert drain["draining"] and drain["requests"] >= 1, drain
+            _until_held_by(cluster, long_id, other(source))  # the migration committed
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the drain")
 
             # 4. the drained node's host loses power: its node, a nats-server, a valkey, a
