@@ -57,7 +57,7 @@ class StateKeeper:
         epoch, *hashes = await self._read()
         if epoch is not None and epoch == self.epoch:
             if self.primary is not None and primary != self.primary:
-                return await self._after_failover(primary, hashes)
+                return await self._after_failover(primary)
             self.copy, self.primary = dict(zip(KEPT, hashes)), primary
             return 0
         self.primary = primary
@@ -73,7 +73,7 @@ class StateKeeper:
             self.copy[key] = {**self.copy[key], **current}
         return written
 
-    async def _after_failover(self, primary: str, hashes: list) -> int:
+    async def _after_failover(self, primary: str) -> int:
         """A new primary holds the same state (epoch): write back what it lost, keep the rest."""
         written = await self._write_back()
         if written:

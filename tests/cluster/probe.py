@@ -11,7 +11,6 @@ segment). One per run, answer on stdout:
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 import urllib.request
@@ -19,16 +18,7 @@ import urllib.request
 import nats
 import redis
 
-
-def wait_port(host: str, port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return True
-        except OSError:
-            time.sleep(0.1)
-    return False
+from shared.servers import ServerStartError, wait_for_port
 
 
 async def stream_leader(servers: list[str], stream: str, timeout_s: float = 30) -> str:
@@ -65,7 +55,11 @@ def call(url: str, key: str, method: str = "GET") -> str:
 def main(argv: list[str]) -> int:
     what, args = argv[0], argv[1:]
     if what == "port":
-        return 0 if wait_port(args[0], int(args[1]), float(args[2]) if len(args) > 2 else 30) else 1
+        try:
+            wait_for_port(args[0], int(args[1]), float(args[2]) if len(args) > 2 else 30)
+        except ServerStartError:
+            return 1
+        return 0
     if what == "leader":
         print(asyncio.run(stream_leader(args[0].split(","), args[1])))
     elif what == "primary":
