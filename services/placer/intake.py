@@ -4,7 +4,9 @@ given up). See services/placer/placer.py's docstring for what survives which fau
 
 A request is acked only once it is answered, and every request in the queue is kept claimed
 (`keep_claims`), so a placer that dies loses nothing: JetStream redelivers it. A request that
-waited in the stream while no live placer held it gets that wait as TTFT grace.
+waited in the stream while no live placer held it gets that wait as TTFT grace, and so does one
+that arrived while this placer was cut off from NATS (a restart of nats-server): the gateway could
+publish it only once the bus was back, and the seconds it waited for the bus are not load.
 
 An ack can be lost too (sent while NATS restarts or a stream leader is being elected): JetStream
 then redelivers a request that was already answered, and placing it again would run it twice on
@@ -76,6 +78,7 @@ class RequestIntake:
         self.cancelled: dict[str, tuple[float, float]] = {}
         self._cancel_seq = 0  # last cancel-stream sequence seen
         self.started_at = time.time()
+        self._reconnects = self._reconnect_count()
         self._settling: set[asyncio.Task] = set()  # answers whose ack is not confirmed yet
 
     async def start(self) -> None:
@@ -105,11 +108,17 @@ class RequestIntake:
         """From now on this placer holds what it fetches (the grace of earlier waits ends)."""
         self.started_at = time.time()
 
+    def _reconnect_count(self) -> int:
+        return self.port.nc.stats.get("reconnects", 0)
+
     async def fetch(self, timeout: float) -> None:
         try:
             msgs = await self.sub.fetch(batch=64, timeout=timeout)
         except (NatsTimeout, asyncio.TimeoutError):
             return
+        if (reconnects := self._reconnect_count()) != self._reconnects:
+            self._reconnects = reconnects  # (checked after the fetch: one can span the outage)
+            self.held_since_now()  # back from an outage: what arrived meanwhile waited for it
         for msg in msgs:
             try:
                 req = wire.decode(InferenceRequest, msg.data)

@@ -324,6 +324,34 @@ async def test_nats_restart_under_the_run_loop_the_placer_reconnects(servers, co
     await node.stop()
 
 
+async def test_a_request_that_arrived_while_nats_was_down_gets_the_outage_as_grace(servers, conns):
+    """A request that reached the gateway while nats-server was down is published once it is
+    back (nats-py flushes what it buffered, or the gateway's retry gets through). The seconds
+    it waited for the bus are not load: placed after the restart, it is judged from the
+    placer's reconnection on, not dropped as having missed its TTFT (the fault suite's NATS
+    restart: streamed requests ended with an in-stream "overloaded ... ttft_miss")."""
+    nc, redis = conns
+    async with running_placer(servers) as placer:
+        node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+        await publish(nc, request("warm-up", ttft=60.0))
+        await until(lambda: node.commanded("warm-up"), what="the first request")
+        servers["nats"].stop()
+        late = request("during-outage", ttft=1.0)  # it reached the gateway now
+        await asyncio.sleep(1.5)  # longer than its TTFT SLO
+        servers["nats"] = servers["nats"].again()
+        await until(lambda: nc.is_connected and placer.port.nc.is_connected,
+                    what="both connections to come back")
+        await node.publish()
+        await publish(nc, late)
+        await until(lambda: node.commanded("during-outage") or placer.port.decisions.get(
+            "drop"), what="a decision on the request")
+        assert node.commanded("during-outage"), placer.port.decisions
+        (cmd,) = node.commanded("during-outage")
+        assert cmd.request.grace_s >= 1.5
+        await _idle(nc)
+    await node.stop()
+
+
 async def test_an_emptied_redis_gets_its_registry_and_profiles_back(servers, conns):
     nc, redis = conns
     node = await FakeNode(nc, redis, empty_gpu("g0")).start()
