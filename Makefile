@@ -55,8 +55,8 @@ PYTEST   := $(BIN)/python -X faulthandler -m pytest -q
 ISOLATED := tests/node
 test: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	status=0; $(PYTEST) --ignore=$(ISOLATED) || status=$$?; \
-	$(PYTEST) $(ISOLATED) || status=$$?; exit $$status
+	status=0; $(PYTEST) --durations=25 --ignore=$(ISOLATED) || status=$$?; \
+	$(PYTEST) --durations=10 $(ISOLATED) || status=$$?; exit $$status
 else
 	$(PYTEST) $(PYTEST_ARGS)
 endif
