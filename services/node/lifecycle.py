@@ -14,6 +14,7 @@ from services.node.book import (Live, RequestBook, finish_reason, sampling_param
 from services.node.engines.base import TokenLogprobs
 from services.node.runtime import NodeRuntime
 from shared.core.node_scheduler import Eviction
+from shared.core.types import resume_grace
 from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenLogprob, TokenMessage
 
 log = logging.getLogger("slinfer.node")
@@ -119,6 +120,24 @@ class RequestLifecycle:
         self.book.remember(live, RequestState.MOVED)
         return replace(live.request, resumed_token_ids=list(live.output),
                        trace_context=trace_context, grace_s=grace_s)
+
+    async def leave(self, live: Live, within_s: float) -> None:
+        """The node is stopping (SIGTERM: a rolling update, a scale-down): hand the request back
+        to the placers with its tokens, so it resumes elsewhere and its client sees no error.
+        The stop is not load, so it is judged from now on, as a resumed request is. If the
+        stream cannot take it within `within_s` (NATS down), the gateway's watchdog resumes it
+        once this node has left the cluster view."""
+        req = live.request
+        grace = max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, len(live.output),
+                                              time.time()))
+        resumed = self.take_back(req.request_id, grace)
+        if resumed is None:
+            return
+        try:
+            await self.rt.outbox.hand_back(resumed, within_s)
+        except Exception as exc:
+            log.warning("could not hand %s back while stopping (%r): its gateway resumes it",
+                        req.request_id, exc)
 
     async def reschedule(self, eviction: Eviction) -> None:
         """An evicted request goes back to the placers with its tokens (token-based migration)."""

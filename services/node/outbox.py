@@ -98,6 +98,11 @@ class Outbox:
             self._retries.add(task)  # a reference, so the task is not collected mid-way
             task.add_done_callback(self._retries.discard)
 
+    async def hand_back(self, resumed: InferenceRequest, within_s: float) -> None:
+        """Back to the placers now, retried through an election for `within_s`; raises when the
+        stream did not take it (the node is stopping: no background retry outlives it)."""
+        await self._publish_request(resumed, within_s=within_s)
+
     async def _publish_request(self, resumed: InferenceRequest, within_s: float = 0.0) -> None:
         """One id per requeue, on every try: a try stored with only its ack lost is not stored
         twice. `within_s`: how long to retry through a stream-leader election (0: one try)."""

@@ -60,10 +60,11 @@ from shared.cluster import publish_node, remove_calibration, remove_node
 from shared.core.calibration import Calibrator
 from shared.core.migration import MigrationLog, MigrationPolicy
 from shared.core.node_scheduler import NodeScheduler
-from shared.schemas import CommandKind, FinishReason, ModelRecord, NodeReply
+from shared.schemas import CommandKind, ModelRecord, NodeReply
 from shared.subjects import CANCEL_SUBJECT, memop_subject, node_command_subject
 
 log = logging.getLogger("slinfer.node")
+STOP_HAND_BACK_S = 5.0  # a stopping node retries handing a request back this long (an election)
 MEMOP_HEARTBEAT_S = 1.0  # the memory-op consumer's idle heartbeat: re-created ~2 s after a restart
 
 
@@ -153,8 +154,8 @@ class NodeWorker:
             for task in pending:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=1.0)
-        for live in list(self.book.live.values()):
-            await self.requests.finish(live, FinishReason.ERROR, "node shutting down")
+        for live in list(self.book.live.values()):  # they resume elsewhere, from their tokens
+            await self.requests.leave(live, within_s=STOP_HAND_BACK_S)
         await rt.obs.close()
         if rt.multicast is not None:
             await rt.multicast.stop()
