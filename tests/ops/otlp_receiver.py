@@ -46,6 +46,7 @@ class ReceivedSpan:
     events: tuple[tuple[str, dict], ...]
     links: tuple[tuple[str, str], ...]  # (trace id, span id)
     status_code: int
+    event_ns: tuple[int, ...] = ()  # each event's time, in the order of `events`
 
 
 class OTLPReceiver:
@@ -113,7 +114,8 @@ class OTLPReceiver:
                         events=tuple((e.name, {a.key: any_value(a.value) for a in e.attributes})
                                      for e in s.events),
                         links=tuple((ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links),
-                        status_code=s.status.code))
+                        status_code=s.status.code,
+                        event_ns=tuple(e.time_unix_nano for e in s.events)))
         with self._lock:
             self.spans.extend(out)
             self.requests += 1
@@ -135,8 +137,10 @@ class OTLPReceiver:
 
 
 def main() -> None:
-    """`python -m tests.ops.otlp_receiver [PORT]`: print the endpoint, serve until SIGTERM, then
-    print a JSON summary of what arrived (the overhead benchmark runs it in its own process)."""
+    """`python -m tests.ops.otlp_receiver [PORT [DUMP]]`: print the endpoint, serve until SIGTERM,
+    then print a JSON summary of what arrived (the overhead benchmarks run it in its own process),
+    and with DUMP write every span there, one JSON object a line."""
+    import dataclasses
     import json
     import signal
     import sys
@@ -149,6 +153,10 @@ def main() -> None:
         while not done.wait(0.2):
             pass
     spans = receiver.snapshot()
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as out:
+            for span in spans:
+                out.write(json.dumps(dataclasses.asdict(span)) + "\n")
     print(json.dumps({"spans": len(spans), "exports": receiver.requests,
                       "services": sorted({s.service for s in spans}),
                       "metrics": sorted(receiver.metric_names)}), flush=True)
