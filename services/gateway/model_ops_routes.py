@@ -1,5 +1,6 @@
-"""Operator routes that load and unload a registered model now (Ollama's preload and
-`keep_alive: 0`): `POST /admin/models/{name}/preload` and `POST /admin/models/{name}/unload`.
+"""Loading and unloading a registered model now (Ollama's preload and `keep_alive: 0`):
+`POST /admin/models/{name}/preload` and `POST /admin/models/{name}/unload`, for whoever may
+change the model (its owner, the operator).
 
 Both leave the decisions to the core. A preload is a warm-up request (one prompt token, one
 output token) placed and admitted like any request, so the instance it starts, or the one it
@@ -20,7 +21,7 @@ from fastapi import APIRouter
 
 from services.gateway import errors
 from services.gateway.admin_routes import changeable_model
-from services.gateway.deps import Caller, Context, RawBody
+from services.gateway.deps import Caller, Context, OptionalBody
 from services.gateway.openapi_docs import ADMIN_ERRORS, json_body
 from services.gateway.service import Prepared
 from services.gateway.tokenization import tokenizer_eos_ids
@@ -49,7 +50,8 @@ class PreloadModel(_Strict):
 
 @router.post("/models/{name:path}/preload", response_model=None,
              openapi_extra=_OPTIONAL_BODY)
-async def preload_model(name: str, caller: Caller, raw: RawBody, ctx: Context) -> dict[str, Any]:
+async def preload_model(name: str, caller: Caller, raw: OptionalBody,
+                        ctx: Context) -> dict[str, Any]:
     """Start (or keep warm) an instance of the model now, where the core places a request."""
     body = parse_body(PreloadModel, raw) if raw.strip() else PreloadModel()
     record = await changeable_model(ctx, name, caller, "preload")

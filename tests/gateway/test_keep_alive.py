@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.gateway.clients import api_client
-from tests.gateway.conftest import PUBLIC_MODEL
+from tests.gateway.conftest import OPERATOR_KEY, PUBLIC_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -87,6 +87,22 @@ def test_bad_serving_settings_are_400(client_a, tenant_models, body, param):
     resp = client_a.patch("/admin/models/a-private", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+async def test_preload_is_a_warm_up_request(gateway, responder):
+    async with api_client(gateway, key=OPERATOR_KEY) as c:
+        resp = await c.post(f"/admin/models/{PUBLIC_MODEL}/preload", json={"keep_alive": "10m"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"object": "model.preload", "model": PUBLIC_MODEL,
+                               "instances": []}  # no node here: the responder answered
+        resp = await c.post(f"/admin/models/{PUBLIC_MODEL}/preload")  # no body: the model's
+        assert resp.status_code == 200, resp.text
+        resp = await c.post(f"/admin/models/{PUBLIC_MODEL}/preload", json={"keep_alive": "x"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "keep_alive"
+    first, second = responder.requests
+    assert (first.model, first.max_tokens, len(first.prompt_token_ids), first.keep_alive_s) == \
+        (PUBLIC_MODEL, 1, 1, 600.0)
+    assert second.keep_alive_s is None
 
 
 def test_unloading_a_pinned_model_is_refused(client_op):
