@@ -1,9 +1,13 @@
-"""`slinfer models add|list|rm|status|alias`: the admin API's model commands, over HTTP.
+"""`slinfer models add|list|rm|status|alias|set|load|unload`: the admin API's model commands,
+over HTTP.
 
 It talks to a running gateway (`--url`, default http://127.0.0.1:8000; `--key` or
 SLINFER_API_KEY for a gateway with keys) and needs nothing but the standard library, so it runs
 wherever Python does. `add --wait` follows the model's lifecycle (converting, profiling, per
-hardware kind, with progress) until it is ready or failed.
+hardware kind, with progress) until it is ready or failed. `--keep-alive` (seconds or a duration
+such as "5m"; 0: unload at once when idle; negative: never) and `--min-instances` (warm
+instances kept, pinned) are set at `add` or later with `set`; `load` starts an instance now and
+`unload` unloads the model's instances now (busy ones when their requests end).
 
 Exit codes: 0 done; 1 the gateway refused or failed it, could not be reached, or the model
 failed (or, with --wait, did not get ready in time); 2 a usage error.
@@ -90,8 +94,17 @@ def list_text(models: list[dict[str, Any]]) -> str:
         return "no models registered"
     rows = [[m["name"], m.get("lifecycle", {}).get("state", "?"), m.get("engine", "?"),
              m.get("owner") or "public", m.get("base_model") or "-",
+             keep_alive_text(m.get("keep_alive_s")), str(m.get("min_instances", 0)),
              ", ".join(m.get("aliases", [])) or "-"] for m in models]
-    return table(rows, ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "ALIASES"])
+    return table(rows, ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "KEEP-ALIVE", "MIN",
+                        "ALIASES"])
+
+
+def keep_alive_text(seconds: float | None) -> str:
+    """A record's keep_alive_s as read: `default`, `never`, `0s`, `300s`."""
+    if seconds is None:
+        return "default"
+    return "never" if seconds < 0 else f"{seconds:g}s"
 
 
 def kind_line(kind: str, step: dict[str, Any]) -> str:
@@ -109,6 +122,8 @@ def status_text(model: dict[str, Any]) -> str:
              f"owner {model.get('owner') or 'public'}, context {model.get('max_context', '?')} tokens"]
     if model.get("base_model"):
         lines.append(f"  LoRA adapter of {model['base_model']}")
+    lines.append(f"  keep-alive {keep_alive_text(model.get('keep_alive_s'))}, min instances "
+                 f"{model.get('min_instances', 0)}")
     if model.get("aliases"):
         lines.append(f"  aliases: {', '.join(model['aliases'])}")
     hardware = life.get("hardware") or {}
@@ -127,6 +142,10 @@ def cmd_add(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
                             "replace": args.replace}
     if args.base_model:
         body["base_model"] = args.base_model
+    if args.keep_alive is not None:
+        body["keep_alive"] = args.keep_alive
+    if args.min_instances is not None:
+        body["min_instances"] = args.min_instances
     model = gw.call("POST", "/admin/models", body)
     print(f"registered {model['name']}", file=out)
     if not args.wait:
@@ -179,6 +198,40 @@ def cmd_rm(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_set(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
+    body: dict[str, Any] = {}
+    if args.keep_alive is not None:  # "default": back to the cluster's keep-alive
+        body["keep_alive"] = None if args.keep_alive == "default" else args.keep_alive
+    if args.min_instances is not None:
+        body["min_instances"] = args.min_instances
+    model = gw.call("PATCH", model_path(args.name), body)
+    print(f"{model['name']}: keep-alive {keep_alive_text(model.get('keep_alive_s'))}, "
+          f"min instances {model.get('min_instances', 0)}", file=out)
+    return 0
+
+
+def instances_text(instances: list[dict[str, Any]]) -> str:
+    rows = [[i["instance_id"], i["node_id"], i["status"], str(i.get("batch_size", 0))]
+            for i in instances]
+    return table(rows, ["INSTANCE", "NODE", "STATUS", "REQUESTS"]) if rows else "no instances"
+
+
+def cmd_load(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
+    body = {} if args.keep_alive is None else {"keep_alive": args.keep_alive}
+    answer = gw.call("POST", model_path(args.name) + "/preload", body)
+    print(f"loaded {args.name}", file=out)
+    print(instances_text(answer.get("instances", [])), file=out)
+    return 0
+
+
+def cmd_unload(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
+    answer = gw.call("POST", model_path(args.name) + "/unload")
+    left = answer.get("instances", [])
+    print(f"unloading {args.name}" + (f"; {len(left)} instance(s) after their requests end"
+                                      if left else ""), file=out)
+    return 0
+
+
 def cmd_alias(gw: Gateway, args: argparse.Namespace, out: TextIO) -> int:
     if args.rm:
         gw.call("DELETE", "/admin/aliases/" + quote(args.rm, safe="/"))
@@ -222,7 +275,24 @@ def parser() -> argparse.ArgumentParser:
     add.add_argument("--timeout", type=float, default=1800.0, help="--wait gives up after this "
                      "many seconds (default 1800)")
     add.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    _serving_flags(add)
     add.set_defaults(run=cmd_add)
+
+    set_ = sub.add_parser("set", help="change a model's keep-alive or minimum of warm instances")
+    set_.add_argument("name")
+    _serving_flags(set_, default_ok=True)
+    set_.set_defaults(run=cmd_set)
+
+    load = sub.add_parser("load", help="start an instance of a model now (where a request would "
+                                       "go), or keep a warm one")
+    load.add_argument("name")
+    load.add_argument("--keep-alive", help="its keep-alive from now on (as a request's)")
+    load.set_defaults(run=cmd_load)
+
+    unload = sub.add_parser("unload", help="unload a model's instances now (busy ones when "
+                                           "their requests end)")
+    unload.add_argument("name")
+    unload.set_defaults(run=cmd_unload)
 
     ls = sub.add_parser("list", help="the models you may see, with state and aliases")
     ls.add_argument("--json", action="store_true", help="the admin API's records as JSON")
@@ -246,10 +316,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _serving_flags(p: argparse.ArgumentParser, default_ok: bool = False) -> None:
+    default = "; `default`: the cluster's" if default_ok else ""
+    p.add_argument("--keep-alive", help="how long an idle instance stays loaded: seconds or a "
+                   f"duration (5m, 1h, 30s); 0: unload when idle; negative: never{default}")
+    p.add_argument("--min-instances", type=int, help="warm instances the cluster keeps (pinned: "
+                   "never unloaded as idle)")
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """Parsed arguments; SystemExit(2) with a usage message for bad ones (argparse's way)."""
     p = parser()
     args = p.parse_args(list(argv))
+    if args.command == "set" and args.keep_alive is None and args.min_instances is None:
+        p.error("set: give --keep-alive and/or --min-instances")
     if args.command == "alias":
         if args.rm and args.model:
             p.error("alias: give MODEL ALIAS or --rm ALIAS, not both")

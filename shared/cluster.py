@@ -15,7 +15,7 @@ from shared import wire
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, calibrated
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.snapshot import rebase, to_snapshot
-from shared.core.types import SLO, AdapterSpec, ModelSpec, NodeView, RequestView
+from shared.core.types import SLO, AdapterSpec, ModelSpec, NodeView, RequestView, slo_for_class
 from shared.redis_client import write_confirmed
 from shared.schemas import InferenceRequest, ModelRecord, NodeReply
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
@@ -38,7 +38,8 @@ def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
                      tiered=record.engine in TIERED_ENGINES,
                      live_migration=record.engine in LIVE_MIGRATION_ENGINES,
                      layers=record.layers if record.engine == "torch" else 0,
-                     head_bytes=record.head_bytes, token_bytes=record.token_bytes)
+                     head_bytes=record.head_bytes, token_bytes=record.token_bytes,
+                     keep_alive_s=record.keep_alive_s, min_instances=record.min_instances)
 
 
 def request_view(req: InferenceRequest) -> RequestView:
@@ -48,7 +49,20 @@ def request_view(req: InferenceRequest) -> RequestView:
                        SLO(req.ttft_slo_s, req.tpot_slo_s), generated=len(req.resumed_token_ids),
                        max_tokens=req.max_tokens, grace_s=req.grace_s, prefilled=False,
                        lora_rank=req.adapter_rank if req.adapter is not None else 0,
-                       adapter=req.adapter)
+                       adapter=req.adapter, keep_alive_s=req.keep_alive_s)
+
+
+def warm_up_request(record: ModelRecord, request_id: str, now: float, timeout_s: float,
+                    keep_alive_s: float | None = None) -> InferenceRequest:
+    """A request that only starts (or finds warm) an instance of `record` where the core places
+    it: one prompt token (its first EOS id, else 0), one output token. The placer's pinning
+    sends these for a pinned model short of its warm instances; the admin's preload is one."""
+    slo = slo_for_class(record.slo_class, 1)
+    prompt = list(record.eos_token_ids[:1]) or [0]
+    return InferenceRequest(request_id=request_id, tenant=record.owner or "", model=record.name,
+                            prompt_token_ids=prompt, max_tokens=1, arrival=now,
+                            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, temperature=0.0,
+                            ignore_eos=True, deadline=now + timeout_s, keep_alive_s=keep_alive_s)
 
 
 def adapter_spec(req: InferenceRequest, records: dict[str, ModelRecord]) -> AdapterSpec | None:

@@ -40,6 +40,11 @@ class ModelRecord:
     pooling: str = "mean"
     normalize: bool = True
     matryoshka: bool = False
+    # Keep-alive (`shared.core.keepalive`): how long an idle instance stays loaded (seconds;
+    # None: the cluster's SLINFER_KEEP_ALIVE_S; negative: never unloaded), and how many warm
+    # instances the cluster keeps of it (> 0: pinned, its instances are never reclaimed idle).
+    keep_alive_s: float | None = None
+    min_instances: int = 0
 
 
 POOLINGS = ("mean", "last", "cls")
@@ -137,6 +142,9 @@ class InferenceRequest:
     # Not a generation: the prompt's embedding (max_tokens is 0). The node runs its prefill,
     # answers the vector in the final message (`TokenMessage.embedding`) and frees its K/V.
     embedding: Embedding | None = None
+    # Ollama's keep_alive: how long its instance stays loaded once idle after it (seconds;
+    # negative: never; None: the model's registered keep-alive). The last request's wins.
+    keep_alive_s: float | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -229,6 +237,9 @@ class CommandKind(str, enum.Enum):
     # stand-in: it stays where it was placed); `multicast_s`/`pipeline` as for ADMIT. Later
     # ADMITs join it by its id (the reply's instance_id).
     START_INSTANCE = "start_instance"
+    # Operator -> node (the admin's unload-now): unload every instance of `model` here, the
+    # idle ones at once, the busy ones once their requests end (`NodeScheduler.unload_model`).
+    UNLOAD_MODEL = "unload_model"
 
 
 class RequestState(str, enum.Enum):

@@ -83,6 +83,12 @@ def profile_field(model: str, hardware: str) -> str:
     return f"{model}|{hardware}"
 
 
+def pin_lease_key(model: str) -> str:
+    """Held (SET NX with a TTL) by the placer that starts a pinned model's missing instance, so
+    placers sharing the cluster do not each start one (services/placer/pinning.py)."""
+    return f"slinfer:pin:{model}"
+
+
 def calibration_field(model: str, hardware: str, node_id: str) -> str:
     return f"{model}|{hardware}|{node_id}"
 

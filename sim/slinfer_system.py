@@ -519,13 +519,11 @@ class SlinferSystem:
         """Keep-alive: wake up when the earliest idle READY instance expires."""
         now = self.loop.now
         # An instance with a memory op in flight cannot be reclaimed yet; its op's completion
-        # kicks the node, which comes back here.
-        idle = [i.last_active for i in sn.sched.node.instances
-                if i.status is InstanceStatus.READY and not i.requests
-                and not sn.sched.ledger.busy(i.instance_id)]
-        if not idle:
+        # kicks the node, which comes back here. Each instance has its own window
+        # (`shared.core.keepalive`): the core says when the first one runs out.
+        at = sn.sched.next_reclaim_at()
+        if at is None:
             return
-        at = min(idle) + self.config.keep_alive_s
         if at <= now and sn.checked_at == now:
             at = now + self.config.keep_alive_s  # just checked and still there: do not spin
         if sn.reclaim_at is not None and now <= sn.reclaim_at <= at:

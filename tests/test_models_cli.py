@@ -12,7 +12,8 @@ from shared.servers import free_port
 
 READY_MODEL = {
     "name": "org/m", "engine": "torch", "slo_class": "standard", "owner": None,
-    "base_model": None, "max_context": 2048, "aliases": ["m", "gpt-x"],
+    "base_model": None, "max_context": 2048, "aliases": ["m", "gpt-x"], "keep_alive_s": 300.0,
+    "min_instances": 1,
     "lifecycle": {"state": "ready", "hardware": {
         "cpu": {"state": "ready", "progress": 1.0, "reason": "", "updated": 1.0},
         "cuda": {"state": "profiling", "progress": 0.375, "reason": "decode table", "updated": 1.0},
@@ -41,6 +42,7 @@ def test_defaults_and_the_environment(monkeypatch) -> None:
     [], ["frobnicate"], ["add", "only-a-name"], ["rm"], ["status"],
     ["add", "m", "/p", "--engine", "tensorrt"], ["add", "m", "/p", "--timeout", "soon"],
     ["alias", "model-without-alias"], ["alias", "m", "a", "--rm", "a"],
+    ["set", "m"], ["add", "m", "/p", "--min-instances", "one"], ["load"], ["unload"],
 ])
 def test_usage_errors_exit_2(argv, capsys) -> None:
     assert models_cli.main(argv) == 2
@@ -71,9 +73,9 @@ def test_list_is_a_table_with_aliases() -> None:
             "aliases": [], "lifecycle": {"state": "converting", "hardware": {}}}
     lines = models_cli.list_text([READY_MODEL, lora]).splitlines()
     assert [line.split() for line in lines] == [
-        ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "ALIASES"],
-        ["org/m", "ready", "torch", "public", "-", "m,", "gpt-x"],
-        ["ad", "converting", "torch", "tenant-a", "org/m", "-"]]
+        ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "KEEP-ALIVE", "MIN", "ALIASES"],
+        ["org/m", "ready", "torch", "public", "-", "300s", "1", "m,", "gpt-x"],
+        ["ad", "converting", "torch", "tenant-a", "org/m", "default", "0", "-"]]
     assert lines[1].index("ready") == lines[0].index("STATE")  # columns line up
     assert models_cli.list_text([]) == "no models registered"
 
@@ -82,6 +84,7 @@ def test_status_shows_each_hardware_kind_with_progress() -> None:
     assert models_cli.status_text(READY_MODEL).splitlines() == [
         "org/m: ready",
         "  engine torch, slo class standard, owner public, context 2048 tokens",
+        "  keep-alive 300s, min instances 1",
         "  aliases: m, gpt-x",
         "  cpu: ready",
         "  cuda: profiling 38% (decode table)"]
@@ -90,6 +93,11 @@ def test_status_shows_each_hardware_kind_with_progress() -> None:
         "  not profiled on any hardware kind yet"
     failed = {"state": "failed", "progress": 0.5, "reason": "OSError: disk"}
     assert models_cli.kind_line("cpu", failed) == "cpu: failed (OSError: disk)"
+
+
+def test_keep_alive_as_shown() -> None:
+    assert [models_cli.keep_alive_text(s) for s in (None, -1.0, 0.0, 300.0, 2.5)] == \
+        ["default", "never", "0s", "300s", "2.5s"]
 
 
 def test_model_names_with_slashes_stay_paths() -> None:

@@ -40,7 +40,7 @@ from services.gateway.deps import Caller, Context, RawBody
 from services.gateway.openapi_docs import (ADMIN_ERRORS, ALIAS, ALIAS_LIST, DELETED, INSTANCE_LIST,
                                            MODEL_RECORD, NODE_LIST, RECORD_LIST, json_body)
 from services.gateway.paths import confined_model_dir
-from services.gateway.validation import _Strict, parse_body
+from services.gateway.validation import _Strict, keep_alive_seconds, parse_body
 from shared import wire
 from shared.cluster import decode_node
 from shared.core.types import SLO_CLASSES, NodeView
@@ -70,6 +70,19 @@ class RegisterModel(_Strict):
     pooling: Literal["mean", "last", "cls"] = "mean"
     normalize: bool = True
     matryoshka: bool = False
+    # How long an idle instance stays loaded (seconds or a duration such as "5m"; 0: unload at
+    # once; negative: never; absent: the cluster's default), and the warm instances the cluster
+    # keeps of it (> 0: pinned, its instances are never reclaimed as idle).
+    keep_alive: float | str | None = None
+    min_instances: int = 0
+
+
+class UpdateModel(_Strict):
+    """PATCH /admin/models/{name}: the serving settings of a registered model. A field left
+    out stays; `keep_alive: null` goes back to the cluster's default."""
+
+    keep_alive: float | str | None = None
+    min_instances: int | None = None
 
 
 class AddAlias(_Strict):
@@ -123,7 +136,9 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
     except ModelDirError as exc:
         raise errors.invalid_request(str(exc), param="path", code="invalid_model_dir") from None
     record = dataclasses.replace(record, pooling=body.pooling, normalize=body.normalize,
-                                 matryoshka=body.matryoshka)
+                                 matryoshka=body.matryoshka,
+                                 keep_alive_s=keep_alive_seconds(body.keep_alive),
+                                 min_instances=_min_instances(body.min_instances))
     await _check_no_clash(ctx, body.name, owner)
     previous = await ctx.registry.get(record.name)
     try:
@@ -138,6 +153,33 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
     view = model_view(record, caller, await ctx.registry.aliases())
     view["lifecycle"] = lifecycle.view(status, set(), None if caller.operator else record.path)
     return JSONResponse(view, status_code=201)
+
+
+def _min_instances(value: int) -> int:
+    if value < 0:
+        raise errors.invalid_request(f"min_instances must be >= 0, got {value}.",
+                                     param="min_instances", code="invalid_value")
+    return value
+
+
+@router.patch("/models/{name:path}", response_model=None, openapi_extra=json_body("UpdateModel"),
+              responses={200: MODEL_RECORD})
+async def update_model(name: str, caller: Caller, raw: RawBody, ctx: Context) -> dict[str, Any]:
+    """Change a model's keep-alive or pinning. New instances, and existing ones at their next
+    request, follow it; `POST /admin/models/{name}/unload` unloads the loaded ones now."""
+    body = parse_body(UpdateModel, raw)
+    record = await changeable_model(ctx, name, caller, "change")
+    changes: dict[str, Any] = {}
+    if "keep_alive" in body.model_fields_set:
+        changes["keep_alive_s"] = keep_alive_seconds(body.keep_alive)
+    if body.min_instances is not None:
+        changes["min_instances"] = _min_instances(body.min_instances)
+    record = dataclasses.replace(record, **changes)
+    await ctx.registry.register(record, replace=True)
+    log.info("%s changed model %s: %s", _who(caller), record.name, changes)
+    states = await lifecycle.views(ctx.redis, [record], caller.operator)
+    return {**model_view(record, caller, await ctx.registry.aliases()),
+            "lifecycle": states[record.name]}
 
 
 async def _base_model(ctx: Context, name: str | None, tenant: str) -> ModelRecord | None:
@@ -238,7 +280,7 @@ async def get_registered(name: str, caller: Caller, ctx: Context) -> dict[str, A
 
 @router.delete("/models/{name:path}", response_model=None, responses={200: DELETED})
 async def delete_model(name: str, caller: Caller, ctx: Context) -> dict[str, Any]:
-    record = await _changeable(ctx, name, caller, "delete")
+    record = await changeable_model(ctx, name, caller, "delete")
     if not await ctx.registry.delete(record.name):
         raise errors.model_not_found(name)
     await ctx.registry.remove_aliases(*aliases_of(await ctx.registry.aliases(), record.name))
@@ -258,7 +300,7 @@ async def _visible(ctx: Context, name: str, caller: Principal) -> ModelRecord:
     return record
 
 
-async def _changeable(ctx: Context, name: str, caller: Principal, what: str) -> ModelRecord:
+async def changeable_model(ctx: Context, name: str, caller: Principal, what: str) -> ModelRecord:
     record = await _visible(ctx, name, caller)
     if not caller.operator and record.owner != caller.tenant:
         raise _forbidden(f"Only the operator may {what} the public model {name!r}.")
@@ -271,7 +313,7 @@ async def add_alias(name: str, caller: Caller, raw: RawBody, ctx: Context) -> JS
     """Another name for the model `name`; requests for the alias are served by the model."""
     body = parse_body(AddAlias, raw)
     _check_model_name(body.alias, "alias")
-    record = await _changeable(ctx, name, caller, "alias")
+    record = await changeable_model(ctx, name, caller, "alias")
     await _check_no_clash(ctx, body.alias, record.owner, alias=True)
     try:
         alias_id = await ctx.registry.add_alias(body.alias, record)
@@ -376,7 +418,8 @@ async def list_instances(caller: Caller, ctx: Context) -> dict[str, Any]:
                          "hardware": node.hardware.value, "model": inst.model.name,
                          "status": inst.status.value, "batch_size": inst.batch_size,
                          "kv_bytes": inst.kv_bytes, "weight_bytes": inst.model.weight_bytes,
-                         "last_active": inst.last_active,
+                         "last_active": inst.last_active, "keep_alive_s": inst.keep_alive_s,
+                         "pinned": inst.pinned,
                          "requests": [r.request_id for r in inst.requests],
                          "adapters": dict(inst.adapters)})
     return {"object": "list", "data": data}

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway import (admin_routes, drain_routes, embedding_routes, errors,
-                              openai_routes, token_routes)
+                              model_ops_routes, openai_routes, token_routes)
 from services.gateway import openapi_docs as docs
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
@@ -103,6 +103,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     app.include_router(embedding_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(drain_routes.router)
+    app.include_router(model_ops_routes.router)
 
     @app.get("/health", response_model=None, openapi_extra={"security": []},
              responses={200: docs.HEALTH, 503: docs.HEALTH_DOWN})
@@ -141,7 +142,9 @@ def _publish_schema(app: FastAPI) -> None:
                 "TokenizeBody": TokenizeBody, "DetokenizeBody": DetokenizeBody,
                 "EmbeddingBody": EmbeddingBody,
                 "RegisterModel": admin_routes.RegisterModel,
-                "AddAlias": admin_routes.AddAlias})
+                "AddAlias": admin_routes.AddAlias,
+                "UpdateModel": admin_routes.UpdateModel,
+                "PreloadModel": model_ops_routes.PreloadModel})
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -47,12 +47,18 @@ class BodyLimitMiddleware:
 
 async def read_utf8_body(request: Request) -> bytes:
     """The raw body, checked to be UTF-8 (pydantic parses the JSON from bytes)."""
+    body = await read_optional_body(request)
+    if not body.strip():
+        raise invalid_request("The request body is empty; expected a JSON object.", code="invalid_json")
+    return body
+
+
+async def read_optional_body(request: Request) -> bytes:
+    """The raw body, checked to be UTF-8; it may be empty (a route whose body is optional)."""
     body = await request.body()
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise invalid_request(f"The request body is not valid UTF-8 (byte {exc.start}).",
                               code="invalid_utf8") from None
-    if not body.strip():
-        raise invalid_request("The request body is empty; expected a JSON object.", code="invalid_json")
     return body

@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
 from services.gateway.auth import Principal, authenticate
-from services.gateway.body import read_utf8_body
+from services.gateway.body import read_optional_body, read_utf8_body
 from services.gateway.service import GatewayService
 from services.gateway.settings import GatewaySettings
 from shared.registry import ModelRegistry
@@ -58,3 +58,4 @@ Tenant = Annotated[str, Depends(get_tenant)]
 Service = Annotated[GatewayService, Depends(get_service)]
 Registry = Annotated[ModelRegistry, Depends(get_registry)]
 RawBody = Annotated[bytes, Depends(read_utf8_body)]
+OptionalBody = Annotated[bytes, Depends(read_optional_body)]  # may be empty

@@ -198,6 +198,8 @@ class RegisteredModel(BaseModel):
     pooling: str | None = None  # POST /v1/embeddings: mean | last | cls
     normalize: bool | None = None
     matryoshka: bool | None = None
+    keep_alive_s: float | None = None  # None: the cluster's default; negative: never unloaded
+    min_instances: int = 0  # warm instances kept (pinned)
     lifecycle: Lifecycle | None = None
     aliases: list[str] = []  # its other names, as the caller calls them
 
@@ -240,6 +242,8 @@ class InstanceRow(BaseModel):
     kv_bytes: int
     weight_bytes: int
     last_active: float
+    keep_alive_s: float | None = None  # its idle window (None: the cluster's; negative: never)
+    pinned: bool = False  # its model keeps warm instances: never reclaimed as idle
     requests: list[str]
     adapters: dict[str, int]  # LoRA adapters attached to this backbone instance -> their bytes
 

@@ -229,7 +229,7 @@ class GatewayService:
             logprobs=params.logprobs, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, min_p=params.min_p,
             logit_bias=[TokenBias(t, b) for t, b in params.logit_bias], grammar=params.grammar,
-            prompt_logprobs=params.prompt_logprobs,
+            prompt_logprobs=params.prompt_logprobs, keep_alive_s=params.keep_alive_s,
         )
 
     async def start(self, prepared: Prepared, response_id: str, tenant: str,

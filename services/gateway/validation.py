@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from services.gateway.errors import invalid_request, validation_error
 from services.gateway.settings import MAX_CHOICES_LIMIT
+from shared.core.keepalive import parse_keep_alive
 from shared.engine_features import asked_features
 from shared.grammar import ANY_JSON_OBJECT, GrammarError, compile_grammar, json_schema_grammar
 from shared.schemas import OutputGrammar
@@ -131,6 +132,10 @@ class _Common(_Lenient):
         maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"},
         additionalProperties={"type": "number", "minimum": -LOGIT_BIAS_RANGE,
                               "maximum": LOGIT_BIAS_RANGE})
+    # Ollama's keep_alive: how long the model's instance stays loaded once idle after this
+    # request: seconds, or a duration ("5m", "1h30m", "30s"); 0: unload at once; negative:
+    # never (`shared.core.keepalive.parse_keep_alive`).
+    keep_alive: float | str | None = None
     # How many choices to generate (each its own request; at most the gateway's
     # SLINFER_MAX_CHOICES, checked with the settings).
     n: JSONInt | None = _doc(minimum=1, maximum=MAX_CHOICES_LIMIT)
@@ -314,6 +319,7 @@ class SamplingParams:
     grammar: OutputGrammar | None = None  # the output must match it (constrained decoding)
     n: int = 1  # choices, each generated as its own request
     echo: bool = False  # completions: the prompt before the text (and its logprobs, if asked)
+    keep_alive_s: float | None = None  # its instance's idle window after it (None: the model's)
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -456,7 +462,18 @@ def _extensions(body: _Common) -> dict[str, Any]:
             "presence_penalty": _penalty(body.presence_penalty, "presence_penalty"),
             "frequency_penalty": _penalty(body.frequency_penalty, "frequency_penalty"),
             "logit_bias": _logit_bias(body.logit_bias), "logprobs": _logprobs(body),
-            "grammar": _response_format(body.response_format)}
+            "grammar": _response_format(body.response_format),
+            "keep_alive_s": keep_alive_seconds(body.keep_alive)}
+
+
+def keep_alive_seconds(value: float | str | None, param: str = "keep_alive") -> float | None:
+    """A keep_alive as seconds (negative: never; None: not given), or a 400 naming `param`."""
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise invalid_request(f"{exc}.", param=param, code="invalid_value") from None
 
 
 def _response_format(fmt: ResponseFormat | None) -> OutputGrammar | None:

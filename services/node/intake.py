@@ -25,7 +25,7 @@ from shared.schemas import CancelNotice, CommandKind, NodeCommand, NodeReply
 
 log = logging.getLogger("slinfer.node")
 Handler = Callable[[NodeCommand], object]  # a NodeReply, or an awaitable of one
-TAKEN_WHILE_DRAINING = frozenset({CommandKind.MIGRATE, CommandKind.DRAIN})
+TAKEN_WHILE_DRAINING = frozenset({CommandKind.MIGRATE, CommandKind.DRAIN, CommandKind.UNLOAD_MODEL})
 
 
 class CommandIntake:

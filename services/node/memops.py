@@ -31,7 +31,7 @@ from shared.core.node_scheduler import AdmitResult
 from shared.core.readiness import load_seconds
 from shared.cluster import model_spec
 from shared.core.types import adapter_owner
-from shared.schemas import MemOpCompletion, ModelRecord
+from shared.schemas import MemOpCompletion, ModelRecord, NodeCommand, NodeReply
 
 log = logging.getLogger("slinfer.node")
 HISTORY_LEN = 4096
@@ -177,6 +177,16 @@ class MemOps:
         if result.admission.ok:
             self.rt.records[result.instance_id] = record
         return result.admission.ok
+
+    def unload_model(self, cmd: NodeCommand) -> NodeReply:
+        """UNLOAD_MODEL (the admin's unload-now): the core unloads the model's idle instances
+        now and each busy one once its requests have ended (`NodeScheduler.unload_model`). The
+        reply carries the node's view (the intake adds it): what is left of the model there."""
+        if cmd.model is None:
+            return NodeReply(False, "bad_command: unload_model needs a model")
+        self.rt.start_ops(self.rt.sched.unload_model(cmd.model.name, time.time()))
+        self.rt.wake.set()
+        return NodeReply(True, "unloading")
 
     def expect_load(self, instance_id: str, record: ModelRecord) -> None:
         """A cold start admitted: what the core expects of its load, from the view it decided

@@ -68,10 +68,18 @@ class TokenLoop:
                 return
         self.rt.wake.clear()
         try:
-            await asyncio.wait_for(self.rt.wake.wait(),
-                                   timeout=max(0.05, self.rt.s.core.keep_alive_s / 4))
+            await asyncio.wait_for(self.rt.wake.wait(), timeout=self._idle_wait(time.time()))
         except TimeoutError:
             pass
+
+    def _idle_wait(self, now: float) -> float:
+        """How long to wait for work: a quarter of the default keep-alive, less when an
+        instance's own window (a request's keep_alive of 0, say) runs out sooner."""
+        wait = self.rt.s.core.keep_alive_s / 4
+        due = self.rt.sched.next_reclaim_at()
+        if due is not None:
+            wait = min(wait, due - now)
+        return max(0.05, wait)
 
     async def _step(self) -> StepPlan:
         """The core's plan for now, its memory ops started and its evictions handed back."""

@@ -101,7 +101,8 @@ class NodeWorker:
                       CommandKind.START_INSTANCE: admission.start_instance,
                       CommandKind.PREEMPT_ADMIT: admission.preempt_admit,
                       CommandKind.MIGRATE: source.start_migrations,
-                      CommandKind.DRAIN: source.start_drain},
+                      CommandKind.DRAIN: source.start_drain,
+                      CommandKind.UNLOAD_MODEL: memops.unload_model},
             spawned={**dest.handlers, **{kind: self.layers.handle for kind in LAYER_KINDS}},
             cleanups={kind: dest.cleanup for kind in dest.handlers},
             with_instance=LAYER_KINDS)

@@ -29,7 +29,7 @@ carry the plan out with the nodes, and take the node's answer.
     commands.py     one node command and its reply
     scaleout.py     λScale multicasts for the new instances a turn admitted
     tracing.py      the decision spans
-    burst.py, module_scaler.py, preloader.py, readiness.py: plug-ins on the port
+    burst.py, module_scaler.py, preloader.py, pinning.py, readiness.py: plug-ins on the port
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from services.placer.commands import with_startup
 from services.placer.intake import Pending, RequestIntake
 from services.placer.keeper import StateKeeper
 from services.placer.module_scaler import ModuleScaler
+from services.placer.pinning import PinKeeper
 from services.placer.port import PlacerPort
 from services.placer.preloader import ClusterPreloader
 from services.placer.readiness import ReadinessGate, Verdict, hold_or_fail
@@ -88,6 +89,8 @@ class Placer:
         # the instance just started (off unless settings.core.burst_scaleout).
         self.bursts = BurstStarter(self.port, settings.core, self.scaleout, self.intake.queued_for)
         self.intake.on_arrival.append(self.bursts.note)
+        # Pinned models (min_instances): their missing instances started by warm-up requests.
+        self.pinning = PinKeeper(self.port, settings.pin_check_s)
         self._kept_at = 0.0
         self.errors = 0  # run-loop turns that failed (Redis or NATS trouble)
         self._failing = False
@@ -165,6 +168,7 @@ class Placer:
             await self.place_queued()
         await self.modules.turn()  # rate limited (settings.module_scaling_s)
         await self.preloader.turn()  # rate limited (settings.preload_interval_s)
+        await self.pinning.turn()  # rate limited (settings.pin_check_s)
 
     # --- decisions ---------------------------------------------------------------------------
     async def place_queued(self) -> None:

@@ -31,6 +31,9 @@ class PlacerSettings:
     # ServerlessLoRA §4.1 (services/placer/preloader.py): the cluster's pre-loading plan is made
     # and sent to the nodes this often (0: never; each node then plans from its own rates).
     preload_interval_s: float = PRELOAD_INTERVAL_S
+    # Pinned models (services/placer/pinning.py): their instance count is checked this often
+    # (0: never; a pinned instance is still never reclaimed, but a missing one is not started).
+    pin_check_s: float = 1.0
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -44,6 +47,7 @@ class PlacerSettings:
                    module_scaling_s=env_float("SLINFER_MODULE_SCALING_S", 1.0, minimum=0.0),
                    preload_interval_s=env_float("SLINFER_CLUSTER_PRELOAD_S", PRELOAD_INTERVAL_S,
                                                         minimum=0.0),
+                   pin_check_s=env_float("SLINFER_PIN_CHECK_S", 1.0, minimum=0.0),
                    modules=ModuleSettings(
                        hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
                        link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,

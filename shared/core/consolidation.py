@@ -6,7 +6,8 @@
   neighbours with a strictly smaller batch than its own (the new request not counted, so equal
   instances never preempt each other and a new instance preempts nobody), smallest first, and
   only if every preempted request shadow-validates on another node (`plan_preemption`).
-- Keep-alive: idle instances are reclaimed after the keep-alive (`idle_instances`).
+- Keep-alive: idle instances are reclaimed after their keep-alive (`idle_instances`); a pinned
+  instance is neither reclaimed nor preempted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from shared.core.admission import Admission, AdmitReason
 from shared.core.context import DecisionContext
 from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
+from shared.core.keepalive import expired
 from shared.core.lora import admission_through
 from shared.core.readiness import first_run_at, handover_ready_at
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
@@ -29,13 +31,10 @@ def binpack_order(candidates: list[tuple[NodeView, InstanceView]]) -> list[tuple
 
 
 def idle_instances(node: NodeView, now: float, keep_alive_s: float) -> list[InstanceView]:
-    """Ready instances without requests whose keep-alive has expired by `now`. Expiry is
-    `last_active + keep_alive_s`, the sum `NodeScheduler.next_reclaim_at` announces: at that
-    very time `now - last_active` can round below the keep-alive (0.4 + 1.0 - 0.4 < 1.0), and a
-    caller woken then would find nothing to reclaim and be told the same time again."""
-    return [i for i in node.instances
-            if i.status is InstanceStatus.READY and not i.requests
-            and now >= i.last_active + keep_alive_s]
+    """Ready instances without requests whose keep-alive has expired by `now`: each its own
+    window (`shared.core.keepalive.window`; `keep_alive_s`: the default for those without one).
+    A pinned instance, or one with a negative window, never expires."""
+    return [i for i in node.instances if expired(i, now, keep_alive_s)]
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,12 @@ class Preemption:
 
 
 def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[InstanceView]:
-    """Neighbours with a strictly smaller batch than the preemptor has now (§VIII-A)."""
+    """Neighbours with a strictly smaller batch than the preemptor has now (§VIII-A). A pinned
+    instance is no victim: its model asked for it to stay warm."""
     own_batch = preemptor.batch_size if preemptor else 0
     own_id = preemptor.instance_id if preemptor else None
-    victims = [i for i in node.instances
-               if i.instance_id != own_id and i.accepts and i.batch_size < own_batch]
+    victims = [i for i in node.instances if i.instance_id != own_id and i.accepts
+               and i.batch_size < own_batch and not i.pinned]
     return sorted(victims, key=lambda i: (i.batch_size, i.last_active, i.instance_id))
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.evaluate import evaluate
+from shared.core.keepalive import instance_window
 from shared.core.lora import evaluate_through
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_adapters import InstanceAdapters
@@ -76,6 +77,7 @@ class Admitter:
         ops.extend(self.adapters.attach(inst, adapter, now))
         inst.requests.append(_joining(request, admission, adapter))
         inst.last_active = now
+        _keep_alive(inst, request, model)
         return AdmitResult(admission, instance_id, tuple(ops))
 
     def start_instance(self, like: RequestView, model: ModelSpec, now: float) -> AdmitResult:
@@ -98,11 +100,20 @@ class Admitter:
                             pipeline=new_instance_view(node, model, now).pipeline)
         if request is not None:
             inst.requests.append(_joining(request, admission, adapter))
+        _keep_alive(inst, request, model)
         node.instances.append(inst)
         ok, ops = self.state.ledger.request(MemOpKind.LOAD, iid, model.weight_bytes + kv, now)
         assert ok, "evaluate() approved the budget"
         self.timeline.sync(now)
         return AdmitResult(admission, iid, tuple(ops))
+
+
+def _keep_alive(inst: InstanceView, request: RequestView | None, model: ModelSpec) -> None:
+    """The instance's keep-alive after an admission (`shared.core.keepalive`): the request's
+    own, else its model's as registered now; pinned while its model asks for warm instances."""
+    inst.keep_alive_s = instance_window(request.keep_alive_s if request else None,
+                                        model.keep_alive_s)
+    inst.pinned = model.min_instances > 0
 
 
 def _joining(request: RequestView, admission: Admission,

@@ -11,6 +11,7 @@ view is synced with the ledger (`node_timeline`). Unloading an instance detaches
 from __future__ import annotations
 
 from shared.core.consolidation import idle_instances
+from shared.core.keepalive import expires_at, is_idle
 from shared.core.memory import MemOp, MemOpKind
 from shared.core.node_adapters import InstanceAdapters
 from shared.core.node_state import NodeState
@@ -109,7 +110,7 @@ class MemoryOps:
 
     # --- keep-alive --------------------------------------------------------------------------
     def reclaim_idle(self, now: float) -> list[MemOp]:
-        """Unload the instances idle for longer than the keep-alive."""
+        """Unload the instances idle for longer than their keep-alive (`shared.core.keepalive`)."""
         state = self.state
         ops: list[MemOp] = []
         for inst in idle_instances(state.node, now, state.config.keep_alive_s):
@@ -122,7 +123,15 @@ class MemoryOps:
         one). An idle instance with a memory op in flight is not counted: that op's completion
         is the next event that matters for it."""
         state = self.state
-        times = [i.last_active + state.config.keep_alive_s for i in state.node.instances
-                 if i.status is InstanceStatus.READY and not i.requests
-                 and not state.ledger.busy(i.instance_id)]
-        return min(times, default=None)
+        times = [expires_at(i, state.config.keep_alive_s) for i in state.node.instances
+                 if is_idle(i) and not state.ledger.busy(i.instance_id)]
+        return min((t for t in times if t is not None), default=None)
+
+    def unload_model(self, model: str, now: float) -> list[MemOp]:
+        """Unload every instance of `model` now (the admin's unload): the idle ones at once,
+        the busy and loading ones as soon as they are idle (their window becomes 0, unpinned;
+        a request admitted later sets both again, from its keep_alive and its model's record)."""
+        for inst in self.state.node.instances:
+            if inst.model.name == model and inst.accepts:
+                inst.keep_alive_s, inst.pinned = 0.0, False
+        return self.reclaim_idle(now)

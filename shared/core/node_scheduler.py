@@ -11,6 +11,7 @@ The node worker (real engines) and the simulator (profile-timed engines) drive i
     sched.finish_iteration(plan.iteration, now, finished)     # feed the outcome back
     sched.memop_done(op, now)                                 # a memory op completed
     sched.reclaim_idle(now)                                   # keep-alive expiry
+    sched.unload_model(name, now)                             # the admin's unload-now
 
 `NodeScheduler` is the one door callers use; behind it each mechanism is its own part, and all of
 them work on one shared `node_state.NodeState` (the node's view, the memory ledger and the tables
@@ -166,6 +167,9 @@ class NodeScheduler:
 
     def next_reclaim_at(self) -> float | None:
         return self.memops.next_reclaim_at()
+
+    def unload_model(self, model: str, now: float) -> list[MemOp]:
+        return self.memops.unload_model(model, now)
 
     def hold(self, key: str, nbytes: int, now: float,
              load: float | None = None) -> tuple[bool, list[MemOp]]:

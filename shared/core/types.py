@@ -73,6 +73,10 @@ class ModelSpec:
     layers: int = 0
     head_bytes: int = 0
     token_bytes: int = 0
+    # Its registered keep-alive (None: the core's default; negative: never unload) and minimum
+    # of warm instances (> 0: pinned, its instances are never reclaimed; `shared.core.keepalive`).
+    keep_alive_s: float | None = None
+    min_instances: int = 0
 
 
 def first_token_due(arrival: float, grace_s: float, ttft_s: float) -> float:
@@ -115,6 +119,9 @@ class RequestView:
     # The adapter's name (None: none, or not known to the caller): a batch's LoRA cost grows
     # with the distinct adapters it holds, and offloading spares the adapters requests run through.
     adapter: str | None = None
+    # The request's own keep-alive (Ollama's `keep_alive`, seconds; negative: never; None: its
+    # model's): its instance's idle window from its admission on (`shared.core.keepalive`).
+    keep_alive_s: float | None = None
 
     def deadline_base(self) -> float:
         """The deadline of the first token: ST + grace + TTFT_SLO."""
@@ -232,6 +239,11 @@ class InstanceView:
     # The share of recent wall time its iterations ran, measured by its node (None: none yet);
     # module scaling predicts a stage of its layers' load from it.
     busy: BusyMeter | None = None
+    # Keep-alive (`shared.core.keepalive`): its idle window in seconds, set by the last request
+    # admitted (else its model's registered one; None: the core's default; negative: never),
+    # and whether its model is pinned (min_instances > 0: never reclaimed as idle).
+    keep_alive_s: float | None = None
+    pinned: bool = False
 
     @property
     def accepts(self) -> bool:

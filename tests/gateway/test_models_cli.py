@@ -35,8 +35,10 @@ def test_add_list_alias_status_rm_round_trip(gateway, tenant_models, capsys):
     assert capsys.readouterr().out == "cli-fast -> cli/one\n"
     assert run(gateway, "key-a", "list") == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
-    assert rows["NAME"] == ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "ALIASES"]
-    assert rows["cli/one"] == ["cli/one", "converting", "torch", "tenant-a", "-", "cli-fast"]
+    assert rows["NAME"] == ["NAME", "STATE", "ENGINE", "OWNER", "BASE", "KEEP-ALIVE", "MIN",
+                            "ALIASES"]
+    assert rows["cli/one"] == ["cli/one", "converting", "torch", "tenant-a", "-", "default", "0",
+                               "cli-fast"]
     assert rows[PUBLIC_MODEL][3] == "public"
     assert run(gateway, "key-a", "alias") == 0
     assert capsys.readouterr().out.splitlines()[1].split() == ["cli-fast", "cli/one", "tenant-a"]
@@ -55,6 +57,29 @@ def test_add_list_alias_status_rm_round_trip(gateway, tenant_models, capsys):
     err = capsys.readouterr().err
     assert err.startswith("slinfer models: The model 'cli/one' does not exist")
     assert err.rstrip().endswith("(404, model_not_found)")
+
+
+def test_keep_alive_and_pinning_from_the_cli(gateway, tenant_models, capsys):
+    path = str(tenant_models / "tenant-a" / "tiny")
+    assert run(gateway, "key-a", "add", "cli/warm", path, "--keep-alive", "5m",
+               "--min-instances", "1") == 0
+    assert "keep-alive 300s, min instances 1" in capsys.readouterr().out
+    assert run(gateway, "key-a", "list") == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines()
+               if line.startswith("cli/warm"))
+    assert row[5:7] == ["300s", "1"]
+    assert run(gateway, "key-a", "unload", "cli/warm") == 1  # pinned
+    assert "min_instances" in capsys.readouterr().err
+    assert run(gateway, "key-a", "set", "cli/warm", "--keep-alive", "-1", "--min-instances",
+               "0") == 0
+    assert capsys.readouterr().out == "cli/warm: keep-alive never, min instances 0\n"
+    assert run(gateway, "key-a", "set", "cli/warm", "--keep-alive", "default") == 0
+    assert capsys.readouterr().out == "cli/warm: keep-alive default, min instances 0\n"
+    assert run(gateway, "key-a", "unload", "cli/warm") == 0  # no instance anywhere: nothing to do
+    assert capsys.readouterr().out == "unloading cli/warm\n"
+    assert run(gateway, "key-a", "set", "cli/warm", "--keep-alive", "soon") == 1
+    assert "(400, invalid_value)" in capsys.readouterr().err
+    assert run(gateway, "key-a", "rm", "cli/warm") == 0
 
 
 async def _output_until(capsys, text: str, seen: list[str], timeout_s: float = 10.0) -> None:
