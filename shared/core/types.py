@@ -232,6 +232,11 @@ class InstanceView:
     # The share of recent wall time its iterations ran, measured by its node (None: none yet);
     # module scaling predicts a stage of its layers' load from it.
     busy: BusyMeter | None = None
+    # Chunked prefill (`CoreConfig.prefill_chunk_tokens`): request id -> tokens of its context
+    # whose K/V earlier chunks wrote into this instance's cache, for requests not prefilled yet.
+    # On the instance, not the request: the K/V is this instance's, and a request that moves
+    # starts its prefill again wherever it lands.
+    prefill_progress: dict[str, int] = field(default_factory=dict)
 
     @property
     def accepts(self) -> bool:
@@ -272,6 +277,10 @@ class RunningIteration:
     instance_id: str
     request_ids: tuple[str, ...]  # the requests that get a token when it ends
     prefill: bool  # a prefill (one request, which is then prefilled) or a decode step
+    # A chunk of a prefill that is not its last (`request_ids` then empty: nobody gets a token):
+    # its request ("": none such) and the tokens of its context in the cache once it ends.
+    chunk_of: str = ""
+    chunk_to: int = 0
 
 
 # Checkpoint tiers of a node, fastest first (ServerlessLLM §4.2).
