@@ -156,12 +156,15 @@ def edf_slack(units: Iterable[tuple[float, float]], now: float) -> float:
     return slack
 
 
-def fit_chunk(cost: Callable[[int], float], remaining: int, budget: float) -> int:
-    """The most tokens (at most `remaining`) whose `cost` is within `budget`; 0 if not one.
-    `cost` grows with the tokens (the prefill table never falls), so a bisection finds it."""
+def fit_chunk(cost: Callable[[int], float], remaining: int, budget: float, least: int = 0) -> int:
+    """The most tokens (at most `remaining`) whose `cost` is within `budget`, if that is
+    `least` at least; else 0. `cost` grows with the tokens (the prefill table never falls), so
+    a bisection finds it."""
     if cost(remaining) <= budget:
         return remaining
-    low, high = 0, remaining  # cost(low) fits (or low is 0), cost(high) does not
+    if least > 0 and (least >= remaining or cost(least) > budget):
+        return 0
+    low, high = least, remaining  # cost(low) fits (or low is 0), cost(high) does not
     while high - low > 1:
         mid = (low + high) // 2
         if cost(mid) <= budget:
@@ -185,8 +188,9 @@ def chunk_tokens(profile: Profile, start: int, remaining: int, rank: int,
     would only add each chunk's own cost. The node's scheduler and shadow validation both
     decide with this."""
     slack = edf_slack(units, now)
-    fit = fit_chunk(lambda c: profile.prefill_chunk_s(start, c, rank) * scale, remaining, slack)
-    if fit >= remaining or fit >= min_tokens:
+    fit = fit_chunk(lambda c: profile.prefill_chunk_s(start, c, rank) * scale, remaining, slack,
+                    min_tokens)
+    if fit:
         return fit
     return 0 if decoder_first else remaining
 
