@@ -48,6 +48,10 @@ def parser() -> argparse.ArgumentParser:
                    help="ablation: new instances on the soonest-starting node instead of bin-packing")
     p.add_argument("--watermark", type=float, default=0.25, help="KV scaling watermark (0.25 = 25%%)")
     p.add_argument("--keep-alive", type=float, default=1.0, help="idle seconds before reclaim")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="slinfer: prefills in chunks sized to the node's decode slack")
+    p.add_argument("--prefill-chunk-min", type=int, default=64, metavar="TOKENS",
+                   help="--chunked-prefill: the smallest chunk (so a prefill progresses)")
     p.add_argument("--profiles", metavar="JSON", help="measured profiles replacing the built-in ones")
     p.add_argument("--noise", type=float, default=0.07,
                    help="sigma of the log-normal noise on every iteration time (0: exact profiles)")
@@ -91,6 +95,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         lora_adapters=args.lora_adapters, lora_backbones=args.lora_backbones,
         lora_rank=args.lora_rank, lora_serving=args.lora_serving,
         lora_decode_overhead=args.lora_decode_overhead, lora_preload_s=args.lora_preload_s,
+        prefill_chunk_tokens=args.prefill_chunk_min if args.chunked_prefill else 0,
         extra=scaleout.extra_from(args))
 
 

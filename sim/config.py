@@ -60,6 +60,9 @@ class SimConfig:
     # "shared" serving pre-loads adapters and backbone checkpoints (ServerlessLoRA §4.1,
     # sim/preload.py), re-planned this often as the placer and the nodes do by default; 0: off.
     lora_preload_s: float = PRELOAD_INTERVAL_S
+    # Chunked prefill in SLINFER's scheduler (`CoreConfig.prefill_chunk_tokens`: the smallest
+    # chunk); 0: whole prefills, as in the paper.
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -99,6 +102,7 @@ class SimConfig:
                        enable_cpu=not self.no_cpu, enable_sharing=not self.no_sharing,
                        enable_consolidation=not self.no_consolidation,
                        pack_new_instances=not self.no_packing,
+                       prefill_chunk_tokens=self.prefill_chunk_tokens,
                        **scaleout.burst_settings(self.extra))
 
 
@@ -146,4 +150,6 @@ def params_of(cfg: SimConfig) -> dict[str, Any]:
         out["profiles"] = Path(cfg.profiles).name
     if not cfg.lora_adapters:  # a run without LoRA reports what it always did
         out = {k: v for k, v in out.items() if not k.startswith("lora_")}
+    if not cfg.prefill_chunk_tokens:  # nor does one with whole prefills
+        del out["prefill_chunk_tokens"]
     return out

@@ -491,6 +491,8 @@ class SlinferSystem:
         reqs = [r for r in inst.requests if r.request_id in ids]
         prefill = choice.kind is IterationKind.PREFILL
         tokens = sum(r.context_len() for r in reqs) if prefill else len(reqs)
+        if choice.chunk is not None:  # a chunked prefill's chunk carries its own tokens
+            tokens = choice.chunk.tokens
         context = sum(r.context_len() for r in inst.requests if r.prefilled)
         return self.scaleout.iteration_extra(inst.instance_id, inst.model.name, tokens, context,
                                              inst.model.kv_bytes_per_token, self._profile_of(sn, inst),

@@ -67,6 +67,11 @@ class CoreConfig:
     # CoCoServe host compute: an instance's busy fraction (its node's iterations) and a hosted
     # stage's (its host's forwards) are measured over this time constant (`busy.BusyMeter`).
     busy_window_s: float = 10.0
+    # Chunked prefill (Sarathi-Serve) as a decision of the headroom scheduler
+    # (`iteration.plan_chunk`): > 0 turns it on, and a prefill then runs in chunks sized to the
+    # decode slack of every other request on the node, none shorter than this many tokens but
+    # its last; 0: whole prefills (SLINFER's §VI-A).
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.busy_window_s > 0:
@@ -84,5 +89,7 @@ class CoreConfig:
         if not self.burst_window_s > 0 or self.burst_max < 1 or self.burst_max_startup_s < 0:
             raise ValueError("burst_window_s must be > 0, burst_max >= 1, "
                              "burst_max_startup_s >= 0")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0")
         if self.shadow_max_steps < 1:
             raise ValueError("shadow_max_steps must be >= 1")

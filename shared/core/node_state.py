@@ -93,5 +93,6 @@ class NodeState:
 
 def copy_instances(instances: list[InstanceView]) -> list[InstanceView]:
     """Copies deep enough that changing requests on them leaves the originals untouched."""
-    return [replace(i, requests=[replace(r) for r in i.requests], adapters=dict(i.adapters))
+    return [replace(i, requests=[replace(r) for r in i.requests], adapters=dict(i.adapters),
+                    prefill_progress=dict(i.prefill_progress))
             for i in instances]

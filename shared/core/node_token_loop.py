@@ -20,7 +20,7 @@ from shared.core.cost import contended, contention, kv_ceiling, kv_demand
 from shared.core.evaluate import may_shrink
 from shared.core.iteration import (IterationChoice, IterationKind, apply_iteration,
                                    choose_iteration, kv_tokens_needed, least_headroom,
-                                   predict_seconds, runnable)
+                                   plan_chunk, predict_seconds, runnable)
 from shared.core.memory import MemOp, watermark_target
 from shared.core.node_memops import MemoryOps
 from shared.core.node_state import NodeState
@@ -64,6 +64,8 @@ class TokenLoop:
             choice = choose_iteration(node.instances, now, blocked)
             if choice is None:
                 return StepPlan(None, 0.0, tuple(ops), tuple(evictions))
+            if choice.kind is IterationKind.PREFILL and state.config.prefill_chunk_tokens:
+                choice = self._chunked(choice, now, blocked)
             inst = state.instance(choice.instance_id)
             if kv_tokens_needed(choice, inst) <= state.kv_capacity_tokens(inst):
                 if self._outlasts_handover(choice, inst, now):
@@ -83,6 +85,16 @@ class TokenLoop:
             evictions.append(_evict_longest(inst, now))
             blocked.discard(inst.instance_id)  # it may fit now
 
+    def _chunked(self, choice: IterationChoice, now: float, blocked: set[str]) -> IterationChoice:
+        """Chunked prefill: the chosen prefill's next chunk, sized as the validation sizes it
+        (its overestimate, slower by the stages the node hosts: `plan_chunk`)."""
+        state = self.state
+        config = contended(state.config, state.node.stage_load)
+        profiles = {i.instance_id: state.profile(i) for i in state.node.instances
+                    if runnable(i, now, blocked)}
+        return plan_chunk(choice, state.node.instances, profiles, now, blocked,
+                          config.prefill_chunk_tokens, 1 + config.overestimate)
+
     def _outlasts_handover(self, choice: IterationChoice, inst: InstanceView, now: float) -> bool:
         """Would this iteration of a live preemption's victim end after its handover
         (`leaves_at`), as the validation times it? Its handover, and the preemptor promised to
@@ -100,8 +112,11 @@ class TokenLoop:
         predicted = predict_seconds(choice, inst, self.state.profile(inst))
         # Its end as the node's validation expects it: slower by the stages it hosts.
         node.busy_until = now + predicted * contention(node.stage_load)
-        node.running = RunningIteration(choice.instance_id, choice.request_ids,
-                                        choice.kind is IterationKind.PREFILL)
+        chunk = choice.chunk
+        partial = chunk is not None and not chunk.final
+        node.running = RunningIteration(
+            choice.instance_id, choice.request_ids, choice.kind is IterationKind.PREFILL,
+            chunk.request_id if partial else "", chunk.start + chunk.tokens if partial else 0)
         self.state.started = (choice.instance_id, now)
         considered = tuple((i.instance_id, least_headroom(i, now)) for i in node.instances
                            if runnable(i, now, blocked))
@@ -172,6 +187,8 @@ class TokenLoop:
         if not ids:
             return []
         inst.requests = [r for r in inst.requests if r.request_id not in ids]
+        for rid in ids:  # a chunked prefill's K/V goes with its request
+            inst.prefill_progress.pop(rid, None)
         inst.last_active = now
         need = kv_demand(inst.model, inst.requests)
         target = watermark_target(inst.kv_bytes, need, self.state.config.watermark)
@@ -186,4 +203,5 @@ def _evict_longest(inst: InstanceView, now: float) -> Eviction:
     """Take the request with the most headroom off the instance (it can best afford a move)."""
     victim = max(inst.requests, key=lambda r: (r.headroom(now), r.request_id))
     inst.requests.remove(victim)
+    inst.prefill_progress.pop(victim.request_id, None)
     return Eviction(victim, inst.instance_id)

@@ -212,6 +212,27 @@ class Profile:
         seconds = self.prefill_s(input_len)
         return seconds * self.lora_prefill_factor(lora_rank) if lora_rank else seconds
 
+    def prefill_chunk_s(self, done: int, tokens: int, lora_rank: int = 0) -> float:
+        """One chunk of a chunked prefill (Sarathi-Serve): `tokens` more of a context whose first
+        `done` tokens are in the KV cache already, through an adapter of `lora_rank` (0: none).
+        The one definition of a chunk's cost: the node's scheduler sizes and times its chunks
+        with it, and shadow validation simulates them with it.
+
+        Difference form: prefill(done + tokens) - prefill(done). The table holds whole prompts
+        (linear in length, §VI-B), so the difference is what the chunk's tokens add, their
+        attention over the `done` tokens included as far as the table's growth with length
+        holds it. ASSUMPTION until the profiler measures a chunk table against a written cache:
+        a later chunk is floored at a decode step of one request at its context, since a chunk
+        is a forward pass of its own that reads every weight once more (a whole prefill reads
+        them once). A first chunk (`done` 0) is the prefill of its tokens, so a single chunk of
+        the whole prompt costs exactly `prefill_through`; split, a prefill costs at least as
+        much in all."""
+        if done <= 0:
+            return self.prefill_through(tokens, lora_rank)
+        seconds = max(self.prefill_s(done + tokens) - self.prefill_s(done),
+                      self.decode_s(1, done + tokens))
+        return seconds * self.lora_prefill_factor(lora_rank) if lora_rank else seconds
+
     def lora_decode_factor(self, rank: int, batch_size: int, adapters: int = 1) -> float:
         """A decode step of a batch whose largest adapter rank is `rank`, through `adapters`
         distinct adapters, takes this times the plain batch's (1 for rank 0: no adapter)."""

@@ -34,13 +34,19 @@ rescanning every request on every step, and credits a decode step of a batch wit
 as a count rather than request by request. It makes exactly the choices `choose_iteration` and
 `apply_iteration` make on the views (tests/core/test_shadow_equivalence.py checks this against a
 step-by-step simulation on those functions), only cheaper: a decode step costs O(instances).
+
+Chunked prefill (`CoreConfig.prefill_chunk_tokens`): a prefill is simulated chunk by chunk, each
+sized by `iteration.chunk_tokens` from the same decode units the node's `plan_chunk` sees, and
+timed by `Profile.prefill_chunk_s`; between chunks the instance's prefilled requests may run a
+decode step of their own. A chunk in flight (`RunningIteration.chunk_of`) is not run again. Off,
+nothing here changes.
 """
 
 from __future__ import annotations
 
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
-from shared.core.iteration import distinct_adapters
+from shared.core.iteration import chunk_tokens, decode_step_s, distinct_adapters
 from shared.core.perf_model import Profile
 from shared.core.types import (InstanceStatus, InstanceView, RequestView, RunningIteration,
                                token_deadline)
@@ -50,9 +56,9 @@ INF = float("inf")
 
 class _SimRequest:
     __slots__ = ("request_id", "base", "tpot", "generated", "input_len", "prefilled", "late",
-                 "deadline", "lora_rank", "adapter")
+                 "deadline", "lora_rank", "adapter", "done")
 
-    def __init__(self, r: RequestView) -> None:
+    def __init__(self, r: RequestView, done: int = 0) -> None:
         self.request_id = r.request_id
         self.base = r.deadline_base()
         self.tpot = r.slo.tpot_s
@@ -63,6 +69,10 @@ class _SimRequest:
         self.deadline = r.deadline()  # kept current by `credit` (read on every step)
         self.lora_rank = r.lora_rank
         self.adapter = r.adapter
+        self.done = done  # chunked prefill: tokens of its context already in the cache
+
+    def context_len(self) -> int:
+        return self.input_len + self.generated
 
     def prefill_s(self, profile: Profile) -> float:
         """Its prefill (of everything so far), through its adapter if it has one."""
@@ -72,6 +82,7 @@ class _SimRequest:
         """The request got a token: its KV cache holds it and the next one is due later."""
         self.generated += 1
         self.prefilled = True
+        self.done = 0
         self.deadline = token_deadline(self.base, self.tpot, self.generated)
 
 
@@ -139,6 +150,32 @@ class _SimInstance:
     def decode_s(self) -> float:
         n = len(self.requests)
         return self.decode_at(self.context / n) if n else 0.0
+
+    def first_waiting(self, t: float) -> _SimRequest:
+        """The waiting request with the least headroom (`choose_iteration`'s prefill)."""
+        self.settle()
+        return min((r for r in self.requests if not r.prefilled),
+                   key=lambda r: (r.deadline - t, r.request_id))
+
+    def decoding(self) -> list[_SimRequest]:
+        """Its prefilled requests (settled): the batch of a decode step while a prefill waits."""
+        self.settle()
+        return [r for r in self.requests if r.prefilled]
+
+    def unit(self, t: float, scale: float, joining: _SimRequest) -> tuple[float, float] | None:
+        """`iteration.decode_units`' entry for this instance: (earliest deadline of its
+        prefilled requests, their decode step scaled, with `joining` if it is here), None if
+        it has none on time."""
+        if not self.unprefilled:
+            deadline, step = self.min_deadline, self.decode_s()
+        else:
+            decoding = self.decoding()
+            if not decoding:
+                return None
+            deadline = min(r.deadline for r in decoding)
+            batch = [*decoding, joining] if joining in self.requests else decoding
+            step = decode_step_s(self.profile, batch)
+        return None if deadline < t else (deadline, step * scale)
 
     def credit_batch(self) -> None:
         """A decode step ran: every request got a token (all are prefilled: a decode runs only
@@ -210,7 +247,9 @@ def _build(instances: list[InstanceView], profiles: dict[str, Profile], target_i
            request: RequestView | None) -> list[_SimInstance]:
     sim = []
     for inst in instances:
-        reqs = [_SimRequest(r) for r in inst.requests]
+        progress = inst.prefill_progress
+        reqs = [_SimRequest(r, 0 if r.prefilled else progress.get(r.request_id, 0))
+                for r in inst.requests]
         if request is not None and inst.instance_id == target_id:
             reqs.append(_SimRequest(request))
         sim.append(_SimInstance(inst, profiles[inst.instance_id], reqs))
@@ -222,6 +261,11 @@ def _start_state(sim: list[_SimInstance], running: RunningIteration | None, busy
     """Credit the iteration in flight with its tokens at `busy_until` (a token that comes after
     its deadline is late whatever the newcomer does), then mark every request already late.
     The newcomer is never written off: if it is already late, that is its miss (case 1)."""
+    if running is not None and running.chunk_of:  # a chunk in flight: not run again
+        for si in sim:
+            for r in si.requests:
+                if si.instance_id == running.instance_id and r.request_id == running.chunk_of:
+                    r.done = running.chunk_to
     if running is not None:
         ids = set(running.request_ids)
         for si in sim:
@@ -239,7 +283,36 @@ def _start_state(sim: list[_SimInstance], running: RunningIteration | None, busy
         si.refresh()
 
 
-def _pick(sim: list[_SimInstance], t: float, scale: float) -> _SimInstance | None:
+def _runs(si: _SimInstance, t: float) -> bool:
+    return bool(si.requests) and si.can_run and si.ready_at <= t < si.leaves_at
+
+
+def _chunk_plan(sim: list[_SimInstance], inst: _SimInstance, t: float, scale: float,
+                min_tokens: int) -> tuple[_SimRequest, int, float]:
+    """`iteration.plan_chunk` on the copy: (the waiting request, the chunk's tokens, its
+    seconds unscaled); 0 tokens: a decode step of the instance's prefilled requests instead."""
+    first = inst.first_waiting(t)
+    remaining = max(1, first.context_len() - first.done)
+    units = [u for si in sim if _runs(si, t) for u in [si.unit(t, scale, first)] if u is not None]
+    decoding = inst.decoding()
+    urgent = min((r.deadline for r in decoding), default=INF) < first.deadline
+    tokens = chunk_tokens(inst.profile, first.done, remaining, first.lora_rank, units, t, urgent,
+                          min_tokens, scale)
+    if tokens == 0:
+        return first, 0, decode_step_s(inst.profile, decoding)
+    return first, tokens, inst.profile.prefill_chunk_s(first.done, tokens, first.lora_rank)
+
+
+def _next_s(sim: list[_SimInstance], si: _SimInstance, t: float, scale: float,
+            chunking: int) -> float:
+    """Its next iteration's seconds, unscaled, as `_simulate` would run it."""
+    if chunking and si.unprefilled:
+        return _chunk_plan(sim, si, t, scale, chunking)[2]
+    return si.next_s(t)
+
+
+def _pick(sim: list[_SimInstance], t: float, scale: float,
+          chunking: int = 0) -> _SimInstance | None:
     """`choose_iteration`'s instance: the runnable one with the least headroom, ids break ties.
     A live preemption's victim runs only an iteration that ends by its handover (the node's
     token loop does the same): one running past it would hold up the handover."""
@@ -247,7 +320,7 @@ def _pick(sim: list[_SimInstance], t: float, scale: float) -> _SimInstance | Non
     for si in sim:
         if not si.requests or not si.can_run or si.ready_at > t or si.leaves_at <= t:
             continue
-        if si.leaves_at < INF and t + si.next_s(t) * scale > si.leaves_at:
+        if si.leaves_at < INF and t + _next_s(sim, si, t, scale, chunking) * scale > si.leaves_at:
             continue
         h = si.min_deadline - t
         if best is None or h < best_h or (h == best_h and si.instance_id < best.instance_id):
@@ -276,11 +349,12 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
     new_done = not new_request_id  # no newcomer: `shadow_hold`, `admitted_hold`
     steps = 0
     scale = 1 + config.overestimate
+    chunking = config.prefill_chunk_tokens
     while True:
         if new_done and waiting == 0 and t >= last_ready \
                 and all(si.min_on_time - t >= round_s or si.leaves_at <= t for si in sim):
             return AdmitReason.ADMITTED  # every request can wait a whole decode round
-        inst = _pick(sim, t, scale)
+        inst = _pick(sim, t, scale, chunking)
         if inst is None:
             ready = [si.ready_at for si in sim if si.requests and si.can_run
                      and t < si.ready_at < si.leaves_at]
@@ -293,10 +367,18 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
         steps += 1
         blamed = t >= blame_from
         prefill = inst.unprefilled > 0
-        if prefill:  # a prefill runs alone: the waiting request with the least headroom
-            inst.settle()
-            first = min((r for r in inst.requests if not r.prefilled),
-                        key=lambda r: (r.deadline - t, r.request_id))
+        part = None  # chunked: the decode step of the prefilled requests, or a chunk's tokens
+        if prefill and chunking:
+            first, tokens, seconds = _chunk_plan(sim, inst, t, scale, chunking)
+            t += seconds * scale
+            if tokens == 0:
+                chosen = part = inst.decoding()
+            elif tokens < first.context_len() - first.done:
+                chosen, part = [], tokens  # not its last chunk: nobody gets a token
+            else:
+                chosen = [first]
+        elif prefill:  # a prefill runs alone: the waiting request with the least headroom
+            first = inst.first_waiting(t)
             chosen = [first]
             t += first.prefill_s(inst.profile) * scale
         else:
@@ -312,7 +394,15 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
                 r.late = True
                 waiting -= not r.prefilled and inst.leaves_at == INF
             marked = bool(missed)
-        if prefill:
+        if isinstance(part, list):  # the prefilled requests' decode step, a prefill waiting
+            for r in part:
+                r.generated += 1
+                r.deadline = token_deadline(r.base, r.tpot, r.generated)
+            inst.context += len(part)
+            inst.refresh()
+        elif part is not None:
+            first.done += part
+        elif prefill:
             first = chosen[0]
             waiting -= not first.late and inst.leaves_at == INF
             first.credit()

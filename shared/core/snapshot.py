@@ -61,4 +61,5 @@ def _shifted_instance(inst: InstanceView, delta: float) -> InstanceView:
     return replace(inst, ready_at=inst.ready_at + delta, last_active=inst.last_active + delta,
                    leaves_at=inst.leaves_at + delta,
                    requests=[replace(r, arrival=r.arrival + delta) for r in inst.requests],
-                   adapters=dict(inst.adapters), pipeline=pipeline, busy=busy)
+                   adapters=dict(inst.adapters), pipeline=pipeline, busy=busy,
+                   prefill_progress=dict(inst.prefill_progress))

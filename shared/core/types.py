@@ -244,6 +244,11 @@ class InstanceView:
     # and whether its model is pinned (min_instances > 0: never reclaimed as idle).
     keep_alive_s: float | None = None
     pinned: bool = False
+    # Chunked prefill (`CoreConfig.prefill_chunk_tokens`): request id -> tokens of its context
+    # whose K/V earlier chunks wrote into this instance's cache, for requests not prefilled yet.
+    # On the instance, not the request: the K/V is this instance's, and a request that moves
+    # starts its prefill again wherever it lands.
+    prefill_progress: dict[str, int] = field(default_factory=dict)
 
     @property
     def accepts(self) -> bool:
@@ -284,6 +289,10 @@ class RunningIteration:
     instance_id: str
     request_ids: tuple[str, ...]  # the requests that get a token when it ends
     prefill: bool  # a prefill (one request, which is then prefilled) or a decode step
+    # A chunk of a prefill that is not its last (`request_ids` then empty: nobody gets a token):
+    # its request ("": none such) and the tokens of its context in the cache once it ends.
+    chunk_of: str = ""
+    chunk_to: int = 0
 
 
 # Checkpoint tiers of a node, fastest first (ServerlessLLM §4.2).

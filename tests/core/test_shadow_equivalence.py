@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shared.core.admission import AdmitReason
 from shared.core.config import CoreConfig
 from shared.core.iteration import (IterationKind, apply_iteration, choose_iteration,
-                                   decode_shape, predict_seconds)
+                                   decode_shape, plan_chunk, predict_seconds)
 from shared.core.node_scheduler import copy_instances
 from shared.core.perf_model import LoraCost
 from shared.core.shadow import shadow_validate
@@ -49,6 +49,8 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     sim = copy_instances(with_new)
     by_id = {i.instance_id: i for i in sim}
     late = set()
+    if running is not None and running.chunk_of:  # a chunk in flight: not run again
+        by_id[running.instance_id].prefill_progress[running.chunk_of] = running.chunk_to
     if running is not None:  # the iteration in flight yields its tokens at busy_until
         inst = by_id[running.instance_id]
         for r in inst.requests:
@@ -66,8 +68,18 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     def gone(i, t):
         return i.status is InstanceStatus.HANDOVER and i.leaves_at <= t
 
-    def outlasts(i, t):  # a victim runs only what ends by its handover
-        choice = choose_iteration([i], t) if i.status is InstanceStatus.HANDOVER else None
+    scale = 1 + config.overestimate
+
+    def choose(candidates, active, t):  # the node's pick (`TokenLoop.step`), chunked if on
+        choice = choose_iteration(candidates, t)
+        if choice is not None and choice.kind is IterationKind.PREFILL \
+                and config.prefill_chunk_tokens:
+            choice = plan_chunk(choice, active, profiles, t, (), config.prefill_chunk_tokens,
+                                scale)
+        return choice
+
+    def outlasts(i, t, active):  # a victim runs only what ends by its handover
+        choice = choose([i], active, t) if i.status is InstanceStatus.HANDOVER else None
         return choice is not None and t + predict_seconds(
             choice, i, profiles[i.instance_id]) * (1 + config.overestimate) > i.leaves_at
 
@@ -78,7 +90,7 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
                                          and r.headroom(t) >= round_s)
                 for i in active for r in i.requests):
             return AdmitReason.ADMITTED
-        choice = choose_iteration([i for i in active if not outlasts(i, t)], t)
+        choice = choose([i for i in active if not outlasts(i, t, active)], active, t)
         if choice is None:
             waiting = [i.ready_at for i in live if i.ready_at > t and not gone(i, i.ready_at)]
             if not waiting:
@@ -98,7 +110,7 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
             return AdmitReason.TTFT_MISS if new_missed else AdmitReason.HEADROOM
         late |= {r.request_id for r in missed}
         apply_iteration(choice, inst)
-        if choice.kind is IterationKind.PREFILL and choice.request_ids[0] == request.request_id:
+        if choice.kind is IterationKind.PREFILL and request.request_id in choice.request_ids:
             new_done = True
 
 
