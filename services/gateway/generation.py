@@ -60,6 +60,7 @@ class Generation:
         prompt_logprobs: bool = False,
         hidden_ids: frozenset[int] = frozenset(),
         cause: Callable[[], Awaitable[errors.APIError | None]] | None = None,
+        echo_only: bool = False,
     ) -> None:
         self.request_id = stream.request_id
         self._backend = backend
@@ -85,6 +86,9 @@ class Generation:
         # The client's stop_token_ids: they end the output like an EOS and, like it, add no text.
         self._hidden = hidden_ids
         self._cause = cause
+        # The request scores its prompt only (max_tokens 0 with echo): the engine's one token
+        # is not the client's, and the output ends at max_tokens, as OpenAI and vLLM say.
+        self._echo_only = echo_only
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas, in order; one per token message (possibly empty while a character or a
@@ -111,6 +115,8 @@ class Generation:
                     self._text += self._detok.flush()
                     delta, stopped = self._take(final=True)
                     self.finish_reason = "stop" if stopped else OPENAI_FINISH[event.reason]
+                    if self._echo_only:
+                        self.finish_reason = "length"
                     self.timings.finished = time.monotonic()
                     if delta:
                         yield delta
@@ -139,6 +145,8 @@ class Generation:
             self.failure = "error"
             self.failure_detail = "the prompt's logprobs were lost on the way from the node"
             raise errors.inference_failed(self.failure_detail)
+        if self._echo_only:
+            return
         for i, token in enumerate(event.token_ids):
             if self._want_logprobs:
                 logprobs = event.logprobs[i] if i < len(event.logprobs) else None

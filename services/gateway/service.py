@@ -141,11 +141,15 @@ class GatewayService:
         await self.check_engine(record, params.features())
         check_grammar_fits(params)
         self._check_token_ids(params, vocab_size(tokenizer))
-        max_tokens = self._max_tokens(record, len(prompt_ids), params.max_tokens, param)
-        if params.min_tokens > max_tokens:
+        # Echo only (max_tokens 0): the engine makes one token, which brings the prompt's
+        # logprobs back and is dropped (SamplingParams.echo_only); the context must hold it.
+        max_tokens = self._max_tokens(record, len(prompt_ids),
+                                      1 if params.echo_only else params.max_tokens, param)
+        shown = 0 if params.echo_only else max_tokens
+        if params.min_tokens > shown:
             raise errors.invalid_request(
                 f"min_tokens ({params.min_tokens}) must not exceed the completion's max_tokens "
-                f"({max_tokens}).", param="min_tokens", code="invalid_value")
+                f"({shown}).", param="min_tokens", code="invalid_value")
         return Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt_ids, params=params,
                         max_tokens=max_tokens)
 
@@ -308,6 +312,7 @@ class GatewayService:
                           prompt_logprobs=(prepared.params.prompt_logprobs is not None
                                            and len(prepared.prompt_ids) > 1),
                           hidden_ids=frozenset(prepared.params.stop_token_ids),
+                          echo_only=prepared.params.echo_only,
                           cause=lambda: self.files_cause(prepared.record))
 
 

@@ -163,6 +163,8 @@ class _Common(_Lenient):
 
 class CompletionBody(_Common):
     implemented: ClassVar[frozenset[str]] = frozenset({"echo"})
+    # 0 only with echo: the prompt scored, nothing generated (OpenAI's legacy scoring mode).
+    max_tokens: JSONInt | None = _doc(minimum=0)
     # The prompt repeated before each choice's text; with logprobs, the prompt tokens' too.
     echo: bool | None = None
     # Text, or token ids; a list of one of those is one prompt too (batches are refused).
@@ -322,6 +324,13 @@ class SamplingParams:
     keep_alive_s: float | None = None  # its instance's idle window after it (None: the model's)
 
     @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: only the prompt is answered, with its logprobs if asked (how
+        lm-evaluation-harness and OpenAI's legacy API score a text). The engine still makes one
+        token, which carries the prompt's logprobs back; the gateway drops it, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
+    @property
     def prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprobs carry; None: none asked."""
         return self.logprobs if self.echo else None
@@ -401,9 +410,8 @@ def reject_unsupported(body: _Common) -> None:
 def sampling_params(body: _Common, max_tokens: int | None,
                     max_tokens_param: str = "max_tokens") -> SamplingParams:
     reject_unsupported(body)
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid_request(f"{max_tokens_param} must be at least 1, got {max_tokens}.",
-                              param=max_tokens_param, code="invalid_value")
+    echo = isinstance(body, CompletionBody) and bool(body.echo)
+    _check_max_tokens(max_tokens, max_tokens_param, isinstance(body, CompletionBody), echo)
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise invalid_request(f"temperature must be in [0, 2], got {temperature}.", param="temperature",
@@ -422,8 +430,18 @@ def sampling_params(body: _Common, max_tokens: int | None,
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
                           stop=stop, stream=stream, include_usage=options.include_usage,
                           continuous_usage=options.continuous_usage_stats, n=_choices(body),
-                          echo=isinstance(body, CompletionBody) and bool(body.echo),
+                          echo=echo,
                           **_extensions(body))
+
+
+def _check_max_tokens(value: int | None, param: str, completion: bool, echo: bool) -> None:
+    """At least 1; 0 is a completion's with echo (the prompt scored, nothing generated)."""
+    if value is None or value >= 1 or (value == 0 and echo):
+        return
+    hint = " (0 only with echo: the prompt scored, nothing generated)" if (
+        completion and value == 0) else ""
+    raise invalid_request(f"{param} must be at least 1, got {value}{hint}.", param=param,
+                          code="invalid_value")
 
 
 def _choices(body: _Common) -> int:

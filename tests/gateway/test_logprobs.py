@@ -328,6 +328,55 @@ async def test_echo_with_logprobs_scores_the_prompt(gateway, responder, hf_token
         assert merged == {key: whole["choices"][index]["logprobs"][key] for key in merged}
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(
+        gateway, responder, hf_tokenizer):
+    """OpenAI's legacy scoring mode (lm-evaluation-harness's log-likelihood request, vLLM's
+    echo without generation): the prompt and its logprobs, no output token, finish_reason
+    "length". The node makes one token, which carries the prompt's logprobs back; here it is an
+    EOS, whose "stop" the answer must not show either."""
+    eos = hf_tokenizer.eos_token_id
+    responder.script = lambda r: token_script(r, [eos], chunk=1, finish=FinishReason.STOP)
+    prompt = "The capital of France is Paris"
+    prompt_ids = hf_tokenizer.encode(prompt)
+    body = {"model": PUBLIC_MODEL, "prompt": prompt, "echo": True, "logprobs": 1,
+            "max_tokens": 0, "temperature": 0}
+    async with api_client(gateway) as c:
+        whole = (await c.post(COMPL, json=body)).json()
+        streamed = sse_events((await c.post(COMPL, json={**body, "stream": True})).text)
+        by_ids = (await c.post(COMPL, json={**body, "prompt": [prompt_ids]})).json()
+    assert [(r.max_tokens, r.prompt_logprobs) for r in responder.requests] == [(1, 1)] * 3
+    for answer in (whole, by_ids):
+        choice = answer["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (prompt, "length")
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(prompt_ids)
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx([math.log(0.5)] * (len(prompt_ids) - 1))
+        assert answer["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
+                                   "total_tokens": len(prompt_ids)}
+    choices = [e["choices"][0] for e in streamed]
+    assert "".join(ch["text"] for ch in choices) == prompt
+    assert [ch["finish_reason"] for ch in choices][-1] == "length"
+    assert [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]] == \
+        whole["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPL, {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # nothing to answer
+    (COMPL, {"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+    (COMPL, {"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
+    (COMPL, {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),  # chat echoes nothing
+])
+async def test_max_tokens_0_only_with_echo(gateway, responder, path, body, param):
+    async with api_client(gateway) as c:
+        resp = await c.post(path, json={"model": PUBLIC_MODEL, **body})
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (param,
+                                                                             "invalid_value")
+    assert responder.requests == []
+
+
 def _first_message_lost(output: list[int], lose_in: set[int]):
     """The node's part in chunks of two, as `r.attempt`; in the attempts in `lose_in` the first
     chunk (with the prompt's logprobs) is lost: the final message fills its tokens only."""
