@@ -123,3 +123,16 @@ class Harness:
                                    for k, t in enumerate(times))
 
 
+class Requeued:
+    """Requests handed back to the request stream (a plain subscriber sees the stream's publishes)."""
+
+    def __init__(self) -> None:
+        self.requests: list[InferenceRequest] = []
+
+    async def start(self, nc) -> None:
+        async def on_msg(msg):
+            self.requests.append(wire.decode(InferenceRequest, msg.data))
+        self.sub = await nc.subscribe(REQUEST_SUBJECT, cb=on_msg)
+
+    def of(self, request_id: str) -> list[InferenceRequest]:
+        return [r for r in self.requests if r.request_id == request_id]

@@ -33,16 +33,14 @@ from dataclasses import replace
 import pytest
 
 from services.node.engines import create_engine
-from shared import wire
 from shared.cluster import model_spec, request_view, save_profile
 from shared.core.cost import kv_demand
 from shared.core.memory import watermark_target
 from shared.model_state import FAILED, ModelState, forget, get_status, parse_lifecycle_error
 from shared.outcomes import read_outcome
 from shared.schemas import CommandKind, FinishReason, InferenceRequest, NodeCommand, RequestState
-from shared.subjects import REQUEST_SUBJECT
 
-from tests.node.harness import Harness, until
+from tests.node.harness import Harness, Requeued, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -75,21 +73,6 @@ def _is_idle(h: Harness) -> bool:
     return not h.worker.live and all(not i.requests for i in h.worker.sched.node.instances)
 
 
-class _Requeued:
-    """Requests handed back to the request stream (a plain subscriber sees the stream's publishes)."""
-
-    def __init__(self) -> None:
-        self.requests: list[InferenceRequest] = []
-
-    async def start(self, nc) -> None:
-        async def on_msg(msg):
-            self.requests.append(wire.decode(InferenceRequest, msg.data))
-        self.sub = await nc.subscribe(REQUEST_SUBJECT, cb=on_msg)
-
-    def of(self, request_id: str) -> list[InferenceRequest]:
-        return [r for r in self.requests if r.request_id == request_id]
-
-
 async def test_a_request_the_memory_cannot_hold_is_refused_and_the_others_finish(connections, model_dir):
     nc, redis = connections
     probe = Harness(nc, redis, model_dir, 1, "probe")
@@ -117,7 +100,7 @@ async def test_a_request_the_memory_cannot_hold_is_refused_and_the_others_finish
 async def test_an_engine_out_of_kv_blocks_hands_back_the_request_with_most_headroom(connections, model_dir):
     nc, redis = connections
     h = Harness(nc, redis, model_dir, 512 * MiB, "err-kv")
-    requeued = _Requeued()
+    requeued = Requeued()
     await requeued.start(nc)
     await h.worker.start()
     try:
@@ -271,7 +254,7 @@ async def test_a_load_that_fails_with_whole_files_leaves_the_lifecycle_alone(
 async def test_preempt_hands_the_victims_request_back_and_it_streams_on_once(connections, model_dir):
     nc, redis = connections
     h = Harness(nc, redis, model_dir, 1024 * MiB, "err-preempt")
-    requeued = _Requeued()
+    requeued = Requeued()
     await requeued.start(nc)
     await h.worker.start()
     try:

@@ -21,33 +21,17 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from shared import wire
 from shared.cluster import save_profile
 from shared.schemas import CommandKind, FinishReason, InferenceRequest, NodeCommand
 from shared.servers import start_nats
-from shared.subjects import REQUEST_SUBJECT, node_key
+from shared.subjects import node_key
 from shared.bus import ensure_streams
 
-from tests.node.harness import MODELS, Harness, until
+from tests.node.harness import MODELS, Harness, Requeued, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MiB = 1024**2
-
-
-class _Requeued:
-    """Requests handed back to the request stream (a plain subscriber sees its publishes)."""
-
-    def __init__(self) -> None:
-        self.requests: list[InferenceRequest] = []
-
-    async def start(self, nc) -> None:
-        async def on_msg(msg):
-            self.requests.append(wire.decode(InferenceRequest, msg.data))
-        self.sub = await nc.subscribe(REQUEST_SUBJECT, cb=on_msg)
-
-    def of(self, request_id: str) -> list[InferenceRequest]:
-        return [r for r in self.requests if r.request_id == request_id]
 
 
 async def _generating(h: Harness, model: str, max_tokens: int, **kw) -> InferenceRequest:
@@ -60,7 +44,7 @@ async def _generating(h: Harness, model: str, max_tokens: int, **kw) -> Inferenc
 async def test_a_stopping_node_hands_its_requests_back_and_their_clients_see_no_error(
         connections, model_dir):
     nc, redis = connections
-    requeued = _Requeued()
+    requeued = Requeued()
     await requeued.start(nc)
     leaving = Harness(nc, redis, model_dir, 512 * MiB, "leave-a")
     staying = Harness(nc, redis, model_dir, 512 * MiB, "leave-b")
