@@ -1,8 +1,8 @@
 """Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session
 (`nats_url`, `redis_url`) or a test's own pair (`own_servers`); the tiny demo model built once per
 session (`demo_model` copies it where a fixture wants it) and its profile measured once
-(`demo_profile`); one real stack of processes serving it per session (`stack`, traced:
-`traced_stack`), shared by the e2e, gateway and ops tests that do not stop its services.
+(`demo_profile`); one real stack of processes serving it per session (`stack`), shared by the
+e2e and gateway tests that do not stop its services.
 
 Each server is stopped in a `finally`, so a failing test (or a pytest-timeout in its default
 signal mode, which raises in the test) still stops it; if the pytest process itself dies
@@ -133,18 +133,11 @@ def demo_model_dir(demo_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def traced_stack(tmp_path_factory, demo_model_dir, demo_profile: Profile):
+def stack(tmp_path_factory, demo_model_dir, demo_profile: Profile):
     """The session's stack (`services.stack`: nats-server, valkey, the placer, a CPU node and the
-    gateway as real processes, started the way `slinfer up` starts them) serving the demo model,
-    its services exporting OTLP to a receiver the tests read. One per session, not one per
-    directory: each start costs its processes' imports, a model load and the waits for health."""
-    from tests.traced_stack import running_traced_stack  # the OTLP receiver's imports: only when used
+    gateway as real processes, started the way `slinfer up` starts them) serving the demo model.
+    One for the e2e and gateway tests that do not stop its services, not one per directory."""
+    from services.stack import running_stack
 
-    with running_traced_stack(tmp_path_factory.mktemp("stack"), demo_model_dir,
-                              demo_profile) as traced:
-        yield traced
-
-
-@pytest.fixture(scope="session")
-def stack(traced_stack):
-    return traced_stack.stack
+    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir, profile=demo_profile) as s:
+        yield s

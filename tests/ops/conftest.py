@@ -1,18 +1,15 @@
-"""The session's real stack of processes (`stack`, `traced_stack` in tests/conftest.py): its
-services export traces and metrics over OTLP/HTTP to a receiver the test run holds, and the
-node's Prometheus endpoint is on."""
+"""A real stack whose services export traces and metrics over OTLP/HTTP to a receiver the test
+runs, with the node's Prometheus endpoint on."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-from services.stack import Stack, running_stack
-from shared.core.perf_model import Profile
+import pytest
+
 from shared.servers import free_port
+from services.stack import Stack, running_stack
 from tests.ops.otlp_receiver import OTLPReceiver
 
 
@@ -31,14 +28,22 @@ def otel_env(endpoint: str) -> dict[str, str]:
             "SLINFER_LOG_FORMAT": "json"}
 
 
-@contextmanager
-def running_traced_stack(root: Path, model_dir: Path, profile: Profile) -> Iterator[TracedStack]:
-    # The services name themselves (slinfer-gateway, -placer, -node) when OTEL_SERVICE_NAME is
-    # unset.
-    base = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
+@pytest.fixture(scope="session")
+def traced_stack(tmp_path_factory, monkeypatch_session, demo_model,
+                 demo_profile) -> Iterator[TracedStack]:
+    # The services name themselves (slinfer-gateway, -placer, -node) when OTEL_SERVICE_NAME is unset.
+    monkeypatch_session.delenv("OTEL_SERVICE_NAME", raising=False)
+    model_dir = demo_model(tmp_path_factory.mktemp("models"))
     metrics_port = free_port()
     with OTLPReceiver() as receiver:
-        with running_stack(root, model_dir, otel_env(receiver.endpoint),
+        with running_stack(tmp_path_factory.mktemp("traced"), model_dir, otel_env(receiver.endpoint),
                            {"node-0": {"SLINFER_NODE_METRICS_PORT": str(metrics_port)}},
-                           profile=profile, base_env=base) as stack:
+                           profile=demo_profile) as stack:
             yield TracedStack(stack, receiver, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+@pytest.fixture(scope="session")
+def monkeypatch_session() -> Iterator[pytest.MonkeyPatch]:
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
