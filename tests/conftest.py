@@ -1,7 +1,8 @@
 """Shared fixtures: real nats-server and redis (valkey) processes on free ports, one per session
 (`nats_url`, `redis_url`) or a test's own pair (`own_servers`); the tiny demo model built once per
 session (`demo_model` copies it where a fixture wants it) and its profile measured once
-(`demo_profile`).
+(`demo_profile`); one real stack of processes serving it per session (`stack`), shared by the
+e2e and gateway tests that do not stop its services.
 
 Each server is stopped in a `finally`, so a failing test (or a pytest-timeout in its default
 signal mode, which raises in the test) still stops it; if the pytest process itself dies
@@ -124,3 +125,19 @@ def fastest_of(a: Profile, b: Profile) -> Profile:
         decode=replace(a.decode, seconds=[low(x, y) for x, y in zip(a.decode.seconds,
                                                                     b.decode.seconds)]),
         load_s=min(a.load_s, b.load_s), engine_init_s=min(a.engine_init_s, b.engine_init_s))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(demo_model, tmp_path_factory) -> Path:
+    return demo_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, demo_model_dir, demo_profile: Profile):
+    """The session's stack (`services.stack`: nats-server, valkey, the placer, a CPU node and the
+    gateway as real processes, started the way `slinfer up` starts them) serving the demo model.
+    One for the e2e and gateway tests that do not stop its services, not one per directory."""
+    from services.stack import running_stack
+
+    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir, profile=demo_profile) as s:
+        yield s

@@ -1,6 +1,5 @@
-"""A real stack for end-to-end tests (`services.stack`): nats-server and valkey from wheels, the
-demo model, its profile (measured once per session: `demo_profile`), and the placer, a CPU node
-worker and the gateway as real processes - started the way `slinfer up` starts them."""
+"""The stack serving the default real model for end-to-end tests (`services.stack`). The demo
+model's stack (`stack`) is the session's, in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -13,23 +12,11 @@ import pytest
 
 from services.profiler.measure import ProfilePlan
 from services.stack import Stack, running_stack
-from shared.core.perf_model import Profile
 from shared.default_model import NAME
 
 # The real model's profile only has to let the placer admit one request at a time: a small one
 # keeps the start short (its full profile takes minutes on two cores).
 REAL_PLAN = ProfilePlan(max_len=128, max_batch=2, repeats=1, warmup=1, passes=1, lora_ranks=())
-
-
-@pytest.fixture(scope="session")
-def demo_model_dir(demo_model, tmp_path_factory) -> Path:
-    return demo_model(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory, demo_model_dir, demo_profile: Profile) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("stack"), demo_model_dir, profile=demo_profile) as s:
-        yield s
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from redis.asyncio import Redis
 
 from services.profiler.service import ProfilerService, ProfilerSettings
-from services.stack import Stack, running_stack
+from services.stack import Stack
 from shared import wire
 from shared.cluster import read_nodes, save_profile
 from shared.core.perf_model import DecodeTable, PrefillTable, Profile
@@ -184,17 +183,9 @@ def _flat_profile(model: str, hardware: Hardware) -> Profile:
 
 # --- the whole path: gateway, real profiler service, placer, node ---------------------------------
 
-@pytest.fixture(scope="module")
-def real_stack(tmp_path_factory, model_dir) -> Iterator[Stack]:
-    """The stack's own model gets a stand-in profile (it is not what this test serves)."""
-    data = tmp_path_factory.mktemp("lc-stack")
-    with running_stack(data, model_dir, profile=_flat_profile("tiny-llama", Hardware.CPU)) as s:
-        yield s
-
-
 @pytest.mark.slow
-async def test_register_profile_serve_with_the_real_profiler(real_stack, model_dir, tmp_path):
-    stack = real_stack
+async def test_register_profile_serve_with_the_real_profiler(stack: Stack, model_dir, tmp_path):
+    """On the session's stack (tests/conftest.py), which runs no profiler service of its own."""
     fresh_dir = copy_model(model_dir, Path(tmp_path) / "fresh")
     async with httpx.AsyncClient(base_url=stack.url, timeout=120, trust_env=False) as http:
         resp = await http.post("/admin/models", json={"name": "fresh", "path": str(fresh_dir),
@@ -237,3 +228,5 @@ async def test_register_profile_serve_with_the_real_profiler(real_stack, model_d
                                                         "max_tokens": 4})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] >= 1
+        # The stack is the session's: the next test finds only what it registered itself.
+        assert (await http.delete("/admin/models/fresh")).status_code == 200

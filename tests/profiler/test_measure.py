@@ -18,9 +18,11 @@ def test_monotone_caps_noise_by_later_points():
 @pytest.mark.integration
 def test_profile_tiny_model_tables_are_sane(tmp_path, demo_model):
     model_dir = demo_model(tmp_path)
-    # The LoRA cost has its own test below; here only the tables and their check.
+    # The LoRA cost has its own test below; here only the tables and their check, and a plan
+    # without ranks records no LoRA cost.
     plan = ProfilePlan(max_len=128, max_batch=4, repeats=3, warmup=1, lora_ranks=())
     profile, check = profile_model(model_dir, "tiny", plan=plan, check_n=3)
+    assert profile.lora is None
     assert profile.hardware is Hardware.CPU
     assert profile.prefill.lengths == [16, 24, 32, 48, 64, 96, 128]  # octaves and midpoints
     assert profile.decode.batch_sizes == [1, 2, 4] and profile.decode.lengths == [16, 32, 64, 128]
@@ -54,9 +56,6 @@ def test_the_profile_records_what_unmerged_lora_costs_per_rank_on_the_real_engin
     assert profile.lora_decode_factor(16, 4) == pytest.approx(1 + lora.decode[1][2])
     write_report(tmp_path / "p.json", profile, None)
     assert read_report(tmp_path / "p.json").lora == lora
-    no_lora, _ = profile_model(model_dir, "tiny", plan=ProfilePlan(max_len=32, max_batch=2,
-                                                                   lora_ranks=()))
-    assert no_lora.lora is None
 
 
 def test_lora_measurement_leaves_no_adapter_loaded(tmp_path, monkeypatch, demo_model):
