@@ -83,6 +83,7 @@ class UpdateModel(_Strict):
 
     keep_alive: float | str | None = None
     min_instances: int | None = None
+    slo_class: str | None = None  # its requests' SLOs from now on (no new profile needed)
 
 
 class AddAlias(_Strict):
@@ -94,11 +95,15 @@ def _forbidden(message: str, param: str | None = None) -> errors.APIError:
                            code="permission_denied")
 
 
-def _check_name(body: RegisterModel) -> None:
-    _check_model_name(body.name, "name")
-    if body.slo_class not in SLO_CLASSES:
+def _check_slo_class(slo_class: str) -> None:
+    if slo_class not in SLO_CLASSES:
         raise errors.invalid_request(f"slo_class must be one of {sorted(SLO_CLASSES)}.",
                                      param="slo_class", code="invalid_value")
+
+
+def _check_name(body: RegisterModel) -> None:
+    _check_model_name(body.name, "name")
+    _check_slo_class(body.slo_class)
 
 
 def _check_model_name(name: str, param: str) -> None:
@@ -165,7 +170,7 @@ def _min_instances(value: int) -> int:
 @router.patch("/models/{name:path}", response_model=None, openapi_extra=json_body("UpdateModel"),
               responses={200: MODEL_RECORD})
 async def update_model(name: str, caller: Caller, raw: RawBody, ctx: Context) -> dict[str, Any]:
-    """Change a model's keep-alive or pinning. New instances, and existing ones at their next
+    """Change a model's keep-alive, pinning or SLO class. New instances, and existing ones at their next
     request, follow it; `POST /admin/models/{name}/unload` unloads the loaded ones now."""
     body = parse_body(UpdateModel, raw)
     record = await changeable_model(ctx, name, caller, "change")
@@ -174,6 +179,9 @@ async def update_model(name: str, caller: Caller, raw: RawBody, ctx: Context) ->
         changes["keep_alive_s"] = keep_alive_seconds(body.keep_alive)
     if body.min_instances is not None:
         changes["min_instances"] = _min_instances(body.min_instances)
+    if body.slo_class is not None:
+        _check_slo_class(body.slo_class)
+        changes["slo_class"] = body.slo_class
     record = dataclasses.replace(record, **changes)
     await ctx.registry.register(record, replace=True)
     log.info("%s changed model %s: %s", _who(caller), record.name, changes)

@@ -62,6 +62,8 @@ def test_register_and_patch_serving_settings(client_a, client_b, tenant_models):
     assert (resp.json()["keep_alive_s"], resp.json()["min_instances"]) == (-1.0, 0)
     resp = client_a.patch("/admin/models/ka/one", json={"keep_alive": None})  # the default
     assert resp.json()["keep_alive_s"] is None
+    resp = client_a.patch("/admin/models/ka/one", json={"slo_class": "batch"})
+    assert resp.status_code == 200 and resp.json()["slo_class"] == "batch", resp.text
     got = client_a.get("/admin/models/ka/one").json()
     assert (got["keep_alive_s"], got["min_instances"]) == (None, 0)
     assert client_b.patch("/admin/models/ka/one", json={"min_instances": 1}).status_code == 404
@@ -77,7 +79,7 @@ def test_a_tenant_cannot_change_a_public_model(client_a):
 @pytest.mark.parametrize(("body", "param"), [
     ({"keep_alive": "soon"}, "keep_alive"), ({"min_instances": -1}, "min_instances"),
     ({"min_instances": 1.5}, "min_instances"), ({"keep_alive": True}, "keep_alive"),
-    ({"pinned": True}, "pinned"),
+    ({"pinned": True}, "pinned"), ({"slo_class": "fastest"}, "slo_class"),
 ])
 def test_bad_serving_settings_are_400(client_a, tenant_models, body, param):
     path = str(tenant_models / "tenant-a" / "tiny")
