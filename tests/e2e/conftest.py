@@ -36,3 +36,16 @@ def real_stack(tmp_path_factory, real_model_dir: Path) -> Iterator[Stack]:
                        profile=fastest_of(first, second), model=NAME) as stack:
         register_slo_class(stack, NAME, "batch")
         yield stack
+
+
+def register_slo_class(stack: Stack, model: str, slo_class: str) -> None:
+    """Register `model` again (same files) in `slo_class`, and wait until it is ready."""
+    path = httpx.get(f"{stack.url}/admin/models/{model}").json()["path"]
+    resp = httpx.post(f"{stack.url}/admin/models", json={
+        "name": model, "path": path, "engine": "torch", "public": True, "slo_class": slo_class,
+        "replace": True})
+    assert resp.status_code == 201, resp.text
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{stack.url}/admin/models/{model}").json()["lifecycle"]["state"] != "ready":
+        assert time.monotonic() < deadline, f"{model} did not become ready again"
+        time.sleep(0.5)
