@@ -15,7 +15,8 @@ from shared import wire
 from shared.core.calibration import DECODE, PREFILL, CalibrationConfig, aged, calibrated
 from shared.core.perf_model import PerfModel, Profile
 from shared.core.snapshot import rebase, to_snapshot
-from shared.core.types import SLO, AdapterSpec, ModelSpec, NodeView, RequestView, slo_for_class
+from shared.core.types import (SLO, AdapterSpec, ModelSpec, NodeView, RequestView, resume_grace,
+                               slo_for_class)
 from shared.redis_client import write_confirmed
 from shared.schemas import InferenceRequest, ModelRecord, NodeReply
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
@@ -50,6 +51,12 @@ def request_view(req: InferenceRequest) -> RequestView:
                        max_tokens=req.max_tokens, grace_s=req.grace_s, prefilled=False,
                        lora_rank=req.adapter_rank if req.adapter is not None else 0,
                        adapter=req.adapter, keep_alive_s=req.keep_alive_s)
+
+
+def grace_from_now(req: InferenceRequest, tokens: int, now: float) -> float:
+    """The grace that judges `req`, with `tokens` output tokens, as a new arrival from `now` on
+    (`resume_grace`): the time a fault cost it (a dead node, a stopping one) is not load."""
+    return max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, tokens, now))
 
 
 def warm_up_request(record: ModelRecord, request_id: str, now: float, timeout_s: float,

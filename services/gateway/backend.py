@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
 from shared.bus import PUBLISH_RETRY_S, publish_retrying
-from shared.core.types import resume_grace
+from shared.cluster import grace_from_now
 from shared.outcomes import read_outcome
 from shared.schemas import (CancelNotice, CommandKind, FinishReason, InferenceRequest, NodeCommand,
                             NodeReply, RequestState, TokenLogprob, TokenMessage)
@@ -199,7 +199,7 @@ def resumed_request(req: InferenceRequest, output: list[int], attempt: int,
     """`req` put back as `attempt`, from the tokens the client has (`output`). The request lost
     the time since its node died: it is judged like a new arrival for its next token (the core's
     `resume_grace` moves its deadline by that time), or every placer would drop it as late."""
-    grace = max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, len(output), now))
+    grace = grace_from_now(req, len(output), now)
     return replace(req, attempt=attempt, resumed_token_ids=list(output), grace_s=grace,
                    target_node=None, target_instance=None)
 

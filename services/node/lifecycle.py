@@ -14,7 +14,7 @@ from services.node.book import (Live, RequestBook, finish_reason, sampling_param
 from services.node.engines.base import TokenLogprobs
 from services.node.runtime import NodeRuntime
 from shared.core.node_scheduler import Eviction
-from shared.core.types import resume_grace
+from shared.cluster import grace_from_now
 from shared.schemas import FinishReason, InferenceRequest, RequestState, TokenLogprob, TokenMessage
 
 log = logging.getLogger("slinfer.node")
@@ -128,9 +128,7 @@ class RequestLifecycle:
         stream cannot take it within `within_s` (NATS down), the gateway's watchdog resumes it
         once this node has left the cluster view."""
         req = live.request
-        grace = max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, len(live.output),
-                                              time.time()))
-        resumed = self.take_back(req.request_id, grace)
+        resumed = self.take_back(req.request_id, grace_from_now(req, len(live.output), time.time()))
         if resumed is None:
             return
         try:

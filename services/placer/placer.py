@@ -55,12 +55,12 @@ from services.placer.scaleout import ScaleOut
 from services.placer.settings import PlacerSettings
 from services.placer.tracing import decision_span, startup_label
 from shared import telemetry as tm
-from shared.cluster import adapter_spec, model_spec, read_nodes, request_view
+from shared.cluster import adapter_spec, grace_from_now, model_spec, read_nodes, request_view
 from shared.core.context import DecisionContext
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
-from shared.core.types import AdapterSpec, NodeView, resume_grace
+from shared.core.types import AdapterSpec, NodeView
 from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRecord, NodeCommand,
                             NodeReply)
 
@@ -306,8 +306,7 @@ def _judge_from_now(p: Pending) -> None:
     from now on (`resume_grace`), or it would be dropped as late for the seconds a dead node
     cost it; the request's own deadline (the gateway's timeout) still bounds it."""
     req = p.request
-    grace = resume_grace(req.arrival, req.tpot_slo_s, len(req.resumed_token_ids), time.time())
-    p.request = replace(req, grace_s=max(req.grace_s, grace))
+    p.request = replace(req, grace_s=grace_from_now(req, len(req.resumed_token_ids), time.time()))
 
 
 def _command_for(p: Pending, plan: PlacementPlan, record: ModelRecord) -> NodeCommand:
