@@ -23,8 +23,17 @@ class WireError(ValueError):
     """A message could not be decoded into the schema class it claims to be."""
 
 
+# Types msgpack packs as they are. Checked with `type(x) in`, so subclasses (an IntEnum, say)
+# still go through `to_plain` and come out as their value.
+_PLAIN_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def to_plain(obj: Any) -> Any:
     """Dataclasses/enums/tuples -> plain dicts, lists and scalars."""
+    if isinstance(obj, (list, tuple)) and all(type(x) in _PLAIN_SCALARS for x in obj):
+        # The common long list (a prompt's token ids) needs no per-item call: a 1,024-token
+        # prompt cost ~0.5 ms per message through the recursion below.
+        return list(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):
@@ -46,6 +55,10 @@ def decode(cls: type[T], data: bytes) -> T:
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise WireError(f"not msgpack: {exc}") from exc
     return from_plain(cls, plain)
+
+
+# Item types whose check is an exact type match (float is not: it takes ints and converts them).
+_EXACT_ITEMS = frozenset({int, str, bool, bytes})
 
 
 @cache
@@ -91,6 +104,10 @@ def from_plain(tp: Any, value: Any, where: str = "$") -> Any:
             raise WireError(f"{where}: expected a list, got {type(value).__name__}")
         args = typing.get_args(tp)
         item = args[0] if args else Any
+        if item in _EXACT_ITEMS and all(type(v) is item for v in value):
+            # Every item already is what the hint asks (`type(v) is int` leaves bools out, as
+            # the per-item check does); a long list skips one call and one f-string per item.
+            return tuple(value) if origin is tuple else list(value)
         items = [from_plain(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
