@@ -1,8 +1,9 @@
 """How well a measured profile predicts the engine: `slinfer profile --check` run several times.
 
-    .venv/bin/python bench/profile_check.py [--shape small] [--runs 3] [--check 50]
+    .venv/bin/python bench/profile_check.py [--shape small|default] [--runs 3] [--check 50]
 
-Each run profiles a fresh random-weight model of `shared.modelgen`'s --shape on the torch CPU
+Each run profiles a fresh random-weight model of `shared.modelgen`'s --shape (or, with `--shape
+default`, the real default model `make run` serves, `shared.default_model`) on the torch CPU
 engine with the CLI's defaults (the way a new user runs it), then replays --check random
 workloads inside the profiled range and compares the measured TTFT and TPOT with the profile's
 interpolated prediction (mean relative error, as SLINFER §VI-B reports it: 5.9% TTFT, 3.9% TPOT).
@@ -27,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
+from shared.default_model import NAME as DEFAULT_NAME  # noqa: E402
+from shared.default_model import ensure_default_model  # noqa: E402
 from shared.modelgen import ensure_model  # noqa: E402
 
 TARGET = 0.10  # the shadow validation's margin assumes errors below it
@@ -64,6 +67,13 @@ def record(args: argparse.Namespace, runs: list[dict]) -> dict:
     return result
 
 
+def _model(tmp: Path, shape: str) -> tuple[Path, str]:
+    if shape == "default":  # the real model, converted once into the user's cache
+        return ensure_default_model(tmp), DEFAULT_NAME
+    name = f"{shape}-check"
+    return Path(ensure_model(tmp, shape, name)), name
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="small")
@@ -72,8 +82,7 @@ def main() -> int:
     args = p.parse_args()
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        name = f"{args.shape}-check"
-        model_dir = Path(ensure_model(Path(tmp), args.shape, name))
+        model_dir, name = _model(Path(tmp), args.shape)
         for i in range(args.runs):
             runs.append(one_run(model_dir, name, args.check))
             result = record(args, runs)
