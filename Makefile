@@ -57,12 +57,13 @@ run: $(STAMP)
 # alone, 0 of 8 after e2e, engines and gateway). Apart, it shares no process with the
 # OpenVINO/TBB runtime and the gateway tests' threads, and a crash there cannot take the other
 # tiers' results with it. Both parts always run; `make test` fails if either does.
-PYTEST   := $(BIN)/python -X faulthandler -m pytest -q
+PYTEST   := PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
+PARALLEL := -n 2 --dist loadgroup
 ISOLATED := tests/node
 test: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	status=0; $(PYTEST) --durations=25 --ignore=$(ISOLATED) || status=$$?; \
-	$(PYTEST) --durations=10 $(ISOLATED) || status=$$?; exit $$status
+	status=0; $(PYTEST) $(PARALLEL) --durations=25 --ignore=$(ISOLATED) || status=$$?; \
+	$(PYTEST) $(PARALLEL) --durations=10 $(ISOLATED) || status=$$?; exit $$status
 else
 	$(PYTEST) $(PYTEST_ARGS)
 endif

@@ -33,11 +33,28 @@ REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack"
                            "real_model_dir", "demo_profile"})
 
 
+# `make test` runs the tests on two pytest-xdist workers (`--dist loadgroup`). A group runs on
+# one worker: each file is a group (its module fixtures are built once), and so is everything on
+# one session stack (the stack is built once, not once per worker), and the network-namespace
+# tests (they add routes and namespaces to the one machine).
+SHARED_STACKS = ("real_stack", "stack", "traced_stack")
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for name in SHARED_STACKS:
+        if name in fixtures:
+            return name
+    path = item.nodeid.split("::", 1)[0]
+    return "cluster" if path.startswith("tests/cluster/") else path
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if REAL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
 
 
 @pytest.fixture(scope="session")
