@@ -19,7 +19,9 @@ def publish_dir(target: Path, fill: Callable[[Path], None],
     staging.chmod(0o755)  # mkdtemp makes it private; a model directory is read by other services
     try:
         fill(staging)
-        if target.exists():
+        if complete(target):  # a concurrent writer finished first; its readers may be using it
+            return target
+        if target.exists():  # a leftover that is not complete
             shutil.rmtree(target)
         try:
             os.replace(staging, target)
