@@ -48,10 +48,12 @@ help:
 run: $(STAMP)
 	$(BIN)/slinfer up $(ARGS)
 
-# -X faulthandler: a crash of the pytest process itself (SIGSEGV, SIGABRT...) prints every
-# thread's Python traceback, from interpreter start to exit (pytest's own faulthandler plugin
-# covers only the session); the servers the run started die with it (PR_SET_PDEATHSIG).
-# The full run gives tests/node its own interpreter. It runs a node worker inside the test
+# PYTHONFAULTHANDLER: a crash of a pytest process (the controller or a pytest-xdist worker:
+# SIGSEGV, SIGABRT...) prints every thread's Python traceback, from interpreter start to exit
+# (pytest's own faulthandler plugin covers only the session); the servers a process started die
+# with it (PR_SET_PDEATHSIG). Two xdist workers (`--dist loadgroup`, the groups are set in
+# tests/conftest.py) overlap one test's waits on its services with another's work.
+# The full run gives tests/node its own interpreters. It runs a node worker inside the test
 # process (engines loaded, resized and stepped on worker threads), and that is where a full
 # run once died of SIGSEGV without a traceback (1 of 13 full runs; 0 of 20 runs of tests/node
 # alone, 0 of 8 after e2e, engines and gateway). Apart, it shares no process with the
