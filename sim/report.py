@@ -108,6 +108,7 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
     if params.get("prewarm"):  # only runs with --prewarm (shared/core/prewarm.py)
         report["prewarm"] = {"started": m.counters.get("prewarms", 0),
                              "refused_by_node": m.counters.get("prewarm_refusals", 0),
+                             "idle_unloaded_for_new_instances": m.counters.get("prewarm_gave_way", 0),
                              "requests_cold": len(cold)}
     return _round(report)
 

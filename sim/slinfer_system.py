@@ -283,7 +283,9 @@ class SlinferSystem:
                                             self.models[view.model], now, self._adapter(view),
                                             handover_s=plan.handover_s if plan.live else None)
         if result.admission.ok:
-            self.rec.count("preemptions", len(plan.preempt))
+            # a new instance preempts only idle instances the pre-warming policy kept
+            self.rec.count("prewarm_gave_way" if plan.instance_id is None else "preemptions",
+                           len(plan.preempt))
             if plan.live:
                 incoming = self._begin_migrations(result.migrating, plan.migrations)
                 self.loop.schedule(now + max(0.0, plan.handover_s), "handover",

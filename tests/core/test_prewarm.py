@@ -12,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.core.config import CoreConfig
+from shared.core.context import DecisionContext
 from shared.core.lora import preload_room
+from shared.core.placement import PlaceAction, place
 from shared.core.prewarm import (IdleHistogram, IdleTracker, PrewarmConfig, Windows, fits,
-                                 keep_alive_spec, plan_prewarms, policy, stand_in)
+                                 gives_way, keep_alive_spec, plan_prewarms, policy,
+                                 spare_instances, stand_in)
 from shared.core.types import Hardware, InstanceStatus
 
 from tests.core.factories import flat_profile, loaded, model, node, perf_for, request
@@ -239,3 +242,47 @@ def test_the_policy_falls_back_to_the_fixed_window_or_covers_the_tail(idle, fixe
     tail = in_range[max(1, math.ceil(0.99 * len(in_range))) - 1]
     assert 0.0 <= w.prewarm_s <= head  # warm before the 5th-percentile call
     assert w.prewarm_s + w.keep_alive_s > tail  # and still warm at the 99th-percentile one
+
+
+# --- what the policy keeps gives way -------------------------------------------------------------
+def _idle_node(config: CoreConfig, memory_gb: float = 20.0):
+    """A node holding one idle, ready instance of s0 (10 GB) started at t=0 with no call (a
+    pre-warm), and the 12 GB model m that needs its memory."""
+    sched = node("a", Hardware.GPU, memory_gb, PERF, config)
+    kept = model("s0", 10.0)
+    res = sched.start_instance(stand_in(kept, 0.0), kept, 0.0)
+    pending = list(res.start_ops)
+    while pending:
+        pending.extend(sched.memop_done(pending.pop(0), 0.0))
+    return sched, res.instance_id, model("m", 12.0)
+
+
+def test_an_idle_instance_only_the_policy_keeps_gives_way_to_a_new_instance():
+    config = CoreConfig(prewarm=True)
+    sched, kept, spec = _idle_node(config)
+    ctx = DecisionContext([sched.view()], PERF, 5.0, config)
+    plan = place(request("r", "m", arrival=5.0), spec, ctx)
+    assert plan.action is PlaceAction.PREEMPT_AND_ROUTE and plan.instance_id is None
+    assert plan.preempt == (kept,) and not plan.migrations
+    result = sched.preempt_and_admit(list(plan.preempt), request("r", "m", arrival=5.0), None,
+                                     spec, 5.0)
+    assert result.admission.ok and not result.evicted
+    assert sched.node.instance(kept).status is InstanceStatus.UNLOADING
+    assert sched.ledger.budget <= sched.ledger.capacity
+
+
+def test_nothing_gives_way_with_prewarming_off_within_the_fixed_window_or_when_serving():
+    off, _, spec = _idle_node(CoreConfig())
+    plan = place(request("r", "m", arrival=5.0), spec,
+                 DecisionContext([off.view()], PERF, 5.0, CoreConfig()))
+    assert plan.action in (PlaceAction.QUEUE, PlaceAction.DROP)  # SLINFER: a new one preempts nobody
+    config = CoreConfig(prewarm=True)
+    sched, kept, _ = _idle_node(config)
+    inst = sched.node.instance(kept)
+    assert not gives_way(inst, 0.5, config)  # within the fixed 1 s keep-alive
+    assert gives_way(inst, 1.0, config) and not gives_way(inst, 1.0, CoreConfig())
+    inst.pinned = True
+    assert not gives_way(inst, 5.0, config)
+    inst.pinned = False
+    inst.requests.append(request("q", "s0"))
+    assert not gives_way(inst, 5.0, config) and spare_instances(sched.node, 5.0, config) == set()
