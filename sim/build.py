@@ -66,7 +66,7 @@ def build_system(cfg: SimConfig, cluster: Cluster, slinfer_cls: type[SlinferSyst
     mc = scaleout.multicaster(cfg, cluster, storage)  # None unless --link-gbps / --spikes
     if cfg.system == "slinfer":
         return slinfer_cls(views, perf, cluster.specs, cfg.core_config(), noise, storage, mc,
-                           scaleout.cocoserve_settings(cfg, cluster))
+                           scaleout.cocoserve_settings(cfg, cluster), cfg.prewarm_config())
     deps = {m: Deployment(m, cluster.sizes[m], spec.weight_bytes, spec.kv_bytes_per_token,
                           {hw: perf.get(m, hw) for hw in Hardware if perf.get(m, hw) is not None})
             for m, spec in cluster.specs.items()}

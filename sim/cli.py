@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive", type=float, default=1.0, help="idle seconds before reclaim")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="slinfer: prefills in chunks sized to the node's decode slack")
+    p.add_argument("--prewarm", action="store_true",
+                   help="slinfer: predictive pre-warming and per-model keep-alive from each "
+                        "model's idle-time histogram (shared/core/prewarm.py)")
+    p.add_argument("--prewarm-bin-s", type=float, default=1.0, metavar="S",
+                   help="--prewarm: width of an idle-time bin (240 bins)")
     p.add_argument("--prefill-chunk-min", type=int, default=64, metavar="TOKENS",
                    help="--chunked-prefill: the smallest chunk (so a prefill progresses)")
     p.add_argument("--profiles", metavar="JSON", help="measured profiles replacing the built-in ones")
@@ -96,6 +101,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         lora_rank=args.lora_rank, lora_serving=args.lora_serving,
         lora_decode_overhead=args.lora_decode_overhead, lora_preload_s=args.lora_preload_s,
         prefill_chunk_tokens=args.prefill_chunk_min if args.chunked_prefill else 0,
+        prewarm=args.prewarm, prewarm_bin_s=args.prewarm_bin_s,
         extra=scaleout.extra_from(args))
 
 

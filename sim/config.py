@@ -10,6 +10,7 @@ from typing import Any
 
 from shared.core.config import CoreConfig
 from shared.core.preload import PRELOAD_INTERVAL_S
+from shared.core.prewarm import PrewarmConfig
 from shared.settings import core_config_from_env
 from sim import scaleout
 from sim.workload import DEFAULT_LENGTHS_CSV
@@ -63,6 +64,11 @@ class SimConfig:
     # Chunked prefill in SLINFER's scheduler (`CoreConfig.prefill_chunk_tokens`: the smallest
     # chunk); 0: whole prefills, as in the paper.
     prefill_chunk_tokens: int = 0
+    # Predictive pre-warming (`CoreConfig.prewarm`, `shared.core.prewarm`): on, with idle-time
+    # bins of this many seconds (the paper's 60 s suit days of trace; this one is 30 minutes).
+    prewarm: bool = False
+    prewarm_bin_s: float = 1.0
+    prewarm_bins: int = 240
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -88,10 +94,15 @@ class SimConfig:
             raise ValueError("engine_startup must be >= 0")
         if self.storage not in STORAGE_MODES:
             raise ValueError(f"storage must be one of {STORAGE_MODES}, got {self.storage!r}")
+        if not self.prewarm_bin_s > 0 or self.prewarm_bins < 1:
+            raise ValueError("prewarm_bin_s must be > 0 and prewarm_bins >= 1")
         scaleout.check(self)
         if self.lora_adapters:
             check_lora(self)
             object.__setattr__(self, "models", self.lora_adapters)  # the functions are adapters
+
+    def prewarm_config(self) -> PrewarmConfig:
+        return PrewarmConfig(bin_s=self.prewarm_bin_s, bins=self.prewarm_bins)
 
     def core_config(self) -> CoreConfig:
         """The services' defaults (what a placer and its nodes build from an environment that
@@ -103,6 +114,7 @@ class SimConfig:
                        enable_consolidation=not self.no_consolidation,
                        pack_new_instances=not self.no_packing,
                        prefill_chunk_tokens=self.prefill_chunk_tokens,
+                       prewarm=self.prewarm,
                        **scaleout.burst_settings(self.extra))
 
 
@@ -152,4 +164,6 @@ def params_of(cfg: SimConfig) -> dict[str, Any]:
         out = {k: v for k, v in out.items() if not k.startswith("lora_")}
     if not cfg.prefill_chunk_tokens:  # nor does one with whole prefills
         del out["prefill_chunk_tokens"]
+    if not cfg.prewarm:  # nor does one without pre-warming
+        out = {k: v for k, v in out.items() if not k.startswith("prewarm")}
     return out

@@ -105,6 +105,11 @@ def build_report(result: RunResult, m: Metrics, params: dict[str, Any]) -> dict[
             if k.startswith("cocoserve_")}
     if coco:  # only runs with --cocoserve have these (sim/cocoserve.py)
         report["cocoserve"] = coco
+    if params.get("prewarm"):  # only runs with --prewarm (shared/core/prewarm.py)
+        report["prewarm"] = {"started": m.counters.get("prewarms", 0),
+                             "refused_by_node": m.counters.get("prewarm_refusals", 0),
+                             "idle_unloaded_for_new_instances": m.counters.get("prewarm_gave_way", 0),
+                             "requests_cold": len(cold)}
     return _round(report)
 
 

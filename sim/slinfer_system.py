@@ -31,6 +31,7 @@ from shared.core.node_scheduler import AdmitResult, NodeScheduler
 from shared.core.perf_model import PerfModel
 from shared.core.consolidation import Migration
 from shared.core.placement import PlaceAction, PlacementPlan, place
+from shared.core.prewarm import IdleTracker, PrewarmConfig, keep_alive_spec, plan_prewarms, stand_in
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, ModelSpec, NodeView,
                                RequestView)
 from sim.cluster_port import SimNode
@@ -57,7 +58,7 @@ class SlinferSystem:
                  config: CoreConfig, noise: IterationNoise | None = None,
                  storage: dict[str, NodeStorage] | None = None,
                  scaleout: Multicaster | None = None,
-                 cocoserve: tuple | None = None):
+                 cocoserve: tuple | None = None, prewarm: PrewarmConfig | None = None):
         self.config = config
         self.scaleout = scaleout  # λScale's multicast and execute-while-load (sim/scaleout.py)
         self.noise = noise or IterationNoise(0.0, 0)
@@ -75,6 +76,13 @@ class SlinferSystem:
         self._arrivals: dict[str, deque[float]] = {}
         self.loop: EventLoop | None = None
         self.rec: Recorder | None = None
+        # Predictive pre-warming (`CoreConfig.prewarm`): the placer's record of every model's
+        # idle times, and the models as registered (`self.models` carries the policy's
+        # keep-alive, `shared.core.prewarm.keep_alive_spec`).
+        self.idle = IdleTracker(prewarm or PrewarmConfig()) if config.prewarm else None
+        self._registered = dict(models)
+        if config.prewarm:
+            self.models = dict(models)  # changed as the policy learns: not the caller's dict
 
     # --- System protocol ----------------------------------------------------------------------
     def bind(self, loop: EventLoop, rec: Recorder) -> None:
@@ -83,6 +91,9 @@ class SlinferSystem:
     def on_arrival(self, req: SimRequest) -> None:
         self.reqs[req.rid] = req
         self.note_arrival(req.model, req.arrival)
+        if self.idle is not None and self.idle.started(req.model, req.arrival):
+            windows = self.idle.windows(req.model, self.config.keep_alive_s)
+            self.models[req.model] = keep_alive_spec(self._registered[req.model], windows)
         spec = self.models[req.model]
         view = RequestView(req.rid, req.model, req.input_len, req.arrival, req.slo,
                            max_tokens=max(1, spec.max_context - req.input_len))
@@ -272,7 +283,9 @@ class SlinferSystem:
                                             self.models[view.model], now, self._adapter(view),
                                             handover_s=plan.handover_s if plan.live else None)
         if result.admission.ok:
-            self.rec.count("preemptions", len(plan.preempt))
+            # a new instance preempts only idle instances the pre-warming policy kept
+            self.rec.count("prewarm_gave_way" if plan.instance_id is None else "preemptions",
+                           len(plan.preempt))
             if plan.live:
                 incoming = self._begin_migrations(result.migrating, plan.migrations)
                 self.loop.schedule(now + max(0.0, plan.handover_s), "handover",
@@ -394,6 +407,35 @@ class SlinferSystem:
         req.dropped = True
         self.rec.count("dropped")
         self.rec.request_done(req)
+        self._ended(req)
+
+    # --- predictive pre-warming (`shared.core.prewarm`) ---------------------------------------
+    def _ended(self, req: SimRequest) -> None:
+        """A call ended: if its model is idle now and its histogram predicts the next call,
+        wake up when the pre-warm is due."""
+        if self.idle is None or not self.idle.ended(req.model, self.loop.now):
+            return
+        at = self.idle.prewarm_at(req.model, self.config.keep_alive_s)
+        if at is not None:
+            self.loop.schedule(max(at, self.loop.now), "prewarm", req.model)
+
+    def _on_prewarm(self, model: str) -> None:
+        """Pre-warms due now (the placer's plan), each started by its node's own re-check."""
+        now = self.loop.now
+        for plan in plan_prewarms(self.idle, self.models, self._views(), self.perf, now,
+                                  self.config):
+            sn = self.nodes[plan.node_id]
+            spec = self.models[plan.model]
+            self._sync_storage(sn, plan.model)
+            result = sn.sched.start_instance(stand_in(spec, now),
+                                             replace(spec, keep_alive_s=plan.keep_alive_s), now)
+            self._start_ops(sn, result.start_ops)
+            if not result.admission.ok:
+                self.rec.count("prewarm_refusals")
+                continue
+            self.rec.count("prewarms")
+            self._born[result.instance_id] = now
+            self._kick(sn)
 
     # --- node execution -----------------------------------------------------------------------
     def _kick(self, sn: SimNode) -> None:
@@ -437,6 +479,7 @@ class SlinferSystem:
             if req.generated >= req.output_len:
                 req.finished_at = now
                 self.rec.request_done(req)
+                self._ended(req)
                 finished.add(rid)
         ops = sn.sched.finish_iteration(choice, now, finished)
         self._start_ops(sn, ops)

@@ -72,6 +72,11 @@ class CoreConfig:
     # decode slack of every other request on the node, none shorter than this many tokens but
     # its last; 0: whole prefills (SLINFER's §VI-A).
     prefill_chunk_tokens: int = 0
+    # Predictive pre-warming (`shared.core.prewarm`, Shahrad et al. ATC'20): the placer (or the
+    # simulator) keeps each model's idle-time histogram, starts an instance shortly before its
+    # predicted next call where a node has room to spare, and keeps instances alive for the
+    # policy's window instead of `keep_alive_s`. Off: the fixed keep-alive only (SLINFER §IX-A).
+    prewarm: bool = False
 
     def __post_init__(self) -> None:
         if not self.busy_window_s > 0:

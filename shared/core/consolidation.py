@@ -19,6 +19,7 @@ from shared.core.context import DecisionContext
 from shared.core.evaluate import evaluate, handing_over, with_request, without_instances
 from shared.core.keepalive import expired
 from shared.core.lora import admission_through
+from shared.core.prewarm import spare_instances
 from shared.core.readiness import first_run_at, handover_ready_at
 from shared.core.types import (AdapterSpec, Hardware, InstanceStatus, InstanceView, ModelSpec,
                                NodeView, RequestView)
@@ -58,13 +59,16 @@ class Preemption:
     why: str = ""  # how the plan chose live or stop-and-resume, from the estimate
 
 
-def preemption_victims(node: NodeView, preemptor: InstanceView | None) -> list[InstanceView]:
+def preemption_victims(node: NodeView, preemptor: InstanceView | None,
+                       spare: frozenset[str] = frozenset()) -> list[InstanceView]:
     """Neighbours with a strictly smaller batch than the preemptor has now (§VIII-A). A pinned
-    instance is no victim: its model asked for it to stay warm."""
+    instance is no victim: its model asked for it to stay warm. `spare`: idle instances only the
+    pre-warming policy keeps (`shared.core.prewarm.spare_instances`), victims of anyone, a new
+    instance included."""
     own_batch = preemptor.batch_size if preemptor else 0
     own_id = preemptor.instance_id if preemptor else None
     victims = [i for i in node.instances if i.instance_id != own_id and i.accepts
-               and i.batch_size < own_batch and not i.pinned]
+               and (i.batch_size < own_batch or i.instance_id in spare) and not i.pinned]
     return sorted(victims, key=lambda i: (i.batch_size, i.last_active, i.instance_id))
 
 
@@ -121,7 +125,8 @@ def plan_preemption(node: NodeView, preemptor: InstanceView | None, request: Req
         return None
     chosen: list[InstanceView] = []
     target_id = preemptor.instance_id if preemptor else None
-    for victim in preemption_victims(node, preemptor):
+    spare = spare_instances(node, ctx.now, ctx.config)
+    for victim in preemption_victims(node, preemptor, spare):
         chosen.append(victim)
         if failed in _TIME_BOUND and not victim.requests:  # smallest first: all chosen are idle
             continue

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from shared.core.admission import Admission, AdmitReason
 from shared.core.consolidation import preemption_victims
+from shared.core.prewarm import spare_instances
 from shared.core.evaluate import handing_over
 from shared.core.lora import admission_through
 from shared.core.memory import MemOp, MemOpKind
@@ -51,7 +52,8 @@ class Preemption:
         and its instance waiting for the handover."""
         state = self.state
         preemptor = state.find(instance_id) if instance_id is not None else None
-        allowed = {v.instance_id for v in preemption_victims(state.node, preemptor)}
+        spare = spare_instances(state.node, now, state.config)
+        allowed = {v.instance_id for v in preemption_victims(state.node, preemptor, spare)}
         if (instance_id is not None and preemptor is None) or not set(victims) <= allowed:
             return AdmitResult(Admission(AdmitReason.VICTIMS_CHANGED))
         if handover_s is not None:

@@ -153,12 +153,25 @@ def place(request: RequestView, model: ModelSpec, ctx: DecisionContext,
     # such nodes out was tried (branch burst-nodup) and cut both ways in the simulator: 64x7B
     # SLO 0.982 -> 0.985, but a 13B registry burst dropped 17 instead of 3 of 61 requests the
     # copies had served inside their load grace. So it stays allowed.
-    for spot in new_instance_order(request, model, eligible, ctx, adapter):
+    spots = new_instance_order(request, model, eligible, ctx, adapter)
+    refused: list[tuple[NewInstanceSpot, AdmitReason]] = []
+    for spot in spots:
         adm = admission_through(spot.node, None, request, model, adapter, perf, now, config)
         attempts.append(Attempt(spot.node.node_id, None, adm.reason, spot.startup_s, spot.free_bytes))
         if adm.ok:
             return PlacementPlan(PlaceAction.NEW_INSTANCE, spot.node.node_id, None, adm,
                                  attempts=tuple(attempts), startup=spot.startup)
+        refused.append((spot, adm.reason))
+    if config.enable_consolidation and config.prewarm:
+        # Pre-warming on: a new instance may unload idle instances only the policy keeps
+        # (`shared.core.prewarm.gives_way`), in the same order of nodes.
+        for spot, reason in refused:
+            pre = plan_preemption(spot.node, None, request, model, ctx, reason, adapter)
+            if pre is not None:
+                return PlacementPlan(PlaceAction.PREEMPT_AND_ROUTE, spot.node.node_id, None,
+                                     pre.admission, pre.victims, pre.migrations, tuple(attempts),
+                                     live=pre.live, handover_s=pre.handover_s,
+                                     preempt_why=pre.why)
 
     if not nodes:  # no node has reported yet (a stack starting up): wait for one
         late = now > request.deadline()
