@@ -67,6 +67,10 @@ class _Request:
     adapter: LoraAdapter | None = None  # params.adapter's weights; None: the plain base
     prompt_len: int = 0  # tokens before the output (the penalties count only the output)
     grammar: TokenGrammar | None = None  # params.grammar's matcher, where the request has one
+    # Chunked prefill: tokens whose K/V earlier chunks wrote (0: none yet), and the prompt
+    # logprobs those chunks computed (a request that asked for them).
+    chunked: int = 0
+    chunk_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def output(self) -> list[int]:
@@ -391,6 +395,8 @@ class TorchEngine(RequestBook):
         request = self._request(request_id)
         if request.computed:
             raise ValueError(f"request {request_id!r} is already prefilled")
+        if request.chunked:
+            return self.prefill_chunk(request_id, len(request.tokens) - request.chunked)
         n = len(request.tokens)
         spec = StepSpec("prefill", (request_id,), (0,), (n,))
         reserve_step(cache, spec)  # KVCacheFull here leaves everything untouched
@@ -423,6 +429,67 @@ class TorchEngine(RequestBook):
             return StepResult(embeddings={request_id: vector})
         self._append(request, token, computed=n)
         return StepResult({request_id: token}, logprobs, prompt)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, request_id: str, tokens: int) -> StepResult:
+        """The next `tokens` of the request's prefill (chunked prefill), against the K/V its
+        earlier chunks wrote: the first chunk is a prefill of its tokens, a later one an extend
+        of the cached ones. The chunk that reaches the end samples the next token, as `prefill`
+        would (an empty StepResult before it). An embedding request pools every position's
+        hidden state, which a chunk does not keep: it is prefilled whole (one chunk)."""
+        _, cache = self._loaded()
+        request = self._request(request_id)
+        if request.computed:
+            raise ValueError(f"request {request_id!r} is already prefilled")
+        start, n = request.chunked, len(request.tokens)
+        if not 0 < tokens <= n - start:
+            raise ValueError(f"a chunk of {tokens} tokens after {start} does not fit the "
+                             f"request's {n}")
+        if start == 0 and tokens == n:
+            return self.prefill(request_id)
+        if request.params.embedding is not None:
+            raise ValueError("an embedding request is prefilled whole, not in chunks")
+        end = start + tokens
+        spec = StepSpec("prefill" if start == 0 else "extend", (request_id,), (start,), (tokens,))
+        reserve_step(cache, spec)  # KVCacheFull here leaves everything untouched
+        try:
+            token, logprobs, prompt = self._run_chunk(request, spec, end == n)
+        except BaseException:
+            abort_step(cache, spec)
+            raise
+        finish_step(cache, spec)
+        request.chunked = end
+        if prompt is not None:
+            request.chunk_logprobs = [*(request.chunk_logprobs or []), *prompt]
+        if end < n:
+            return StepResult()
+        request.chunked = 0
+        self._append(request, token, computed=n)
+        whole = request.chunk_logprobs
+        request.chunk_logprobs = None
+        return StepResult({request_id: token}, logprobs,
+                          {} if whole is None else {request_id: whole})
+
+    def _run_chunk(self, request: _Request, spec: StepSpec, final: bool
+                   ) -> tuple[int, dict[str, TokenLogprobs], list[TokenLogprobs] | None]:
+        """One chunk's pass: its last position's token where `final`, and the logprobs of the
+        prompt tokens its positions predict (a request that asked for them)."""
+        rid, start, count = spec.request_ids[0], spec.starts[0], spec.counts[0]
+        ids = torch.tensor([request.tokens[start:start + count]], device=self.device)
+        positions = spec.positions(self.device)
+        lora = LoraBatch.of_rows([request.adapter])
+        k = request.params.prompt_logprobs
+        hidden = self._hidden(ids, positions, spec, lora, last_only=k is None)
+        prompt = None
+        if k is not None:  # positions start..end-1 predict prompt tokens start+1..end
+            targets = request.tokens[start + 1:min(start + count + 1, request.prompt_len)]
+            prompt = prompt_logprobs(self.model.lm_head, hidden[0, :len(targets)], targets,
+                                     k or 0) if targets else []
+        if not final:
+            return 0, {}, prompt
+        logits = self.model.lm_head(hidden[:, -1:])
+        (token,), logprobs = self._pick(logits[:, -1], [rid], [request])
+        return token, logprobs, prompt
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
