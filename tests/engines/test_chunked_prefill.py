@@ -9,6 +9,7 @@ import torch
 
 from services.node.engines.base import ChunksPrefill, SamplingParams, chunks_prefill
 from services.node.engines.torch_engine import TorchEngine
+from shared.schemas import Embedding
 
 GREEDY = SamplingParams(max_tokens=32)
 PROMPT = list(range(5, 5 + 75))  # 75 tokens: chunks cross the 16-token KV blocks unevenly
@@ -39,6 +40,10 @@ def test_other_engines_prefill_whole():
     vllm = pytest.importorskip("services.node.engines.vllm_engine")
     assert not issubclass(openvino.OpenVINOEngine, ChunksPrefill)
     assert not issubclass(vllm.VllmEngine, ChunksPrefill)
+    # The core learns it from the model's engine (ModelSpec.chunked_prefill): the same split.
+    from shared.cluster import CHUNKED_PREFILL_ENGINES
+
+    assert CHUNKED_PREFILL_ENGINES == {"torch", "auto"}  # "auto": torch on CPU and GPU
 
 
 @pytest.mark.parametrize("chunks", SPLITS[1:])
@@ -83,6 +88,19 @@ def test_prompt_logprobs_across_chunks(make_engine):
     assert len(a) == len(b) == 74
     torch.testing.assert_close(torch.tensor([x.logprob for x in b]),
                                torch.tensor([x.logprob for x in a]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
+def test_an_embedding_pooled_across_chunks_is_the_whole_prefills(make_engine, pooling):
+    engine = make_engine()
+    params = SamplingParams(max_tokens=0, embedding=Embedding(pooling, normalize=False))
+    engine.add_request("whole", PROMPT, params)
+    whole = engine.prefill("whole").embeddings["whole"]
+    engine.add_request("chunked", PROMPT, params)
+    assert engine.prefill_chunk("chunked", 33).embeddings == {}
+    chunked = engine.prefill_chunk("chunked", 42).embeddings["chunked"]
+    a, b = (torch.frombuffer(bytearray(v), dtype=torch.float32) for v in (whole, chunked))
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
 def test_refuses_what_is_not_a_next_chunk(make_engine):
