@@ -159,13 +159,15 @@ def time_chunk(engine: ChunksPrefill, ids: _Ids, done: int, tokens: int) -> floa
 def measure_chunks(engine: ChunksPrefill, ids: _Ids, plan: ProfilePlan,
                    tick: Callable[[], None] = lambda: None) -> ChunkTable:
     """The median chunk time at each (done, tokens) of the plan's grid, sampled in `repeats`
-    round-robin rounds, each sample after `warmup` untimed ones of the same shape; a row never
-    falls with more tokens, nor a column with more done (attention reads more)."""
+    round-robin rounds, the first after `warmup` untimed chunks of each shape (each sample
+    prefills its `done` tokens untimed too: warming every sample would double what the table
+    adds to a profile's run); a row never falls with more tokens, nor a column with more done
+    (attention reads more)."""
     points = [(d, t) for d in plan.chunk_done for t in plan.chunk_tokens]
     samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
-    for _ in range(plan.repeats):
+    for round_ in range(plan.repeats):
         for d, t in points:
-            for _ in range(plan.warmup):
+            for _ in range(plan.warmup if round_ == 0 else 0):
                 time_chunk(engine, ids, d, t)
             samples[d, t].append(time_chunk(engine, ids, d, t))
     for _ in points:

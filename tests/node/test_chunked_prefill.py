@@ -4,11 +4,13 @@ to a decoding request on the same instance runs as the core's chunks, each sized
 request's slack, and its greedy output is what one whole prefill gives. Off, the same prompt is
 refused: run whole, it would hold the decoding request past its next deadline.
 
-The stored profile prices prefills (and chunks) 100 times what the tiny model measured, so the
-decoding request's slack holds a few hundred tokens of the long prompt, not all of it: the
-chunking is the core's decision on that profile, asserted on the node's recorded iterations
-(what ran, in which chunks), not on wall-clock times. Calibration is off, so the node keeps
-deciding with that profile.
+The stored profile prices prefills (and chunks) slower than the tiny model measured, so that
+the long prompt's whole prefill is predicted at `WHOLE_S`, several times the decoding request's
+TTFT (twice its own prefill as predicted, 1 s at least): when the long prompt arrives, that request has a few
+tokens and its slack is about its TTFT, which holds part of the prompt, not all of it (it would
+take a lead of `WHOLE_S` / TPOT tokens, far more than this box decodes while the test admits). The chunking is then the core's decision on that
+profile, asserted on the node's recorded iterations (what ran, in which chunks), not on
+wall-clock times. Calibration is off, so the node keeps deciding with that profile.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from tests.node.harness import Harness, until
 
 pytestmark = [pytest.mark.integration]
 
-SLOWER = 100.0  # the stored profile's prefills and chunks, over what was measured
+WHOLE_S = 3.0  # the long prompt's whole prefill, as the stored profile predicts it
 LONG, SHORT = 1000, 32  # prompt tokens of the long request and of the decoding one
+SHORT_TPOT, SHORT_TOKENS = 0.1, 120  # the decoding request's
 
 
 def whole_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
@@ -50,16 +53,23 @@ async def run_long_beside_decode(connections, model_dir, profile, chunk_tokens: 
     """A decoding request, then a long prompt on its instance: the two requests, the long one's
     admission reply, their final messages and the node's iteration records of the two."""
     nc, redis = connections
-    await save_profile(redis, replace(calibrated(profile, SLOWER, 1.0), model="alpha"))
-    core = CoreConfig(keep_alive_s=30.0, prefill_chunk_tokens=chunk_tokens)
+    slower = WHOLE_S / profile.prefill_s(LONG)
+    short_ttft = max(1.0, 2 * slower * profile.prefill_s(SHORT))
+    assert short_ttft < WHOLE_S / 2  # the profile's shape
+    await save_profile(redis, replace(calibrated(profile, slower, 1.0), model="alpha"))
+    # Validation simulates the long prefill's chunks between the decoding request's steps (one
+    # every TPOT for WHOLE_S): more steps than the default horizon.
+    core = CoreConfig(keep_alive_s=30.0, prefill_chunk_tokens=chunk_tokens,
+                      shadow_max_steps=4096)
     h = Harness(nc, redis, model_dir, 512 * 1024**2, f"chunk-{chunk_tokens}", calibrate=False,
                 core=core)
     await h.worker.start()
     try:
-        short, reply = await h.admit("alpha", SHORT, 120, ttft=1.5, tpot=0.1)
+        short, reply = await h.admit("alpha", SHORT, SHORT_TOKENS, ttft=short_ttft,
+                                     tpot=SHORT_TPOT)
         assert reply.accepted, reply.reason
         await until(lambda: len(h.tokens[short.request_id]) >= 1, timeout_s=30)
-        long, reply = await h.admit("alpha", LONG, 6, ttft=30.0, tpot=1.0)
+        long, reply = await h.admit("alpha", LONG, 6, ttft=10 * WHOLE_S, tpot=1.0)
         await h.wait([short, long] if reply.accepted else [short], timeout=120)
         ids = {short.request_id, long.request_id}
         history = [rec for rec in h.worker.history
