@@ -110,13 +110,13 @@ class TokenLoop:
             self.rt.obs.iteration_started(_whole(choice), len(first.all_tokens) if first else 0)
         try:
             started = time.perf_counter()
-            if choice.chunk is not None:
+            if choice.chunk is not None and not choice.chunk.final:
                 if not isinstance(engine, ChunksPrefill):  # the core plans none for it
                     raise TypeError(f"the {engine.name} engine cannot run a prefill chunk")
                 result = await asyncio.to_thread(engine.prefill_chunk, choice.chunk.request_id,
                                                  choice.chunk.tokens)
-            elif choice.kind is IterationKind.PREFILL:
-                result = await asyncio.to_thread(engine.prefill, choice.request_ids[0])
+            elif choice.kind is IterationKind.PREFILL:  # whole, or a last chunk: all the rest
+                result = await asyncio.to_thread(engine.prefill, _subjects(choice)[0])
             else:
                 result = await asyncio.to_thread(engine.decode, list(choice.request_ids))
             elapsed = time.perf_counter() - started

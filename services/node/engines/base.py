@@ -281,7 +281,8 @@ class ChunksPrefill(Protocol):
 
     def prefill_chunk(self, request_id: str, tokens: int) -> StepResult:
         """The next `tokens` of the request's prefill; the chunk that ends it returns its first
-        token, as `Engine.prefill` does (an empty StepResult before it)."""
+        token, as `Engine.prefill` does (an empty StepResult before it). `Engine.prefill` after
+        some chunks runs all the rest as the last one."""
 
 
 @runtime_checkable
