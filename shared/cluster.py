@@ -30,6 +30,8 @@ ENGINE_KV_BLOCK_TOKENS = {"torch": 16, "openvino": 32, "vllm": 16}
 TIERED_ENGINES = frozenset({"torch", "auto"})  # load through the node's loader ("auto": torch)
 # Engines a running request can migrate live on (shared/core/migration.py: LIVE_ENGINES).
 LIVE_MIGRATION_ENGINES = frozenset({"torch", "auto"})
+# Engines that run a prefill in chunks (services/node/engines/base.py: ChunksPrefill).
+CHUNKED_PREFILL_ENGINES = frozenset({"torch", "auto"})
 
 
 def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
@@ -38,6 +40,7 @@ def model_spec(record: ModelRecord, avg_output_len: float = 128.0) -> ModelSpec:
                      kv_block_tokens=ENGINE_KV_BLOCK_TOKENS.get(record.engine, 16),
                      tiered=record.engine in TIERED_ENGINES,
                      live_migration=record.engine in LIVE_MIGRATION_ENGINES,
+                     chunked_prefill=record.engine in CHUNKED_PREFILL_ENGINES,
                      layers=record.layers if record.engine == "torch" else 0,
                      head_bytes=record.head_bytes, token_bytes=record.token_bytes,
                      keep_alive_s=record.keep_alive_s, min_instances=record.min_instances)

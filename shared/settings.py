@@ -238,4 +238,7 @@ def core_config_from_env(env: Mapping[str, str] | None = None):
         # Algorithm 2, services/node/pipeline_mode.py).
         enable_receiver_pipelines=env_bool("SLINFER_RECEIVER_PIPELINES", False, env=env),
         live_preemption=env_bool("SLINFER_LIVE_PREEMPTION", True, env=env),
+        # Chunked prefill (issue 26): the smallest chunk in tokens; 0 (the default): whole
+        # prefills. Engines that cannot chunk keep whole prefills either way.
+        prefill_chunk_tokens=env_int("SLINFER_PREFILL_CHUNK_TOKENS", 0, env=env, minimum=0),
     )

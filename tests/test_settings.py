@@ -58,3 +58,12 @@ def test_common_settings_rejects_wrong_scheme() -> None:
         CommonSettings.from_env({"SLINFER_REDIS_URL": "http://redis:6379"})
     with pytest.raises(ValueError, match="SLINFER_NATS_URL"):
         CommonSettings.from_env({"SLINFER_NATS_URL": "127.0.0.1:4222"})
+
+
+def test_chunked_prefill_is_off_unless_set() -> None:
+    from shared.settings import core_config_from_env
+
+    assert core_config_from_env({}).prefill_chunk_tokens == 0
+    assert core_config_from_env({"SLINFER_PREFILL_CHUNK_TOKENS": "64"}).prefill_chunk_tokens == 64
+    with pytest.raises(ValueError, match="SLINFER_PREFILL_CHUNK_TOKENS"):
+        core_config_from_env({"SLINFER_PREFILL_CHUNK_TOKENS": "-1"})

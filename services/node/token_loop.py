@@ -1,7 +1,12 @@
 """The token loop: at token granularity, `step` (the core's `StepPlan`: memory ops, evictions, at
-most one iteration) -> run (the engine's prefill or decode, in a thread) -> `postprocess` (tokens
-streamed or finished, the outcome fed back to the core, calibration). A failing turn is logged
-and the loop goes on: it never silently stops generating for everyone.
+most one iteration) -> run (the engine's prefill, prefill chunk or decode, in a thread) ->
+`postprocess` (tokens streamed or finished, the outcome fed back to the core, calibration). A
+failing turn is logged and the loop goes on: it never silently stops generating for everyone.
+
+Chunked prefill (SLINFER_PREFILL_CHUNK_TOKENS): the core plans a prefill as chunks only on
+instances whose model's engine chunks (`ModelSpec.chunked_prefill`); the node runs each with the
+engine's `prefill_chunk` (`ChunksPrefill`). A chunk that is not the last gives no token; the
+request's prefill time is the sum of its chunks'.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from dataclasses import dataclass
 from services.node.book import RequestBook
 from services.node.cluster_sync import ClusterSync
 from services.node.engines import KVCacheFull
-from services.node.engines.base import StepResult
+from services.node.engines.base import ChunksPrefill, StepResult
 from services.node.lifecycle import RequestLifecycle
 from services.node.runtime import NodeRuntime
-from shared.core.iteration import IterationKind
+from shared.core.iteration import IterationChoice, IterationKind
 from shared.core.node_scheduler import StepPlan
 from shared.schemas import FinishReason
 
@@ -36,6 +41,9 @@ class IterationRecord:
     kind: IterationKind
     request_ids: tuple[str, ...]
     considered: tuple[tuple[str, float], ...]  # runnable instances and their least headroom
+    # A prefill chunk (chunked prefill): its request, tokens already written, its tokens, and
+    # whether it is the request's last; None: a whole prefill or a decode step.
+    chunk: tuple[str, int, int, bool] | None = None
 
 
 class TokenLoop:
@@ -44,6 +52,7 @@ class TokenLoop:
         self.rt, self.book, self.requests, self.sync = rt, book, requests, sync
         self.iterations = 0
         self.history: deque[IterationRecord] = deque(maxlen=HISTORY_LEN)
+        self._chunk_s: dict[str, float] = {}  # engine seconds of a chunked prefill's chunks so far
 
     async def run(self) -> None:
         while not self.rt.stopping:
@@ -96,13 +105,18 @@ class TokenLoop:
         engine = self.rt.engines[choice.instance_id]
         model = self.rt.records[choice.instance_id].name
         base_s = self.sync.base_prediction(plan, model)
-        if self.rt.obs.tracing:
-            first = self.book.live.get(choice.request_ids[0])
-            self.rt.obs.iteration_started(choice, len(first.all_tokens) if first else 0)
+        if self.rt.obs.tracing and (choice.chunk is None or choice.chunk.start == 0):
+            first = self.book.live.get(_subjects(choice)[0])
+            self.rt.obs.iteration_started(_whole(choice), len(first.all_tokens) if first else 0)
         try:
             started = time.perf_counter()
-            if choice.kind is IterationKind.PREFILL:
-                result = await asyncio.to_thread(engine.prefill, choice.request_ids[0])
+            if choice.chunk is not None and not choice.chunk.final:
+                if not isinstance(engine, ChunksPrefill):  # the core plans none for it
+                    raise TypeError(f"the {engine.name} engine cannot run a prefill chunk")
+                result = await asyncio.to_thread(engine.prefill_chunk, choice.chunk.request_id,
+                                                 choice.chunk.tokens)
+            elif choice.kind is IterationKind.PREFILL:  # whole, or a last chunk: all the rest
+                result = await asyncio.to_thread(engine.prefill, _subjects(choice)[0])
             else:
                 result = await asyncio.to_thread(engine.decode, list(choice.request_ids))
             elapsed = time.perf_counter() - started
@@ -118,7 +132,7 @@ class TokenLoop:
 
     async def _kv_full(self, plan: StepPlan) -> None:
         choice = plan.iteration
-        for rid in choice.request_ids:
+        for rid in _subjects(choice):
             self.rt.obs.event(rid, "kv_cache_full", **{"slinfer.instance_id": choice.instance_id})
         eviction = self.rt.sched.evict_for_memory(choice.instance_id, time.time())
         if eviction is not None:
@@ -128,7 +142,8 @@ class TokenLoop:
         choice = plan.iteration
         log.error("iteration failed on %s", choice.instance_id, exc_info=exc)
         self.rt.sched.abort_iteration(time.time())
-        for rid in choice.request_ids:
+        for rid in _subjects(choice):
+            self._chunk_s.pop(rid, None)
             if rid in self.book.live:
                 await self.requests.finish(self.book.live[rid], FinishReason.ERROR,
                                            f"engine error: {exc}")
@@ -137,11 +152,14 @@ class TokenLoop:
         """Stream or finish each request's token; tell the core the iteration ended."""
         choice = plan.iteration
         now = time.time()
-        self.history.append(IterationRecord(now - elapsed, now, choice.instance_id, choice.kind,
-                                            choice.request_ids, plan.considered))
-        prefill_s = elapsed if choice.kind is IterationKind.PREFILL else None
+        chunk = choice.chunk
+        self.history.append(IterationRecord(
+            now - elapsed, now, choice.instance_id, choice.kind, choice.request_ids,
+            plan.considered,
+            None if chunk is None else (chunk.request_id, chunk.start, chunk.tokens, chunk.final)))
+        prefill_s = self._prefill_s(choice, elapsed)
         if prefill_s is not None:
-            self.rt.obs.prefill_done(choice.request_ids[0], prefill_s)
+            self.rt.obs.prefill_done(_subjects(choice)[0], prefill_s)
         finished: set[str] = set()
         for rid, token in result.tokens.items():
             live = self.book.live.get(rid)
@@ -157,3 +175,31 @@ class TokenLoop:
                                            prefill_s=prefill_s, embedding=vector)
                 finished.add(rid)
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))
+
+    def _prefill_s(self, choice: IterationChoice, elapsed: float) -> float | None:
+        """The engine time of a prefill that ended with this iteration (a chunked one: all its
+        chunks'); None where none ended (a decode step, a chunk before the last)."""
+        chunk = choice.chunk
+        if chunk is None:
+            return elapsed if choice.kind is IterationKind.PREFILL else None
+        if not chunk.final:
+            for rid in [r for r in self._chunk_s if r not in self.book.live]:
+                del self._chunk_s[rid]  # left mid-prefill (cancelled, moved)
+            self._chunk_s[chunk.request_id] = self._chunk_s.get(chunk.request_id, 0.0) + elapsed
+            return None
+        return self._chunk_s.pop(chunk.request_id, 0.0) + elapsed
+
+
+def _subjects(choice: IterationChoice) -> tuple[str, ...]:
+    """The requests the iteration works for: those it gives a token, or a chunk's request."""
+    if choice.chunk is not None and not choice.request_ids:
+        return (choice.chunk.request_id,)
+    return choice.request_ids
+
+
+def _whole(choice: IterationChoice) -> IterationChoice:
+    """A first chunk seen as the prefill it starts (the request's prefill span opens with it)."""
+    if choice.chunk is None or choice.request_ids:
+        return choice
+    return IterationChoice(choice.instance_id, choice.kind, (choice.chunk.request_id,),
+                           choice.headroom, choice.chunk)

@@ -16,6 +16,11 @@ Unmerged LoRA (ServerlessLoRA §4.4) is measured on engines that serve adapters 
 per adapter rank, a decode step of a batch whose rows run through random adapters of that rank
 against the same batch without them, and a prefill through one against a plain one; stored as
 the fractions they add (`Profile.lora`), which the core charges to batches with adapter requests.
+
+Chunked prefill is measured on engines that chunk (`measure_chunks`): a chunk of `tokens` new
+tokens after `done` already written, on a small grid inside the profiled range
+(`ProfilePlan.chunk_done` x `chunk_tokens`), sampled in rounds like the prefill table; stored as
+`Profile.chunks`, which `Profile.prefill_chunk_s` interpolates.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.node.engines.base import Engine, SamplingParams
-from shared.core.perf_model import DecodeTable, LoraCost, PrefillTable, Profile
+from services.node.engines.base import ChunksPrefill, Engine, SamplingParams, chunks_prefill
+from shared.core.perf_model import ChunkTable, DecodeTable, LoraCost, PrefillTable, Profile
 from shared.core.types import Hardware
 
 GREEDY_ONE = SamplingParams(max_tokens=1 << 30, temperature=0.0)
@@ -56,6 +61,20 @@ class ProfilePlan:
     # Adapter ranks whose unmerged-LoRA cost is measured (engines that serve adapters only);
     # empty: not measured.
     lora_ranks: tuple[int, ...] = (8, 32)
+    # Measure the chunk table on engines that chunk (a grid of 2 x 3 points, see chunk_done).
+    chunks: bool = True
+
+    @property
+    def chunk_done(self) -> list[int]:
+        """Tokens already in the cache before a measured chunk: a short and a long context."""
+        return sorted({max(self.min_len, self.max_len // 8), max(self.min_len, self.max_len // 2)})
+
+    @property
+    def chunk_tokens(self) -> list[int]:
+        """A measured chunk's new tokens: a small, a middling and a large chunk, all fitting
+        after the longest `chunk_done` inside `max_len`."""
+        return sorted({max(1, self.max_len // 16), max(1, self.max_len // 4),
+                       max(1, self.max_len // 2)})
 
     @property
     def lengths(self) -> list[int]:
@@ -76,9 +95,10 @@ class ProfilePlan:
         attention is cheapest and the adapters' share of a step largest (conservative)."""
         return max(self.min_len, min(self.max_len, LORA_CONTEXT))
 
-    def points(self, lora: bool = False) -> int:
+    def points(self, lora: bool = False, chunks: bool = False) -> int:
         grid = len(self.prefill_lengths) + self.passes * len(self.lengths) * len(self.batches)
-        return grid + (len(self.lora_ranks) * (len(self.batches) + 1) if lora else 0)
+        chunked = len(self.chunk_done) * len(self.chunk_tokens) if chunks and self.chunks else 0
+        return grid + chunked + (len(self.lora_ranks) * (len(self.batches) + 1) if lora else 0)
 
 
 
@@ -122,6 +142,42 @@ def time_decode(engine: Engine, ids: _Ids, batch: int, length: int, steps: int) 
     finally:
         for rid in rids:
             engine.release(rid)
+
+
+def time_chunk(engine: ChunksPrefill, ids: _Ids, done: int, tokens: int) -> float:
+    """A chunk of `tokens` after `done` tokens written by an earlier chunk (untimed); it is the
+    request's last chunk, so it samples a token as a chunk that ends a prefill does."""
+    rid = ids.new()
+    engine.add_request(rid, ids.prompt(done + tokens), GREEDY_ONE)
+    try:
+        engine.prefill_chunk(rid, done)
+        return _time(lambda: engine.prefill_chunk(rid, tokens))
+    finally:
+        engine.release(rid)
+
+
+def measure_chunks(engine: ChunksPrefill, ids: _Ids, plan: ProfilePlan,
+                   tick: Callable[[], None] = lambda: None) -> ChunkTable:
+    """The median chunk time at each (done, tokens) of the plan's grid, sampled in `repeats`
+    round-robin rounds, the first after `warmup` untimed chunks of each shape (each sample
+    prefills its `done` tokens untimed too: warming every sample would double what the table
+    adds to a profile's run); a row never falls with more tokens, nor a column with more done
+    (attention reads more)."""
+    points = [(d, t) for d in plan.chunk_done for t in plan.chunk_tokens]
+    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for round_ in range(plan.repeats):
+        for d, t in points:
+            for _ in range(plan.warmup if round_ == 0 else 0):
+                time_chunk(engine, ids, d, t)
+            samples[d, t].append(time_chunk(engine, ids, d, t))
+    for _ in points:
+        tick()
+    width = len(plan.chunk_tokens)
+    flat = [statistics.median(samples[p]) for p in points]
+    grid = [monotone(flat[i * width:(i + 1) * width]) for i in range(len(plan.chunk_done))]
+    columns = [monotone([row[j] for row in grid]) for j in range(width)]
+    grid = [[columns[j][i] for j in range(width)] for i in range(len(plan.chunk_done))]
+    return ChunkTable(plan.chunk_done, plan.chunk_tokens, grid)
 
 
 def ensure_kv(engine: Engine, tokens: int) -> None:
@@ -198,11 +254,14 @@ def measure(engine: Engine, model: str, hardware: Hardware, plan: ProfilePlan, v
         lora = measure_lora(engine, Path(model_dir), _Ids(vocab, seed + 11), plan, tick)
         if engine.memory().kv_capacity_bytes != pool:  # what follows (and `check`) runs as
             engine.resize_kv(pool)                     # the tables were measured
+    chunks = measure_chunks(engine, _Ids(vocab, seed + 13), plan, tick) \
+        if plan.chunks and chunks_prefill(engine) else None
     scale_fixed, scale_rate = measure_kv_scaling(engine, _Ids(vocab, seed + 7),
                                                  max_len=plan.max_len)
     return Profile(model, hardware, PrefillTable(plan.prefill_lengths, monotone(prefill)),
                    DecodeTable(plan.batches, plan.lengths, grid), load_s=load_s,
                    kv_scale_fixed_s=scale_fixed, kv_scale_bytes_per_s=scale_rate, lora=lora,
+                   chunks=chunks,
                    source=f"measured by slinfer profile ({engine.name}, repeats={plan.repeats}, "
                           f"passes={plan.passes})")
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from services.node.engines import create_engine
+from services.node.engines.base import chunks_prefill
 from services.profiler.measure import CheckResult, ProfilePlan, check, measure
 from shared.cluster import profile_from_json, profile_to_json
 from shared.core.perf_model import Profile
@@ -28,7 +29,7 @@ def profile_model(model_dir: Path, name: str, engine_name: str = "torch", device
     engine.load()
     load_s = time.perf_counter() - start
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    total = plan.points(lora=engine_name == "torch") + check_n
+    total = plan.points(lora=engine_name == "torch", chunks=chunks_prefill(engine)) + check_n
     bar = _bar(total, progress, f"profiling {name}")
 
     def tick() -> None:

@@ -147,4 +147,6 @@ def calibrated(profile: Profile, prefill_factor: float, decode_factor: float) ->
     decode = DecodeTable(profile.decode.batch_sizes, profile.decode.lengths,
                          [[s * decode_factor for s in row] for row in profile.decode.seconds])
     note = f"{profile.source}; calibrated online x{prefill_factor:.3f} prefill, x{decode_factor:.3f} decode"
-    return replace(profile, prefill=prefill, decode=decode, source=note.lstrip("; "))
+    chunks = None if profile.chunks is None else profile.chunks.scaled(prefill_factor)
+    return replace(profile, prefill=prefill, decode=decode, chunks=chunks,
+                   source=note.lstrip("; "))

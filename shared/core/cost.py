@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shared.core.config import CoreConfig
-from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
+from shared.core.perf_model import ChunkTable, DecodeTable, PerfModel, PrefillTable, Profile
 from shared.core.types import (Hardware, InstanceLayout, InstanceStatus, InstanceView, LayerRun,
                                ModelSpec, NodeView, PipelineMode, RequestView)
 
@@ -87,7 +87,7 @@ def pipeline_profile(profile: Profile, hops: int, hop: HopCost) -> Profile:
     decode = DecodeTable(list(dec.batch_sizes), list(dec.lengths),
                          [[s + hops * hop.seconds(b) for s in row]
                           for b, row in zip(dec.batch_sizes, dec.seconds)])
-    return replace(profile, prefill=prefill, decode=decode,
+    return replace(profile, prefill=prefill, decode=decode, chunks=_hopped(profile, hops, hop),
                    source=f"{profile.source} + pipeline ({hops} hops)")
 
 
@@ -135,8 +135,16 @@ def replicated_profile(profile: Profile, rep: Replication, hop: HopCost) -> Prof
     pre = profile.prefill
     prefill = PrefillTable(list(pre.lengths),
                            [s + hops * hop.seconds(n) for n, s in zip(pre.lengths, pre.seconds)])
-    return replace(profile, prefill=prefill, decode=decode,
+    return replace(profile, prefill=prefill, decode=decode, chunks=_hopped(profile, hops, hop),
                    source=f"{profile.source} + {rep.replicas()} layer replicas")
+
+
+def _hopped(profile: Profile, hops: int, hop: HopCost) -> ChunkTable | None:
+    """The measured chunk table with each chunk's activations crossing `hops` links, as the
+    prefill table's prompts do (None where none was measured)."""
+    if profile.chunks is None:
+        return None
+    return profile.chunks.scaled(1.0, lambda n: hops * hop.seconds(n))
 
 
 def layout_hop(layout: InstanceLayout) -> HopCost:

@@ -64,9 +64,10 @@ class TokenLoop:
             choice = choose_iteration(node.instances, now, blocked)
             if choice is None:
                 return StepPlan(None, 0.0, tuple(ops), tuple(evictions))
-            if choice.kind is IterationKind.PREFILL and state.config.prefill_chunk_tokens:
-                choice = self._chunked(choice, now, blocked)
             inst = state.instance(choice.instance_id)
+            if choice.kind is IterationKind.PREFILL and state.config.prefill_chunk_tokens \
+                    and inst.model.chunked_prefill:
+                choice = self._chunked(choice, now, blocked)
             if kv_tokens_needed(choice, inst) <= state.kv_capacity_tokens(inst):
                 if self._outlasts_handover(choice, inst, now):
                     blocked.add(inst.instance_id)

@@ -103,6 +103,28 @@ def _bilinear_at(lengths: list[int], low: list[float], high: list[float], b0: fl
     return at
 
 
+@dataclass(frozen=True)
+class ChunkTable:
+    """Measured chunks of a chunked prefill (`slinfer profile` on an engine that chunks):
+    `seconds[i][j]` is a chunk of `tokens[j]` new tokens run against `done[i]` tokens already in
+    the request's KV cache. Interpolated as the decode table is (bilinear, extrapolated up past
+    the last sample, shrunk toward 0 below the first)."""
+
+    done: list[int]  # tokens already written before the chunk, ascending
+    tokens: list[int]  # the chunk's new tokens, ascending
+    seconds: list[list[float]]  # [done][tokens]
+
+    def predict(self, done: int, tokens: int) -> float:
+        return DecodeTable(self.done, self.tokens, self.seconds).predict(done, float(tokens))
+
+    def scaled(self, factor: float, extra: Callable[[int], float] = lambda n: 0.0) -> ChunkTable:
+        """Each entry times `factor`, plus `extra` of its chunk's tokens (a derived profile's
+        correction: calibration, activation hops)."""
+        return ChunkTable(list(self.done), list(self.tokens),
+                          [[s * factor + extra(n) for n, s in zip(self.tokens, row)]
+                           for row in self.seconds])
+
+
 def _clamped(xs: list[int], ys: list[float], x: float) -> float:
     """Linear between the samples, the end value past either end (a ratio, not a time: no
     extrapolation)."""
@@ -195,6 +217,9 @@ class Profile:
     # Unmerged LoRA's extra cost per adapter rank, as measured on this model and hardware; None:
     # not measured (`UNMEASURED_LORA` is charged).
     lora: LoraCost | None = None
+    # Chunks of a prefill against a written cache, as measured (None: not measured, or an engine
+    # that does not chunk; `prefill_chunk_s` then prices a chunk from the prefill table).
+    chunks: ChunkTable | None = None
 
     def prefill_s(self, input_len: int) -> float:
         return self.prefill.predict(input_len)
@@ -218,19 +243,22 @@ class Profile:
         The one definition of a chunk's cost: the node's scheduler sizes and times its chunks
         with it, and shadow validation simulates them with it.
 
-        Difference form: prefill(done + tokens) - prefill(done). The table holds whole prompts
-        (linear in length, §VI-B), so the difference is what the chunk's tokens add, their
-        attention over the `done` tokens included as far as the table's growth with length
-        holds it. ASSUMPTION until the profiler measures a chunk table against a written cache:
-        a later chunk is floored at a decode step of one request at its context, since a chunk
-        is a forward pass of its own that reads every weight once more (a whole prefill reads
-        them once). A first chunk (`done` 0) is the prefill of its tokens, so a single chunk of
-        the whole prompt costs exactly `prefill_through`; split, a prefill costs at least as
-        much in all."""
+        Measured (`chunks`): the chunk table at (done, tokens). Not measured, the difference
+        form prefill(done + tokens) - prefill(done): the table holds whole prompts (linear in
+        length, §VI-B), so the difference is what the chunk's tokens add, their attention over
+        the `done` tokens included as far as the table's growth with length holds it.
+        ASSUMPTION (unmeasured only): a later chunk is floored at a decode step of one request
+        at its context, since a chunk is a forward pass of its own that reads every weight once
+        more (a whole prefill reads them once). Either way a first chunk (`done` 0) is the
+        prefill of its tokens, so a single chunk of the whole prompt costs exactly
+        `prefill_through`."""
         if done <= 0:
             return self.prefill_through(tokens, lora_rank)
-        seconds = max(self.prefill_s(done + tokens) - self.prefill_s(done),
-                      self.decode_s(1, done + tokens))
+        if self.chunks is not None:
+            seconds = max(0.0, self.chunks.predict(done, tokens))
+        else:
+            seconds = max(self.prefill_s(done + tokens) - self.prefill_s(done),
+                          self.decode_s(1, done + tokens))
         return seconds * self.lora_prefill_factor(lora_rank) if lora_rank else seconds
 
     def lora_decode_factor(self, rank: int, batch_size: int, adapters: int = 1) -> float:

@@ -38,7 +38,8 @@ step-by-step simulation on those functions), only cheaper: a decode step costs O
 Chunked prefill (`CoreConfig.prefill_chunk_tokens`): a prefill is simulated chunk by chunk, each
 sized by `iteration.chunk_tokens` from the same decode units the node's `plan_chunk` sees, and
 timed by `Profile.prefill_chunk_s`; between chunks the instance's prefilled requests may run a
-decode step of their own. A chunk in flight (`RunningIteration.chunk_of`) is not run again. Off,
+decode step of their own. An instance whose engine cannot chunk (`ModelSpec.chunked_prefill`
+False) keeps whole prefills. A chunk in flight (`RunningIteration.chunk_of`) is not run again. Off,
 nothing here changes.
 """
 
@@ -89,7 +90,7 @@ class _SimRequest:
 class _SimInstance:
     __slots__ = ("instance_id", "profile", "ready_at", "can_run", "requests", "context",
                  "min_deadline", "min_on_time", "unprefilled", "decode_at", "tpot", "pending",
-                 "lowest", "on_time", "leaves_at")
+                 "lowest", "on_time", "leaves_at", "chunks")
 
     def __init__(self, inst: InstanceView, profile: Profile, requests: list[_SimRequest]) -> None:
         self.instance_id = inst.instance_id
@@ -97,6 +98,7 @@ class _SimInstance:
         self.ready_at = inst.ready_at
         self.can_run = inst.status is not InstanceStatus.UNLOADING
         self.leaves_at = inst.leaves_at if inst.status is InstanceStatus.HANDOVER else INF
+        self.chunks = inst.model.chunked_prefill  # its engine can chunk (when chunking is on)
         self.requests = requests
         self.context = sum(r.input_len + r.generated for r in requests)  # tokens in its KV cache
         self.unprefilled = 0  # requests still to prefill (set by `refresh`)
@@ -306,7 +308,7 @@ def _chunk_plan(sim: list[_SimInstance], inst: _SimInstance, t: float, scale: fl
 def _next_s(sim: list[_SimInstance], si: _SimInstance, t: float, scale: float,
             chunking: int) -> float:
     """Its next iteration's seconds, unscaled, as `_simulate` would run it."""
-    if chunking and si.unprefilled:
+    if chunking and si.chunks and si.unprefilled:
         return _chunk_plan(sim, si, t, scale, chunking)[2]
     return si.next_s(t)
 
@@ -368,7 +370,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
         blamed = t >= blame_from
         prefill = inst.unprefilled > 0
         part = None  # chunked: the decode step of the prefilled requests, or a chunk's tokens
-        if prefill and chunking:
+        if prefill and chunking and inst.chunks:
             first, tokens, seconds = _chunk_plan(sim, inst, t, scale, chunking)
             t += seconds * scale
             if tokens == 0:

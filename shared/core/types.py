@@ -67,6 +67,10 @@ class ModelSpec:
     # migration moves its requests. False (OpenVINO, vLLM): a preemption moves them
     # stop-and-resume (shared/core/migration.py says why).
     live_migration: bool = True
+    # Its engine runs a prefill in chunks against the K/V earlier chunks wrote (the node's
+    # engines declare it: `ChunksPrefill`): with `CoreConfig.prefill_chunk_tokens` on, its
+    # prefills are chunked. False (OpenVINO, vLLM): whole prefills, setting or not.
+    chunked_prefill: bool = True
     # Module-level scaling (CoCoServe, shared/core/modules.py): decoder layers, the bytes of
     # what is not a decoder layer (embeddings, final norm, head) and one token's hidden state
     # (an activation hop); 0 layers: its layers cannot be moved or replicated.

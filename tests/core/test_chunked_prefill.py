@@ -236,10 +236,12 @@ def test_with_chunking_admitted_requests_meet_their_deadlines_and_chunks_sum_to_
                                                    for rid in context) else "whole prefills only")
 
 
-def _decoder_and_long_prompt(chunk):
+def _decoder_and_long_prompt(chunk, chunks_on_engine=True):
     """Instance of model a serving request d (first token due at 0.3 s, then every 0.25 s), then x, a 2000-token
-    prompt (2 s of prefill at 1 ms a token) due in 4 s, asking to join it."""
+    prompt (2 s of prefill at 1 ms a token) due in 4 s, asking to join it. `chunks_on_engine`
+    False: model a's engine cannot chunk (`ModelSpec.chunked_prefill`)."""
     sched, specs = _chunked_node(chunk, 0.1)
+    specs["a"] = replace(specs["a"], chunked_prefill=chunks_on_engine)
     res = sched.admit(request("d", "a", input_len=100, ttft=0.3, max_tokens=64),
                       None, specs["a"], 0.0)
     for op in res.start_ops:
@@ -254,6 +256,20 @@ def test_chunking_lets_the_batch_decode_through_a_long_prefill():
     chunks sized to d's slack, d decodes between them and x is admitted."""
     assert _decoder_and_long_prompt(0)[2].admission.reason is AdmitReason.HEADROOM
     assert _decoder_and_long_prompt(64)[2].admission.reason is AdmitReason.ADMITTED
+
+
+def test_an_engine_that_cannot_chunk_keeps_whole_prefills_with_chunking_on():
+    """Chunking on, but model a's engine prefills whole (OpenVINO, vLLM): validation simulates
+    x's prefill whole and refuses it, as with chunking off; a prefill that is admitted on such
+    an instance runs whole."""
+    assert _decoder_and_long_prompt(64, False)[2].admission.reason is AdmitReason.HEADROOM
+    sched, specs = _chunked_node(64, 0.1)
+    spec = replace(specs["a"], chunked_prefill=False)
+    sched.admit(request("x", "a", input_len=3000, ttft=6.0, max_tokens=64), None, spec, 0.0)
+    for op in list(sched.ledger.running()):
+        sched.memop_done(op, 0.0)
+    plan = sched.step(0.0)
+    assert plan.iteration.kind is IterationKind.PREFILL and plan.iteration.chunk is None
 
 
 def test_a_half_done_prefill_runs_on_from_where_its_chunks_stopped():

@@ -31,6 +31,13 @@ def test_profile_tiny_model_tables_are_sane(tmp_path, demo_model):
     # shared; the benchmark, not this test, holds the accuracy figure).
     assert check is not None and check.samples == 3
     assert check.ttft_mean_rel_error < 3.0 and check.tpot_mean_rel_error < 3.0
+    # The torch engine chunks: the chunk table is measured on its small grid, rising with the
+    # chunk's tokens and its context, and priced by prefill_chunk_s.
+    chunks = profile.chunks
+    assert chunks is not None and chunks.done == [16, 64] and chunks.tokens == [8, 32, 64]
+    assert all(0 < a <= b for row in chunks.seconds for a, b in zip(row, row[1:]))
+    assert all(a <= b for a, b in zip(chunks.seconds[0], chunks.seconds[1]))
+    assert profile.prefill_chunk_s(64, 32) == pytest.approx(chunks.seconds[1][1])
 
 
 @pytest.mark.integration

@@ -77,6 +77,24 @@ def test_extend_runs_through_the_stages(tiny, stages, engines):
     assert tokens[0] == tokens[1]
 
 
+def test_prefill_chunks_run_through_the_stages(tiny, stages, engines):
+    """Chunked prefill on a split instance: its chunks (a prefill, then extends against the
+    stage's cached K/V) give the local whole prefill's tokens."""
+    stage = stages.start(tiny, 2, 4)
+    split = engines(tiny, remote_layers=[stage.address])
+    local = engines(tiny)
+    prompt = PROMPTS["a"]  # 35 tokens
+    tokens = []
+    for engine, chunks in ((local, ()), (split, (10, 17))):
+        engine.add_request("x", prompt, GREEDY)
+        for size in chunks:
+            assert engine.prefill_chunk("x", size).tokens == {}
+        tokens.append([engine.prefill("x").tokens["x"],
+                       *[engine.decode(["x"]).tokens["x"] for _ in range(8)]])
+        engine.release("x")
+    assert tokens[0] == tokens[1]
+
+
 def test_the_stages_pool_follows_the_engines_and_a_full_one_is_kv_cache_full(
         tiny, stages, engines):
     stage = stages.start(tiny, 2, 4)

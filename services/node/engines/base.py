@@ -274,6 +274,18 @@ class MovesLayers(Protocol):
 
 
 @runtime_checkable
+class ChunksPrefill(Protocol):
+    """Runs a prefill in chunks, each against the K/V the earlier ones wrote (chunked prefill,
+    `CoreConfig.prefill_chunk_tokens`: torch). The others prefill a request whole: OpenVINO's
+    and vLLM's own schedulers take a whole prompt at once."""
+
+    def prefill_chunk(self, request_id: str, tokens: int) -> StepResult:
+        """The next `tokens` of the request's prefill; the chunk that ends it returns its first
+        token, as `Engine.prefill` does (an empty StepResult before it). `Engine.prefill` after
+        some chunks runs all the rest as the last one."""
+
+
+@runtime_checkable
 class ReportsLoad(Protocol):
     """Says how its last load went: tier, seconds, bytes (the node's load records)."""
 
@@ -283,6 +295,11 @@ class ReportsLoad(Protocol):
 def has_adapter(engine: Engine | None, adapter: str | None) -> bool:
     """The request's adapter (None: the base model) is loaded on `engine`."""
     return adapter is None or (isinstance(engine, ServesAdapters) and adapter in engine.adapters)
+
+
+def chunks_prefill(engine: Engine | None) -> bool:
+    """`engine` may run the core's prefill chunks (else its prefills stay whole)."""
+    return isinstance(engine, ChunksPrefill)
 
 
 def load_info(engine: Engine) -> dict:

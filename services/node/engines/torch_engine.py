@@ -67,6 +67,10 @@ class _Request:
     adapter: LoraAdapter | None = None  # params.adapter's weights; None: the plain base
     prompt_len: int = 0  # tokens before the output (the penalties count only the output)
     grammar: TokenGrammar | None = None  # params.grammar's matcher, where the request has one
+    # Chunked prefill: tokens whose K/V earlier chunks wrote (0: none yet), and what those
+    # chunks computed for the result (prompt logprobs; an embedding's running sum, first state).
+    chunked: int = 0
+    chunk_state: dict | None = None
 
     @property
     def output(self) -> list[int]:
@@ -391,6 +395,8 @@ class TorchEngine(RequestBook):
         request = self._request(request_id)
         if request.computed:
             raise ValueError(f"request {request_id!r} is already prefilled")
+        if request.chunked:
+            return self.prefill_chunk(request_id, len(request.tokens) - request.chunked)
         n = len(request.tokens)
         spec = StepSpec("prefill", (request_id,), (0,), (n,))
         reserve_step(cache, spec)  # KVCacheFull here leaves everything untouched
@@ -423,6 +429,86 @@ class TorchEngine(RequestBook):
             return StepResult(embeddings={request_id: vector})
         self._append(request, token, computed=n)
         return StepResult({request_id: token}, logprobs, prompt)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, request_id: str, tokens: int) -> StepResult:
+        """The next `tokens` of the request's prefill (chunked prefill), against the K/V its
+        earlier chunks wrote: the first chunk is a prefill of its tokens, a later one an extend
+        of the cached ones. The chunk that reaches the end returns what `prefill` would: the
+        next token (with the prompt logprobs each chunk computed for its positions), or an
+        embedding request's vector (pooled from what each chunk kept: a running sum, the first
+        state); an empty StepResult before it."""
+        _, cache = self._loaded()
+        request = self._request(request_id)
+        if request.computed:
+            raise ValueError(f"request {request_id!r} is already prefilled")
+        start, n = request.chunked, len(request.tokens)
+        if not 0 < tokens <= n - start:
+            raise ValueError(f"a chunk of {tokens} tokens after {start} does not fit the "
+                             f"request's {n}")
+        if start == 0 and tokens == n:
+            return self.prefill(request_id)
+        spec = StepSpec("prefill" if start == 0 else "extend", (request_id,), (start,), (tokens,))
+        reserve_step(cache, spec)  # KVCacheFull here leaves everything untouched
+        try:
+            hidden = self._chunk_hidden(request, spec)
+            result, state = self._chunk_result(request_id, request, hidden, start + tokens == n)
+        except BaseException:
+            abort_step(cache, spec)
+            raise
+        finish_step(cache, spec)
+        request.chunked, request.chunk_state = start + tokens, state
+        if request.chunked < n:
+            return StepResult()
+        request.chunked, request.chunk_state = 0, None
+        if result.embeddings:
+            request.computed = n  # its K/V stay until the node releases it, at once
+        else:
+            self._append(request, result.tokens[request_id], computed=n)
+        return result
+
+    def _chunk_hidden(self, request: _Request, spec: StepSpec) -> torch.Tensor:
+        """The chunk's pass: final hidden states [1, positions, hidden] of all its positions
+        where the request needs them (prompt logprobs, mean or cls pooling), else the last."""
+        start, count = spec.starts[0], spec.counts[0]
+        ids = torch.tensor([request.tokens[start:start + count]], device=self.device)
+        lora = LoraBatch.of_rows([request.adapter])
+        embedding = request.params.embedding
+        every = request.params.prompt_logprobs is not None or (
+            embedding is not None and embedding.pooling != "last")
+        return self._hidden(ids, spec.positions(self.device), spec, lora, last_only=not every)
+
+    def _chunk_result(self, rid: str, request: _Request, hidden: torch.Tensor, final: bool
+                      ) -> tuple[StepResult, dict]:
+        """The last chunk's result (empty before it), and the request's `chunk_state` with what
+        this chunk adds (a new dict: a failed step leaves the old one as it was). Positions
+        start..end-1 predict prompt tokens start+1..end; a pooled embedding keeps the sum of its
+        states and the first one."""
+        start, state = request.chunked, dict(request.chunk_state or {})
+        embedding = request.params.embedding
+        if embedding is not None:
+            states = hidden[0].float()
+            state["sum"] = states.sum(dim=0) + state.get("sum", 0)
+            state.setdefault("first", states[0])
+            if not final:
+                return StepResult(), state
+            n = len(request.tokens)
+            summary = {"mean": state["sum"] / n, "cls": state["first"],
+                       "last": states[-1]}[embedding.pooling]
+            return StepResult(embeddings={rid: pool(summary[None], embedding)}), state
+        k = request.params.prompt_logprobs
+        if k is not None:
+            count = hidden.shape[1]
+            targets = request.tokens[start + 1:min(start + count + 1, request.prompt_len)]
+            state["prompt"] = [*state.get("prompt", []), *(
+                prompt_logprobs(self.model.lm_head, hidden[0, :len(targets)], targets, k or 0)
+                if targets else [])]
+        if not final:
+            return StepResult(), state
+        logits = self.model.lm_head(hidden[:, -1:])
+        (token,), logprobs = self._pick(logits[:, -1], [rid], [request])
+        prompt = {rid: state["prompt"]} if k is not None else {}
+        return StepResult({rid: token}, logprobs, prompt), state
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
