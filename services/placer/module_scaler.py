@@ -37,6 +37,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared.cluster import read_nodes
 from shared.core.admission import AdmitReason
@@ -85,9 +86,9 @@ class ModuleScaler:
         self.records: deque[ModuleRecord] = deque(maxlen=256)
         self.demand: dict[str, tuple[RequestView, float]] = {}  # request -> (view, when seen)
         self.late_seen: dict[str, int] = {}  # node -> its late_tokens at the last run
-        self._last = 0.0
-        self._failing = False
         self._tasks: set[asyncio.Task] = set()
+        self._periodic = Periodic(self._plan_and_start, interval_s, log,
+                                  "module scaling failed (%r); placement goes on", self.enabled)
 
     @property
     def enabled(self) -> bool:
@@ -115,18 +116,8 @@ class ModuleScaler:
 
     async def turn(self) -> None:
         """Run the planner on the cluster view if `interval_s` passed since it last ran; start
-        its plans (each in its own task). Its failure is logged, never the placer's turn's."""
-        if not self.enabled or time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
-        try:
-            await self._plan_and_start()
-        except Exception as exc:  # module scaling must not stop placement
-            if not self._failing:
-                log.warning("module scaling failed (%r); placement goes on", exc)
-            self._failing = True
-        else:
-            self._failing = False
+        its plans (each in its own task; `Periodic`)."""
+        await self._periodic.turn()
 
     async def _plan_and_start(self) -> None:
         nodes = await read_nodes(self.p.redis)

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 
+from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared import wire
 from shared.bus import publish_retrying
@@ -34,22 +35,11 @@ class PinKeeper:
         self.p = port
         self.interval_s = interval_s
         self.started: list[str] = []  # models a warm-up was sent for (tests, logs)
-        self._last = 0.0
-        self._failing = False
+        self._periodic = Periodic(self._check, interval_s, log, "pinning check failed (%r); retrying")
 
     async def turn(self) -> None:
-        """Check and start if `interval_s` passed; a failure is logged, never the turn's."""
-        if self.interval_s <= 0 or time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
-        try:
-            await self._check()
-        except Exception as exc:  # pinning must not stop placement
-            if not self._failing:
-                log.warning("pinning check failed (%r); retrying", exc)
-            self._failing = True
-        else:
-            self._failing = False
+        """Check and start if `interval_s` passed (`Periodic`)."""
+        await self._periodic.turn()
 
     async def _check(self) -> None:
         pinned = {r.name: r for r in await self.p.registry.list()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared import wire
 from shared.cluster import read_nodes
@@ -30,8 +31,8 @@ class ClusterPreloader:
         self.interval_s = interval_s
         self.rates = CallRates()
         self.sent: dict[str, PreloadPlan] = {}  # node -> the last plan sent to it (tests, logs)
-        self._last = 0.0
-        self._failing = False
+        self._periodic = Periodic(self._plan_and_send, interval_s, log,
+                                  "cluster pre-loading failed (%r); nodes plan alone")
 
     @property
     def enabled(self) -> bool:
@@ -43,18 +44,8 @@ class ClusterPreloader:
             self.rates.note(req.model, req.adapter, now)
 
     async def turn(self) -> None:
-        """Plan and send if `interval_s` passed; a failure is logged, never the placer's turn's."""
-        if not self.enabled or time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
-        try:
-            await self._plan_and_send()
-        except Exception as exc:  # pre-loading must not stop placement
-            if not self._failing:
-                log.warning("cluster pre-loading failed (%r); nodes plan alone", exc)
-            self._failing = True
-        else:
-            self._failing = False
+        """Plan and send if `interval_s` passed (`Periodic`)."""
+        await self._periodic.turn()
 
     async def _plan_and_send(self) -> None:
         called = self.rates.called()
