@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from services.gateway.choices import ChoiceEvent, Choices
 from services.gateway.errors import APIError
 from services.gateway.responses import ResponseFormat, usage
+from shared.tasks import cancel_and_wait
 
 T = TypeVar("T")
 
@@ -82,11 +83,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
+        await cancel_and_wait(task)  # (its outcome no longer matters: nobody reads it)
         raise ClientGone()
     finally:
         watcher.cancel()

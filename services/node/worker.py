@@ -62,6 +62,7 @@ from shared.core.migration import MigrationLog, MigrationPolicy
 from shared.core.node_scheduler import NodeScheduler
 from shared.schemas import CommandKind, ModelRecord, NodeReply
 from shared.subjects import CANCEL_SUBJECT, memop_subject, node_command_subject
+from shared.tasks import cancel_and_wait
 
 log = logging.getLogger("slinfer.node")
 STOP_HAND_BACK_S = 5.0  # a stopping node retries handing a request back this long (an election)
@@ -146,15 +147,8 @@ class NodeWorker:
         rt = self.rt
         rt.stopping = rt.outbox.closed = True
         rt.wake.set()
-        pending = {*self._tasks, *rt.background}  # migrations and a drain too
-        for _ in range(10):
-            if not pending:
-                break
-            # Cancelled again until they end: Python 3.11's wait_for can swallow a cancellation
-            # that arrives as its inner call completes (the heartbeat's Redis write, every beat).
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=1.0)
+        # Migrations and a drain too; cancelled again until they end (shared.tasks).
+        await cancel_and_wait(*self._tasks, *rt.background, retry_s=1.0, give_up_s=10.0)
         for live in list(self.book.live.values()):  # they resume elsewhere, from their tokens
             await self.requests.leave(live, within_s=STOP_HAND_BACK_S)
         await rt.obs.close()

@@ -16,6 +16,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from shared import wire
 from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenLogprob, TokenMessage
 from shared.subjects import CANCEL_SUBJECT, REQUEST_STREAM, REQUEST_SUBJECT, token_subject
+from shared.tasks import cancel_and_wait
 
 
 @dataclass
@@ -118,10 +119,7 @@ class Responder:
         self._loop = asyncio.create_task(self._pull())
 
     async def stop(self) -> None:
-        self._loop.cancel()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(self._loop, *self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._loop, *self._tasks)  # it pulls from JetStream: shared.tasks
         await self._nc.close()
 
     async def _on_cancel(self, msg) -> None:

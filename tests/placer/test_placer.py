@@ -27,6 +27,7 @@ from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
 from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeReply)
 from shared.subjects import ALIASES_HASH, REQUEST_SUBJECT
+from shared.tasks import cancel_and_wait
 from tests.placer.conftest import (GB, MODEL, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
                                    flat_profile, gpu_profile, publish, request, running_placer,
                                    settings, until)
@@ -276,8 +277,7 @@ async def test_a_request_held_by_a_placer_that_died_is_redelivered_to_the_next(s
     run_a = asyncio.create_task(a.run(stop_a))
     await publish(nc, request("held", ttft=1.0))
     await until(lambda: "held" in a.queue, what="placer A to hold the request")
-    run_a.cancel()
-    await asyncio.gather(run_a, return_exceptions=True)
+    await cancel_and_wait(run_a)  # (once may not do: shared.tasks)
     await nc_a.close()  # like SIGKILL: its claim on the message lapses after ack_wait
     await redis_a.aclose()
     node = await FakeNode(nc, redis, empty_gpu("g0")).start()
