@@ -51,8 +51,8 @@ run: $(STAMP)
 # PYTHONFAULTHANDLER: a crash of a pytest process (the controller or a pytest-xdist worker:
 # SIGSEGV, SIGABRT...) prints every thread's Python traceback, from interpreter start to exit
 # (pytest's own faulthandler plugin covers only the session); the servers a process started die
-# with it (PR_SET_PDEATHSIG). Two xdist workers (`--dist loadgroup`, the groups are set in
-# tests/conftest.py) overlap one test's waits on its services with another's work.
+# with it (PR_SET_PDEATHSIG). Two xdist workers (a file, tests/e2e or tests/cluster runs whole on
+# one: tests/conftest.py) overlap one test's waits on its services with another's work.
 # The full run gives tests/node its own interpreters. It runs a node worker inside the test
 # process (engines loaded, resized and stepped on worker threads), and that is where a full
 # run once died of SIGSEGV without a traceback (1 of 13 full runs; 0 of 20 runs of tests/node
@@ -60,7 +60,7 @@ run: $(STAMP)
 # OpenVINO/TBB runtime and the gateway tests' threads, and a crash there cannot take the other
 # tiers' results with it. Both parts always run; `make test` fails if either does.
 PYTEST   := PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q
-PARALLEL := -n 2 --dist loadgroup
+PARALLEL := -n 2
 ISOLATED := tests/node
 test: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 ifeq ($(strip $(PYTEST_ARGS)),)

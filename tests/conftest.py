@@ -33,28 +33,35 @@ REAL_FIXTURES = frozenset({"nats_server", "redis_server", "own_servers", "stack"
                            "real_model_dir", "demo_profile"})
 
 
-# `make test` runs the tests on two pytest-xdist workers (`--dist loadgroup`). A group runs on
-# one worker: each file is a group (its module fixtures are built once), and so is everything on
-# one session stack (the stack is built once, not once per worker), and the network-namespace
-# tests (they add routes and namespaces to the one machine).
-SHARED_STACKS = ("real_stack", "stack", "traced_stack")
-
-
-def _xdist_group(item: pytest.Item) -> str:
-    fixtures = set(getattr(item, "fixturenames", ()))
-    for name in SHARED_STACKS:
-        if name in fixtures:
-            return name
-    path = item.nodeid.split("::", 1)[0]
-    return "cluster" if path.startswith("tests/cluster/") else path
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if REAL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+
+# `make test` runs on two pytest-xdist workers, and each scope below runs whole on one of them:
+# a test file (its module fixtures are built once), tests/e2e (its files share the session's
+# stacks, the real model's the slowest to build) and tests/cluster (it adds namespaces and routes
+# to the one machine). A scheduler of our own, since xdist's `loadgroup` marks do not work with
+# pytest 9 (xdist 3.8 renames an item's `_nodeid`, which pytest 9 no longer reads).
+SHARED_SCOPES = ("tests/e2e/", "tests/cluster/")
+
+
+def xdist_scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((d for d in SHARED_SCOPES if path.startswith(d)), path)
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist: unknown without it)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ScopeScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

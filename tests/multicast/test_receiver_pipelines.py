@@ -71,11 +71,12 @@ def _workers(record, own_servers, nc, redis) -> dict[str, NodeWorker]:
 
 async def _watch_stages(worker: NodeWorker, seen: dict, stop: asyncio.Event) -> None:
     """What `worker` hosts while the test runs: stage key -> (where its weights came from,
-    whether they are its own copy's, the bytes its ledger holds for it)."""
+    whether they are its own copy's, the most bytes its ledger held for it). The most, not the
+    last seen: a sample between a stage's release and its removal reads 0 (a busy box's timing)."""
     while not stop.is_set():
         for key, hosted in list(worker.layers.host.hosted.items()):
-            seen[key] = (hosted.source, hosted.order.own_copy,
-                         worker.sched.ledger.target(key))
+            held = max(seen.get(key, (None, None, 0))[2], worker.sched.ledger.target(key))
+            seen[key] = (hosted.source, hosted.order.own_copy, held)
         await asyncio.sleep(0.01)
 
 

@@ -297,6 +297,11 @@ async def test_layer_commands_move_replicate_and_take_back_and_a_refusal_changes
         await b.worker.stop()
 
 
+async def _in_view(redis: Redis, request_id: str) -> bool:
+    return any(r.request_id == request_id for n in await read_nodes(redis) for i in n.instances
+               for r in i.requests)
+
+
 def _linear(name: str, per_request_s: float) -> Profile:
     """Decode time proportional to the batch (what replicas split)."""
     return Profile(name, Hardware.CPU, PrefillTable([1, 8192], [0.05, 0.05]),
@@ -351,6 +356,9 @@ async def test_a_tpot_spike_replicates_layers_onto_an_idle_node_and_they_go_when
         for rid in ("r1", "r2"):  # one after the other: the second joins the first's instance
             await submit(rid)
             await until(lambda rid=rid: counts[rid] >= 5, timeout_s=120, what=f"{rid} streaming")
+            # The placer sees it running before the next comes (a view that lags on a busy box
+            # would place the second on a new instance of its own).
+            await until(lambda rid=rid: _in_view(redis, rid), what=f"{rid} in the cluster view")
         [owner] = [n for n, w in workers.items() if w.engines]
         [host] = [n for n in workers if n != owner]
         a = workers[owner]
