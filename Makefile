@@ -52,8 +52,9 @@ run: $(STAMP)
 # SIGSEGV, SIGABRT...) prints every thread's Python traceback, from interpreter start to exit
 # (pytest's own faulthandler plugin covers only the session); the servers a process started die
 # with it (PR_SET_PDEATHSIG). Two xdist workers (a file, tests/e2e or tests/cluster runs whole on
-# one: tests/conftest.py) overlap one test's waits on its services with another's work.
-# The full run gives tests/node its own interpreters. It runs a node worker inside the test
+# one: tests/conftest.py) overlap one test's waits on its services with another's work; tests/node
+# runs on one, its node workers' scheduling read against a box another worker does not load.
+# The full run gives tests/node its own interpreter. It runs a node worker inside the test
 # process (engines loaded, resized and stepped on worker threads), and that is where a full
 # run once died of SIGSEGV without a traceback (1 of 13 full runs; 0 of 20 runs of tests/node
 # alone, 0 of 8 after e2e, engines and gateway). Apart, it shares no process with the
@@ -65,7 +66,7 @@ ISOLATED := tests/node
 test: $(STAMP) $(ENGINE_STAMPS) $(HELM)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	status=0; $(PYTEST) $(PARALLEL) --durations=25 --ignore=$(ISOLATED) || status=$$?; \
-	$(PYTEST) $(PARALLEL) --durations=10 $(ISOLATED) || status=$$?; exit $$status
+	$(PYTEST) --durations=10 $(ISOLATED) || status=$$?; exit $$status
 else
 	$(PYTEST) $(PYTEST_ARGS)
 endif

@@ -1,7 +1,8 @@
-"""Load test of a running local stack with a standard tool, unmodified: vLLM's `vllm bench serve`.
+"""Load test of a running local stack with a standard tool, unmodified: vLLM's `vllm bench serve`
+or guidellm (`--tool guidellm`, from `.venv-guidellm`: `make bench-guidellm`).
 
-    .venv/bin/python bench/load.py [--rate 2] [--num-prompts 120] [--input-len 128]
-                                   [--output-len 64] [--work-dir DIR]
+    .venv/bin/python bench/load.py [--tool vllm|guidellm] [--rate 2] [--num-prompts 120]
+                                   [--input-len 128] [--output-len 64] [--work-dir DIR]
 
 Starts the whole stack as real processes (`services.stack.running_stack`: nats-server, valkey,
 placer, one CPU node, the gateway) serving the `small` model of `shared.modelgen` (~46M-parameter
@@ -46,6 +47,8 @@ RUN_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgument
              "from vllm.benchmarks.serve import add_cli_args, main; "
              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 OUT = ROOT / "bench" / "results" / "load_small.json"
+GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
+GUIDELLM_OUT = ROOT / "bench" / "results" / "load_small_guidellm.json"
 
 
 def bench_args(args: argparse.Namespace, url: str, model_dir: Path, out_dir: Path) -> list[str]:
@@ -57,6 +60,19 @@ def bench_args(args: argparse.Namespace, url: str, model_dir: Path, out_dir: Pat
             "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed",
             "--result-dir", str(out_dir), "--result-filename", "vllm_bench.json",
             "--disable-tqdm"]  # its ready check (one request first) also warms the instance
+
+
+def guidellm_args(args: argparse.Namespace, url: str, model_dir: Path, out: Path) -> list[str]:
+    """guidellm 0.8's `run`: the same load shape (synthetic prompts of --input-len tokens asking
+    for --output-len, Poisson arrivals at --rate, --num-prompts requests) through the
+    completions API, the tokenizer read from the model's directory."""
+    return ["run", "--backend", f"kind=openai_http,target={url},model={NAME}",
+            "--profile", f"kind=poisson,rate={args.rate}",
+            "--constraint", f"kind=max_requests,value={args.num_prompts}",
+            "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
+                      f"output_tokens={args.output_len}",
+            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+            "--output", f"kind=json,path={out}", "--disable-progress"]
 
 
 def slo_attainment(detail: dict) -> dict:

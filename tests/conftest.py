@@ -13,6 +13,7 @@ servers (`shared.servers.popen_tied`: PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -62,6 +63,19 @@ def pytest_xdist_make_scheduler(config, log):
             return xdist_scope(nodeid)
 
     return ScopeScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves os.environ as it found it. Code under test may set variables itself (the
+    launcher's made-up operator key, which `monkeypatch` cannot undo when it deleted an unset
+    variable first), and on an xdist worker the next test may start a stack that inherits them:
+    the fault tests' stack once came up with auth on and answered their load 401."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -242,9 +244,16 @@ async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
         except RuntimeError:
             pass  # the loop closed: the service stopped and nobody waits for this
 
-    threading.Thread(target=work, name=f"profiler-{getattr(fn, '__name__', 'job')}",
-                     daemon=True).start()
+    thread = threading.Thread(target=work, name=f"profiler-{getattr(fn, '__name__', 'job')}",
+                              daemon=True)
+    _WORKING.add(thread)
+    future.add_done_callback(lambda _: _WORKING.discard(thread))
+    thread.start()
     return await future
+
+
+# Daemon threads whose work nobody awaits any more (a handed-back profile still measuring).
+_WORKING: set[threading.Thread] = set()
 
 
 async def serve(settings: ProfilerSettings, nc, redis, stop, telemetry) -> None:
@@ -259,10 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     from shared.service import run_service
 
     del argv
-    return run_service("profiler", ProfilerSettings.from_env, lambda s: s.name, serve)
+    code = run_service("profiler", ProfilerSettings.from_env, lambda s: s.name, serve)
+    if any(t.is_alive() for t in _WORKING):
+        # A handed-back profile still runs inside torch on its daemon thread, and the
+        # interpreter's exit would tear down the C++ runtime under it (the process aborted:
+        # "terminate called without an active exception", exit -6, when a busy box made a
+        # measured point outlast the hand-back grace). The job is queued again and the
+        # connections are closed: leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())
