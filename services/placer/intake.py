@@ -58,6 +58,9 @@ class Pending:
     last_progress: float = 0.0  # last in_progress() sent to JetStream
     trace_parent: Context = field(default_factory=Context)  # from the message's headers
     queue_decisions: int = 0  # QUEUE plans so far
+    # A node that was sent its admission and did not answer (the reply, or the command, lost in
+    # a NATS outage): it may be running it. Asked before the request goes anywhere else.
+    unanswered: str | None = None
 
     def rank(self) -> tuple[int, int]:
         """Of two messages for one request, the later one: a higher attempt (the gateway resumed

@@ -62,7 +62,7 @@ from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
 from shared.core.types import AdapterSpec, NodeView
 from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRecord, NodeCommand,
-                            NodeReply)
+                            NodeReply, RequestState)
 
 log = logging.getLogger("slinfer.placer")
 KEEPER_CHECK_S = 1.0  # how often the registry/profile copy is refreshed (and Redis checked for loss)
@@ -201,7 +201,11 @@ class Placer:
         if ready.verdict is not Verdict.SERVE:  # not profiled yet, or its lifecycle failed
             await hold_or_fail(self.port, self.intake, p, ready)
             return nodes
+        if p.unanswered is not None and await self._settled_by_unanswered(p, nodes):
+            return nodes
         if p.request.target_node is not None and await self._offer_to_target(p, record, nodes):
+            return nodes
+        if p.unanswered is not None:  # the target did not answer: asked first, next turn
             return nodes
         specs = {name: model_spec(r) for name, r in records.items()}
         ctx = DecisionContext(nodes, self.perf, time.time(), self.s.core, specs)
@@ -243,8 +247,34 @@ class Placer:
             if reply is not None and reply.accepted:
                 await self._placed(p, plan, reply)
                 return True
+            if reply is None:
+                p.unanswered = plan.node_id
+                await self._refused(p, plan.node_id, "no reply")
         log.info("migration target %s/%s refused %s (%s); placing it afresh", plan.node_id,
                  plan.instance_id, req.request_id, reply.reason if reply else "no reply")
+        return False
+
+    async def _settled_by_unanswered(self, p: Pending, nodes: list[NodeView]) -> bool:
+        """Whether the node that did not answer `p`'s admission settles it: it runs (or ran) the
+        request, which is then placed there, or it may, and cannot be asked yet while it is
+        still in the cluster view (asked again soon). Placing it elsewhere before knowing ran
+        it twice (a NATS restart lost a node's "admitted"). Each silence counts as a refusal."""
+        node_id, req = p.unanswered, p.request
+        in_view = any(n.node_id == node_id for n in nodes)  # else gone, and what it ran with it
+        reply = None if not in_view else await self.port.command(node_id, NodeCommand(
+            CommandKind.STATUS, request_id=req.request_id, attempt=req.attempt))
+        if reply is None and in_view:  # alive by its heartbeats, not answering yet
+            # Another refusal by its silence: one that never answers fails the request with
+            # that reason after MAX_REFUSALS, as a node that never answered ADMIT did.
+            await self._refused(p, node_id, "no reply")
+            return True
+        if reply is not None and reply.reason in (RequestState.RUNNING.value, RequestState.FINISHED.value):
+            p.unanswered = None
+            log.info("node %s holds %s (its admission's answer was lost)", node_id, req.request_id)
+            await self.intake.placed(p, node_id, reply.instance_id, "admitted, answer lost")
+            return True
+        p.unanswered = None  # it never took it (or handed it back): place it, judged from now,
+        _judge_from_now(p)  # the time the question took being the fault's too
         return False
 
     async def _placed(self, p: Pending, plan: PlacementPlan, reply: NodeReply) -> None:
@@ -269,6 +299,7 @@ class Placer:
         reply = await self.port.command(plan.node_id, cmd)
         if reply is None:
             _judge_from_now(p)
+            p.unanswered = plan.node_id
         outcome["slinfer.node.accepted"] = bool(reply and reply.accepted)
         outcome["slinfer.node.reason"] = reply.reason if reply else "no reply"
         if reply is not None and reply.instance_id:

@@ -239,6 +239,8 @@ async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
             result, exc = fn(*args), None
         except BaseException as err:  # handed to the awaiting task
             result, exc = None, err
+        finally:
+            _WORKING.discard(threading.current_thread())  # (not when its awaiter is cancelled)
         try:
             loop.call_soon_threadsafe(settle, result, exc)
         except RuntimeError:
@@ -247,12 +249,11 @@ async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     thread = threading.Thread(target=work, name=f"profiler-{getattr(fn, '__name__', 'job')}",
                               daemon=True)
     _WORKING.add(thread)
-    future.add_done_callback(lambda _: _WORKING.discard(thread))
     thread.start()
     return await future
 
 
-# Daemon threads whose work nobody awaits any more (a handed-back profile still measuring).
+# Daemon threads still working (at exit: a handed-back profile still measuring).
 _WORKING: set[threading.Thread] = set()
 
 

@@ -25,7 +25,8 @@ from shared.core.perf_model import PerfModel
 from shared.core.types import Hardware
 from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
-from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeReply)
+from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeCommand,
+                            NodeReply, RequestState)
 from shared.subjects import ALIASES_HASH, REQUEST_SUBJECT
 from shared.tasks import cancel_and_wait
 from tests.placer.conftest import (GB, MODEL, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
@@ -261,8 +262,10 @@ async def test_a_node_that_does_not_answer_counts_as_a_refusal(servers, conns, s
         await publish(nc, request("unanswered", ttft=60.0))
         final = await finals.wait("unanswered")
     assert final.finish_reason is FinishReason.ERROR and "g0: no reply" in final.error
-    if silent:
-        assert len(node.commanded("unanswered")) == MAX_REFUSALS
+    if silent:  # admitted once, then asked whether it holds it (never sent elsewhere)
+        asked = [c.kind for _, c in node.commands
+                 if "unanswered" in (c.request_id, c.request and c.request.request_id)]
+        assert asked == [CommandKind.ADMIT] + [CommandKind.STATUS] * (MAX_REFUSALS - 1)
         await node.stop()
 
 
@@ -402,3 +405,34 @@ async def test_time_lost_to_a_node_that_died_under_a_request_is_its_grace(server
         placed = alive.commanded(req.request_id)[0].request
         assert placed.grace_s > 1.0  # the admit timeout it lost, at least
     await alive.stop()
+
+
+async def test_a_node_whose_admission_answer_was_lost_is_asked_before_the_request_goes_elsewhere(
+        servers, conns):
+    """The node took the request but its answer never came (a NATS restart between them). The
+    placer asks that node (STATUS) before placing the request anywhere else: it runs there, so
+    it is placed there, and the other node never gets it. Before, the silence counted as a
+    refusal and the request ran on both (the fault suite's NATS restart, under load)."""
+    nc, redis = conns
+    taken: set[str] = set()
+
+    def silent_once(cmd: NodeCommand) -> NodeReply | None:
+        if cmd.kind is CommandKind.STATUS:
+            state = RequestState.RUNNING if cmd.request_id in taken else RequestState.UNKNOWN
+            return NodeReply(True, state.value, "m@g0#1" if cmd.request_id in taken else None)
+        taken.add(cmd.request.request_id)
+        return None  # admitted, but the answer is lost
+
+    g0 = await FakeNode(nc, redis, empty_gpu("g0"), answer=silent_once).start()
+    g1 = await FakeNode(nc, redis, empty_gpu("g1")).start()
+    async with running_placer(servers):
+        await publish(nc, request("lost-answer", ttft=30.0))
+        await until(lambda: any(c.kind is CommandKind.STATUS for _, c in g0.commands),
+                    what="the placer to ask g0")
+        await _idle(nc)  # placed (acked), not retried
+    assert [c.kind for c in g0.commanded("lost-answer")] == [CommandKind.ADMIT]  # sent once
+    assert any(c.kind is CommandKind.STATUS and c.request_id == "lost-answer"
+               for _, c in g0.commands)
+    assert not g1.commanded("lost-answer")
+    await g0.stop()
+    await g1.stop()
