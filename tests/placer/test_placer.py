@@ -19,6 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from services.placer.placer import MAX_REFUSALS, Placer
+from shared import wire
 from shared.cluster import model_spec, remove_node, save_profile
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import PerfModel
@@ -26,8 +27,8 @@ from shared.core.types import Hardware
 from shared.outcomes import read_outcome
 from shared.registry import ModelRegistry
 from shared.schemas import (CommandKind, FinishReason, InferenceRequest, ModelRecord, NodeCommand,
-                            NodeReply, RequestState)
-from shared.subjects import ALIASES_HASH, REQUEST_SUBJECT
+                            NodeReply, RequestState, TokenMessage)
+from shared.subjects import ALIASES_HASH, REQUEST_SUBJECT, token_subject
 from shared.tasks import cancel_and_wait
 from tests.placer.conftest import (GB, MODEL, FakeNode, Finals, cancel, consumer_idle, empty_gpu,
                                    flat_profile, gpu_profile, publish, request, running_placer,
@@ -425,11 +426,19 @@ async def test_a_node_whose_admission_answer_was_lost_is_asked_before_the_reques
 
     g0 = await FakeNode(nc, redis, empty_gpu("g0"), answer=silent_once).start()
     g1 = await FakeNode(nc, redis, empty_gpu("g1")).start()
+    told: list[TokenMessage] = []
+
+    async def on_token(msg) -> None:
+        told.append(wire.decode(TokenMessage, msg.data))
+
+    await nc.subscribe(token_subject("lost-answer"), cb=on_token)
     async with running_placer(servers):
         await publish(nc, request("lost-answer", ttft=30.0))
         await until(lambda: any(c.kind is CommandKind.STATUS for _, c in g0.commands),
                     what="the placer to ask g0")
         await _idle(nc)  # placed (acked), not retried
+        # The gateway is told where it runs (the node's own announcement may have been lost).
+        await until(lambda: [m.node_id for m in told] == ["g0"], what="the announcement")
     assert [c.kind for c in g0.commanded("lost-answer")] == [CommandKind.ADMIT]  # sent once
     assert any(c.kind is CommandKind.STATUS and c.request_id == "lost-answer"
                for _, c in g0.commands)
