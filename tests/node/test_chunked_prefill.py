@@ -19,34 +19,19 @@ from dataclasses import replace
 
 import pytest
 
-from services.node.engines.base import SamplingParams
-from services.node.engines.torch_engine import TorchEngine
 from shared.cluster import save_profile
 from shared.core.calibration import calibrated
 from shared.core.config import CoreConfig
 from shared.core.iteration import IterationKind
 
 from tests.node.harness import Harness, until
+from tests.reference import greedy_output
 
 pytestmark = [pytest.mark.integration]
 
 WHOLE_S = 3.0  # the long prompt's whole prefill, as the stored profile predicts it
 LONG, SHORT = 1000, 32  # prompt tokens of the long request and of the decoding one
 SHORT_TPOT, SHORT_TOKENS = 0.1, 120  # the decoding request's
-
-
-def whole_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    """The greedy tokens of one whole prefill and n - 1 decode steps, alone."""
-    engine = TorchEngine(model_dir)
-    engine.load()
-    try:
-        engine.add_request("r", prompt, SamplingParams(max_tokens=n))
-        out = [engine.prefill("r").tokens["r"]]
-        while len(out) < n:
-            out.append(engine.decode(["r"]).tokens["r"])
-        return out
-    finally:
-        engine.unload()
 
 
 async def run_long_beside_decode(connections, model_dir, profile, chunk_tokens: int):
@@ -99,7 +84,7 @@ async def test_a_long_prompt_beside_a_decode_runs_in_chunks_with_the_whole_prefi
     for req in (long, short):
         final = finals[req.request_id]
         assert final.error is None
-        assert final.output_token_ids == whole_greedy(model_dir, req.prompt_token_ids,
+        assert final.output_token_ids == greedy_output(model_dir, req.prompt_token_ids,
                                                       req.max_tokens)
 
 
@@ -109,5 +94,5 @@ async def test_off_the_long_prompt_is_refused_for_the_decoding_requests_sake(
                                                                     profile, 0)
     assert not reply.accepted and reply.reason == "headroom"
     assert not any(rec.chunk for rec in history)
-    assert finals[short.request_id].output_token_ids == whole_greedy(
+    assert finals[short.request_id].output_token_ids == greedy_output(
         model_dir, short.prompt_token_ids, short.max_tokens)
