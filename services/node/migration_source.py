@@ -17,6 +17,7 @@ from services.node.engines import resolve_engine
 from services.node.lifecycle import RequestLifecycle
 from services.node.runtime import NodeRuntime
 from shared.cluster import read_nodes
+from shared.core.admission import AdmitReason
 from shared.core.migration import (MigrationLog, MigrationPolicy, Next, choose_destination,
                                    engine_refusal, next_step)
 from shared.schemas import CommandKind, NodeCommand, NodeReply, RequestState
@@ -66,8 +67,13 @@ class MigrationSource:
                 log.warning("drain: cluster view unavailable (%r); %s stays here", exc, rid)
                 continue
             dest = choose_destination(nodes, live.request.model, node_id)
-            if dest is not None:
-                await self.migrate_out(rid, *dest)
+            if dest is None:
+                continue
+            moved = await self.migrate_out(rid, *dest)
+            if dest[1] is not None and moved.reason == f"refused: {AdmitReason.INSTANCE_GONE.value}":
+                # The view showed an instance its keep-alive has just reclaimed: that node loads
+                # one for the request instead (a drain once gave up here).
+                await self.migrate_out(rid, dest[0], None)
         log.info("node %s drained: %d requests still finishing here", node_id, len(self.book.live))
 
     # --- one migration ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
 from shared import wire
 from shared.bus import ensure_streams
-from shared.cluster import read_nodes
+from shared.cluster import publish_node, read_nodes
 from shared.core.config import CoreConfig
 from shared.core.types import Hardware, NodeView
 from shared.registry import ModelRegistry
@@ -289,3 +289,39 @@ async def _until_async(condition, timeout: float = 10.0, what: str = "") -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def test_a_drain_planned_on_a_reclaimed_instance_moves_the_request_all_the_same(
+        connections, model_dir):
+    """Draining A plans on a view that still shows B's instance of the model, which B has just
+    unloaded (its keep-alive ran out; the view is a heartbeat old): B refuses it as gone, and
+    the drain moves the request to B anyway, which loads an instance for it. Before, the drain
+    gave up after that refusal and the request finished on the draining node (a multihost run)."""
+    nc, redis = connections
+    a = Harness(nc, redis, model_dir, BIG, "stale-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, BIG, "stale-b", heartbeat_s=600.0)  # its view goes stale
+    await a.worker.start()
+    await b.worker.start()
+    try:
+        warm, reply = await b.admit("alpha", 16, 2, ttft=30.0)
+        assert reply.accepted, reply.reason
+        await b.wait([warm], timeout=60)
+        stale = b.worker.rt.view()  # B with its instance of alpha, as a heartbeat would say
+        assert [i.model.name for i in stale.instances] == ["alpha"]
+        await b.command(NodeCommand(CommandKind.UNLOAD_MODEL, model=b.records["alpha"]))
+        await until(lambda: not b.worker.engines, what="B to unload alpha")
+        await publish_node(redis, stale, ttl_s=30)  # what A reads: the instance still there
+
+        req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
+        assert reply.accepted, reply.reason
+        await until(lambda: len(a.tokens[req.request_id]) >= 5, what="tokens from A")
+        reply = await a.command(NodeCommand(CommandKind.DRAIN))
+        assert reply.accepted, reply.reason
+        await a.wait([req], timeout=120)
+        reasons = [m.reason for m in a.worker.migrations if m.request_id == req.request_id]
+        assert reasons[0] == "refused: instance_gone" and reasons[-1] == "moved", reasons
+        assert a.finals[req.request_id].node_id == "stale-b"
+        assert tuple(a.finals[req.request_id].output_token_ids) == _reference(model_dir, PROMPT, OUT)
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
