@@ -18,7 +18,7 @@ from shared.core.snapshot import rebase, to_snapshot
 from shared.core.types import (SLO, AdapterSpec, ModelSpec, NodeView, RequestView, resume_grace,
                                slo_for_class)
 from shared.redis_client import write_confirmed
-from shared.schemas import InferenceRequest, ModelRecord, NodeReply
+from shared.schemas import InferenceRequest, ModelRecord, NodeReply, TokenMessage
 from shared.subjects import (CALIBRATION_HASH, NODES_SET, PROFILES_HASH, calibration_field,
                              node_key, profile_field)
 
@@ -60,6 +60,14 @@ def grace_from_now(req: InferenceRequest, tokens: int, now: float) -> float:
     """The grace that judges `req`, with `tokens` output tokens, as a new arrival from `now` on
     (`resume_grace`): the time a fault cost it (a dead node, a stopping one) is not load."""
     return max(req.grace_s, resume_grace(req.arrival, req.tpot_slo_s, tokens, now))
+
+
+def announcement(req: InferenceRequest, node_id: str) -> TokenMessage:
+    """The empty token message that tells the gateway `node_id` holds `req` now (its watchdog
+    asks that node if the stream goes quiet): sent by the node that admits it, and by a placer
+    that finds a node holds it after the node's own answer was lost."""
+    return TokenMessage(req.request_id, len(req.resumed_token_ids), [], node_id=node_id,
+                        attempt=req.attempt)
 
 
 def warm_up_request(record: ModelRecord, request_id: str, now: float, timeout_s: float,

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from services.node.observe import NodeObserver
 from shared import wire
 from shared.bus import PUBLISH_RETRY_S, publish_retrying
-from shared.cluster import decode_reply, encode_reply
+from shared.cluster import announcement, decode_reply, encode_reply
 from shared.schemas import InferenceRequest, MemOpCompletion, NodeCommand, NodeReply, TokenMessage
 from shared.subjects import REQUEST_SUBJECT, memop_subject, node_command_subject, token_subject
 
@@ -52,8 +52,7 @@ class Outbox:
         """An empty token message that tells the gateway which node holds the request now (its
         watchdog asks that node if the stream goes quiet). No trace headers: those ride the
         request's token messages as `observe` counts them."""
-        await self.token(TokenMessage(req.request_id, len(req.resumed_token_ids), [],
-                                      node_id=self.node_id, attempt=req.attempt), headers=False)
+        await self.token(announcement(req, self.node_id), headers=False)
 
     # --- commands -------------------------------------------------------------------------------
     async def respond(self, msg: Msg, reply: NodeReply) -> None:

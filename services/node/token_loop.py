@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from services.node.book import RequestBook
 from services.node.cluster_sync import ClusterSync
 from services.node.engines import KVCacheFull
-from services.node.engines.base import ChunksPrefill, StepResult
+from services.node.engines.base import StepResult, chunks_prefill
 from services.node.lifecycle import RequestLifecycle
 from services.node.runtime import NodeRuntime
 from shared.core.iteration import IterationChoice, IterationKind
@@ -111,7 +111,7 @@ class TokenLoop:
         try:
             started = time.perf_counter()
             if choice.chunk is not None and not choice.chunk.final:
-                if not isinstance(engine, ChunksPrefill):  # the core plans none for it
+                if not chunks_prefill(engine):  # the core plans none for it
                     raise TypeError(f"the {engine.name} engine cannot run a prefill chunk")
                 result = await asyncio.to_thread(engine.prefill_chunk, choice.chunk.request_id,
                                                  choice.chunk.tokens)

@@ -56,14 +56,15 @@ from services.placer.settings import PlacerSettings
 from services.placer.tracing import decision_span, startup_label
 from shared import telemetry as tm
 from shared import wire
-from shared.cluster import adapter_spec, grace_from_now, model_spec, read_nodes, request_view
+from shared.cluster import (adapter_spec, announcement, grace_from_now, model_spec, read_nodes,
+                            request_view)
 from shared.core.context import DecisionContext
 from shared.core.perf_model import PerfModel
 from shared.core.placement import PlaceAction, PlacementPlan, place
 from shared.core.startup import StartupMethod
 from shared.core.types import AdapterSpec, NodeView
 from shared.schemas import (CommandKind, FinishReason, MigrationTarget, ModelRecord, NodeCommand,
-                            NodeReply, RequestState, TokenMessage)
+                            NodeReply, RequestState)
 from shared.subjects import token_subject
 
 log = logging.getLogger("slinfer.placer")
@@ -277,9 +278,8 @@ class Placer:
             # The node's own announcement may have been lost with its answer: tell the gateway
             # where the request is, so its watchdog asks that node if the stream stays quiet
             # (its tokens, even its final message, may have gone out while NATS was down).
-            await self.port.nc.publish(token_subject(req.request_id), wire.encode(TokenMessage(
-                req.request_id, len(req.resumed_token_ids), [], node_id=node_id,
-                attempt=req.attempt)))
+            await self.port.nc.publish(token_subject(req.request_id),
+                                       wire.encode(announcement(req, node_id)))
             return True
         p.unanswered = None  # it never took it (or handed it back): place it, judged from now,
         _judge_from_now(p)  # the time the question took being the fault's too
