@@ -25,8 +25,10 @@ It runs until the new request has its first token and then until every request o
 at least one full decode round of slack, assuming no request finishes meanwhile. Past that point
 nothing the newcomer did can make anyone late: case 3 already guarantees a round fits within the
 TPOT SLO, so each request is served again in time. Up to `shadow_max_steps` simulated iterations
-the answer is exact; a future that takes longer to decide is refused with HORIZON (conservative:
-running out of budget never means yes).
+from the first the newcomer's instance can run (and `shadow_max_wait_steps` before it: the other
+instances' iterations during a cold start, which only mark their own requests late) the answer
+is exact; a future that takes longer to decide is refused with HORIZON (conservative: running out
+of budget never means yes).
 
 The placer runs this for every candidate it tries, so the simulation works on a compact copy of
 the node (`_SimInstance`) that keeps each instance's earliest deadline up to date instead of
@@ -349,7 +351,7 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
     last_ready = max((si.ready_at for si in sim if si.requests and si.can_run), default=start)
     t = start
     new_done = not new_request_id  # no newcomer: `shadow_hold`, `admitted_hold`
-    steps = 0
+    steps = waited = 0  # iterations from `blame_from` on, and before it
     scale = 1 + config.overestimate
     chunking = config.prefill_chunk_tokens
     while True:
@@ -364,10 +366,15 @@ def _simulate(sim: list[_SimInstance], round_s: float, start: float, config: Cor
                 return AdmitReason.ADMITTED  # nothing left that could run
             t = min(ready)  # only blocked instances have work: jump to the first one ready
             continue
-        if steps == config.shadow_max_steps:
-            return AdmitReason.HORIZON
-        steps += 1
         blamed = t >= blame_from
+        if blamed:
+            if steps == config.shadow_max_steps:
+                return AdmitReason.HORIZON
+            steps += 1
+        else:
+            if waited == config.shadow_max_wait_steps:
+                return AdmitReason.HORIZON
+            waited += 1
         prefill = inst.unprefilled > 0
         part = None  # chunked: the decode step of the prefilled requests, or a chunk's tokens
         if prefill and chunking and inst.chunks:
@@ -443,7 +450,7 @@ def shadow_hold(instances: list[InstanceView], profiles: dict[str, Profile], tar
     Misses in iterations that start before then are the node's own (the hold only gives the
     other instances more time); from then on, as for an admission, every request must make its
     deadlines until each has a decode round of slack. HEADROOM if not, HORIZON when that takes
-    more than `shadow_max_steps` iterations to decide."""
+    more iterations to decide than the step budgets allow."""
     _, round_s = _round_over_budget(instances, profiles, target_id, None, config.overestimate)
     start = max(now, busy_until)
     sim = _build(instances, profiles, target_id, None)

@@ -115,7 +115,8 @@ def test_chunked_shadow_validation_decides_like_the_plain_simulation(node_, targ
                                                0.01 * (k + 1), 0.002), lora=LORA_COST)
     target_id = views[target % len(views)].instance_id
     request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25), lora_rank=8 * lora)
-    config = CoreConfig(shadow_max_steps=steps, prefill_chunk_tokens=chunk)
+    config = CoreConfig(shadow_max_steps=steps, shadow_max_wait_steps=steps,
+                        prefill_chunk_tokens=chunk)
     in_flight = _in_flight(views, *running)
     before = copy_instances(views)
     fast = shadow_validate(views, profiles, target_id, request, now, busy, config, in_flight)

@@ -52,6 +52,32 @@ def test_default_step_budget_decides_the_crowded_example_exactly():
     assert shadow_validate(instances, profiles, "target", newcomer, 0.0, 0.0, CFG) is AdmitReason.TTFT_MISS
 
 
+def _cold_start_beside_a_fast_decoder(load_s: float):
+    """A CPU node whose instance of model "a" decodes four requests in 3 ms steps, and a resumed
+    request (a drain's migration) for model "b" that needs a new instance loading `load_s`."""
+    fast = flat_profile("a", Hardware.CPU, prefill_s=0.02, decode_s=0.003)
+    perf = perf_for(fast, replace(fast, model="b", load_s=load_s))
+    sched = node("cpu0", Hardware.CPU, 64, perf)
+    spec_a, spec_b = model("a", weight_gb=0.1, max_context=4096), model("b", weight_gb=0.1, max_context=4096)
+    iid = loaded(sched, None, request("r0", "a", input_len=50, ttft=10, tpot=0.5), spec_a)
+    for k in range(1, 4):
+        assert sched.admit(request(f"r{k}", "a", input_len=50, ttft=10, tpot=0.5), iid, spec_a, 0.0).admission.ok
+    resumed = replace(request("moved", "b", input_len=20, ttft=10, tpot=0.5, generated=5, max_tokens=1500),
+                      prefilled=False)
+    return sched.view(), resumed, spec_b, perf
+
+
+def test_a_cold_start_beside_a_fast_decoder_is_decided_not_refused_for_its_length():
+    """A 6 s load is 1,800 of the neighbour's 3.3 ms decode steps: counted against the 1,024
+    steps meant for the newcomer's own future, it was refused HORIZON (a multihost drain's
+    migration to a node with no instance). The steps before the newcomer's instance can run have
+    their own, larger budget, and still bound the work."""
+    view, resumed, spec, perf = _cold_start_beside_a_fast_decoder(load_s=6.0)
+    assert evaluate(view, None, resumed, spec, perf, 0.0, CFG).reason is AdmitReason.ADMITTED
+    short = CoreConfig(shadow_max_wait_steps=1_000)
+    assert evaluate(view, None, resumed, spec, perf, 0.0, short).reason is AdmitReason.HORIZON
+
+
 # 2. The iteration in flight was simulated a second time ---------------------------------------
 def test_prefill_in_flight_is_credited_not_run_again():
     """During a 1 s CPU prefill a second request was refused (HEADROOM: the shadow ran that

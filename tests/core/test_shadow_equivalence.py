@@ -64,7 +64,7 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
     blame_from = max(start, by_id[target_id].ready_at)
     live = [i for i in sim if i.requests and i.status is not InstanceStatus.UNLOADING]
     last_ready = max((i.ready_at for i in live), default=start)
-    t, new_done, steps = start, False, 0
+    t, new_done, steps, waited = start, False, 0, 0
     def gone(i, t):
         return i.status is InstanceStatus.HANDOVER and i.leaves_at <= t
 
@@ -97,10 +97,12 @@ def reference_validate(instances, profiles, target_id, request, now, busy_until,
                 return AdmitReason.ADMITTED
             t = min(waiting)
             continue
-        if steps == config.shadow_max_steps:
-            return AdmitReason.HORIZON
-        steps += 1
         blamed = t >= blame_from
+        budget, used = (config.shadow_max_steps, steps) if blamed \
+            else (config.shadow_max_wait_steps, waited)
+        if used == budget:
+            return AdmitReason.HORIZON
+        steps, waited = (steps + 1, waited) if blamed else (steps, waited + 1)
         inst = by_id[choice.instance_id]
         t += predict_seconds(choice, inst, profiles[inst.instance_id]) * (1 + config.overestimate)
         missed = [r for r in inst.requests if r.request_id in choice.request_ids
@@ -173,7 +175,7 @@ def test_fast_shadow_validation_decides_like_the_plain_simulation(node, target, 
                                 lora=LORA_COST)
     target_id = views[target % len(views)].instance_id
     request = RequestView("new", "m", new[0], now, SLO(new[1], 0.25), lora_rank=8 * lora)
-    config = CoreConfig(shadow_max_steps=steps)
+    config = CoreConfig(shadow_max_steps=steps, shadow_max_wait_steps=steps)
     in_flight = _running(views, *running)
     before = copy_instances(views)
     fast = shadow_validate(views, profiles, target_id, request, now, busy, config, in_flight)
