@@ -6,6 +6,7 @@ and take no new work).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -53,28 +54,44 @@ class MigrationSource:
         return NodeReply(True, "draining", generated=len(self.book.live))
 
     async def _drain(self) -> None:
-        """Move every request off, one at a time, each to the best node the cluster view shows
-        now. A request no node takes stays here and finishes here: nothing is lost."""
+        """Move every request off, each to the best node the cluster view shows then. A request
+        no node takes now is tried again every `drain_retry_s` while it runs (the other nodes may
+        be out of the view for a moment, or full); one that cannot move at all (its engine, an
+        embedding) finishes here. Nothing is lost either way."""
         await self._publish_view()
         node_id = self.rt.s.node_id
-        for rid in list(self.book.live):
-            live = self.book.live.get(rid)
-            if live is None or rid in self.book.migrating:
-                continue
-            try:
-                nodes = await read_nodes(self.rt.redis)
-            except Exception as exc:
-                log.warning("drain: cluster view unavailable (%r); %s stays here", exc, rid)
-                continue
-            dest = choose_destination(nodes, live.request.model, node_id)
-            if dest is None:
-                continue
-            moved = await self.migrate_out(rid, *dest)
-            if dest[1] is not None and moved.reason == f"refused: {AdmitReason.INSTANCE_GONE.value}":
-                # The view showed an instance its keep-alive has just reclaimed: that node loads
-                # one for the request instead (a drain once gave up here).
-                await self.migrate_out(rid, dest[0], None)
+        stuck: set[str] = set()  # requests that can never move: not tried again
+        while not self.rt.stopping:
+            todo = [rid for rid in self.book.live if rid not in self.book.migrating and rid not in stuck]
+            if not todo:
+                break
+            for rid in todo:
+                if not await self._drain_one(rid, node_id):
+                    stuck.add(rid)
+            if any(rid in self.book.live for rid in todo):
+                await asyncio.sleep(self.policy.drain_retry_s)
         log.info("node %s drained: %d requests still finishing here", node_id, len(self.book.live))
+
+    async def _drain_one(self, rid: str, node_id: str) -> bool:
+        """One try at moving `rid` off; False when no try ever can (the source refuses it)."""
+        live = self.book.live.get(rid)
+        if live is None or rid in self.book.migrating:
+            return True
+        try:
+            nodes = await read_nodes(self.rt.redis)
+        except Exception as exc:
+            log.warning("drain: cluster view unavailable (%r); %s waits", exc, rid)
+            return True
+        dest = choose_destination(nodes, live.request.model, node_id)
+        if dest is None:  # recorded, as a refused try is
+            self.migrations.append(MigrationLog(rid, node_id, "", time.time(), reason="no destination"))
+            return True
+        moved = await self.migrate_out(rid, *dest)
+        if dest[1] is not None and moved.reason == f"refused: {AdmitReason.INSTANCE_GONE.value}":
+            # The view showed an instance its keep-alive has just reclaimed: that node loads
+            # one for the request instead (a drain once gave up here).
+            moved = await self.migrate_out(rid, dest[0], None)
+        return not moved.unmovable
 
     # --- one migration ----------------------------------------------------------------------------
     async def migrate_out(self, rid: str, node_id: str, instance_id: str | None) -> MigrationLog:
@@ -91,7 +108,7 @@ class MigrationSource:
             # Its whole work is one prefill, which a move would only run again over there.
             refusal = "an embedding request runs its prefill where it is"
         if refusal is not None:
-            record.reason = f"refused: {refusal}"
+            record.reason, record.unmovable = f"refused: {refusal}", True
             self.migrations.append(record)
             return record
         self.book.migrating.add(rid)

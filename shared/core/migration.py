@@ -56,6 +56,9 @@ class MigrationPolicy:
     max_rounds: int = 4  # catch-up rounds after BEGIN; then commit whatever is left
     begin_timeout_s: float = 120.0  # B may load the model and prefill a long context
     round_timeout_s: float = 30.0
+    # A drain tries again this often while a request it could not move runs on: no other node
+    # may be in the view yet (one just healed from a network cut) or have room right now.
+    drain_retry_s: float = 1.0
 
 
 def next_step(policy: MigrationPolicy, rounds: int, lacking: int, ended: bool) -> Next:
@@ -82,6 +85,7 @@ class MigrationLog:
     committed_at: float = 0.0  # B accepted the commit (its first token is out)
     ok: bool = False
     reason: str = ""  # why it ended this way (B's refusal, an abort, "moved")
+    unmovable: bool = False  # A refused it itself (its engine, an embedding): no try would do
 
     @property
     def total_s(self) -> float:

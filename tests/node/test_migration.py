@@ -325,3 +325,35 @@ async def test_a_drain_planned_on_a_reclaimed_instance_moves_the_request_all_the
     finally:
         await a.worker.stop()
         await b.worker.stop()
+
+
+async def test_a_drain_with_no_other_node_in_view_moves_the_request_once_one_appears(
+        connections, model_dir):
+    """Draining A while no other node is in the cluster view (in a multihost run B's host had
+    just healed from a network cut and its heartbeat was not back yet): the drain tries again
+    while the request runs and moves it once B appears. Before, it gave up at once and the
+    request finished on the draining node."""
+    nc, redis = connections
+    a = Harness(nc, redis, model_dir, BIG, "alone-a", heartbeat_s=0.05)
+    b = Harness(nc, redis, model_dir, BIG, "alone-b", heartbeat_s=0.05)
+    await a.worker.start()
+    try:
+        others = [n.node_id for n in await read_nodes(redis) if n.node_id != "alone-a"]
+        assert not others, f"nodes left in the view by earlier tests: {others}"
+        req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
+        assert reply.accepted, reply.reason
+        rid = req.request_id
+        await until(lambda: len(a.tokens[rid]) >= 5, what="tokens from A")
+        assert (await a.command(NodeCommand(CommandKind.DRAIN))).accepted
+        await until(lambda: any(m.request_id == rid and m.reason == "no destination"
+                                for m in a.worker.migrations), what="a try with nowhere to go")
+        assert rid in a.worker.live  # still running on A, not given up on
+        await b.worker.start()
+        await a.wait([req], timeout=120)
+        reasons = [m.reason for m in a.worker.migrations if m.request_id == rid]
+        assert reasons[0] == "no destination" and reasons[-1] == "moved", reasons
+        assert a.finals[rid].node_id == "alone-b"
+        assert tuple(a.finals[rid].output_token_ids) == _reference(model_dir, PROMPT, OUT)
+    finally:
+        await a.worker.stop()
+        await b.worker.stop()
