@@ -15,6 +15,18 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import sys
+
+# On several xdist workers each process (and every stack it starts) gets its share of the cores
+# for torch's OpenMP threads, set before torch loads. Two workers of two threads each on this
+# 2-core box spin-wait at every parallel op for threads the other worker holds: two real-model
+# profiles at once took 55 s each against 22 s with one thread each (bench box, 16 s alone),
+# and in one CI run two of them stalled past pytest's 10-minute timeout.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(
+        1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    if "torch" in sys.modules:  # (a plugin loaded it first: tell it too)
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
