@@ -36,6 +36,10 @@ PREFILL, DECODE = "prefill", "decode"
 class CalibrationConfig:
     weight: float = 0.1  # EWMA weight of a new sample (about the last 10-20 iterations count)
     threshold: float = 0.05  # |log drift| past which the factor is corrected (about 5%)
+    # ...and only when the drift stands out of the samples' own scatter by this many standard
+    # errors: on a loaded box one iteration's time varies by ~20%, and a mean of 8 such samples
+    # crossed 5% by chance about every 10 iterations (each a publish, a profile reload, a log).
+    significance: float = 3.0
     min_samples: int = 8  # samples of a kind before its drift may correct the factor
     max_factor: float = 50.0  # a bound on the correction either way (a broken clock, not drift)
     hold_s: float = 10.0  # a correction holds while iterations come at least this often
@@ -45,15 +49,16 @@ class CalibrationConfig:
         if not 0 < self.weight <= 1:
             raise ValueError("weight must be in (0, 1]")
         if self.threshold <= 0 or self.min_samples < 1 or self.max_factor <= 1 \
-                or self.half_life_s <= 0 or self.hold_s < 0:
+                or self.half_life_s <= 0 or self.hold_s < 0 or self.significance < 0:
             raise ValueError("threshold > 0, min_samples >= 1, max_factor > 1, half_life_s > 0, "
-                             "hold_s >= 0")
+                             "hold_s >= 0, significance >= 0")
 
 
 @dataclass
 class _Drift:
     factor: float = 1.0  # correction in force (published)
     log_drift: float = 0.0  # EWMA of log(actual / predicted with `factor`), started at 0
+    log_square: float = 0.0  # EWMA of its square (the samples' scatter), started at 0
     samples: int = 0  # since the last correction
     last_error: float = 0.0  # the latest sample's relative error, (actual - predicted) / predicted
     seen: float = 0.0  # when the latest sample came (the factor fades from then on)
@@ -74,23 +79,26 @@ class Calibrator:
             # After a pause the faded factor is what the next samples are judged against (the
             # samples before the pause were judged against the old one: start afresh).
             d.factor = aged(d.factor, now - d.seen, self.config)
-            d.log_drift, d.samples = 0.0, 0
+            d.log_drift, d.log_square, d.samples = 0.0, 0.0, 0
         d.seen = now
         predicted_s = base_predicted_s * d.factor
         if predicted_s <= 0 or actual_s <= 0:
             return False
         d.last_error = actual_s / predicted_s - 1.0
-        w = self.config.weight
-        d.log_drift = (1 - w) * d.log_drift + w * math.log(actual_s / predicted_s)
+        w, x = self.config.weight, math.log(actual_s / predicted_s)
+        d.log_drift = (1 - w) * d.log_drift + w * x
+        d.log_square = (1 - w) * d.log_square + w * x * x
         d.samples += 1
-        # The mean starts at 0: divide out that start's weight (as Adam does), so the first
+        # The means start at 0: divide out that start's weight (as Adam does), so the first
         # correction is the drift seen, not a fraction of it.
-        drift = d.log_drift / (1 - (1 - w) ** d.samples)
-        if d.samples < self.config.min_samples or abs(drift) < self.config.threshold:
+        start = 1 - (1 - w) ** d.samples
+        drift = d.log_drift / start
+        if d.samples < self.config.min_samples or abs(drift) < self.config.threshold \
+                or abs(drift) < self.config.significance * _standard_error(d, drift, start, w):
             return False
         bound = self.config.max_factor
         d.factor = min(bound, max(1 / bound, d.factor * math.exp(drift)))
-        d.log_drift, d.samples = 0.0, 0
+        d.log_drift, d.log_square, d.samples = 0.0, 0.0, 0
         return True
 
     def factor(self, model: str, kind: str, now: float | None = None) -> float:
@@ -117,6 +125,14 @@ class Calibrator:
 
     def models(self) -> set[str]:
         return {m for m, _ in self._drift}
+
+
+def _standard_error(d: _Drift, drift: float, start: float, w: float) -> float:
+    """How far the weighted mean `drift` may sit from the true drift by chance: the samples'
+    variance over the mean's effective sample count (an EWMA of weight w averages about
+    (2 - w) / w samples once it has seen that many)."""
+    variance = max(0.0, d.log_square / start - drift * drift)
+    return math.sqrt(variance / min(d.samples, (2 - w) / w))
 
 
 def baseline_s(choice: IterationChoice, inst: InstanceView, profile: Profile,
