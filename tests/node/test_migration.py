@@ -20,6 +20,8 @@ from functools import cache
 import httpx
 import pytest
 
+import services.node.memops as memops_module
+from services.node.engines import create_engine
 from shared.core.migration import (MigrationPolicy, Next, choose_destination, engine_refusal,
                                    next_step)
 from services.gateway.settings import GatewaySettings
@@ -327,8 +329,28 @@ async def test_a_drain_planned_on_a_reclaimed_instance_moves_the_request_all_the
         await b.worker.stop()
 
 
+PACED_S, LONG_OUT = 0.005, 1000  # a request of 1,000 tokens runs 5 s or more on any box
+
+
+@pytest.fixture
+def paced_decode(monkeypatch):
+    """Every engine's decode step takes PACED_S at least: the request outlives the drain's first
+    try and its retry, however fast this box runs the tiny model."""
+    def paced(*args, **kwargs):
+        engine = create_engine(*args, **kwargs)
+        decode = engine.decode
+
+        def slower(request_ids):
+            result = decode(request_ids)
+            time.sleep(PACED_S)
+            return result
+        engine.decode = slower
+        return engine
+    monkeypatch.setattr(memops_module, "create_engine", paced)
+
+
 async def test_a_drain_with_no_other_node_in_view_moves_the_request_once_one_appears(
-        connections, model_dir):
+        connections, model_dir, paced_decode):
     """Draining A while no other node is in the cluster view (in a multihost run B's host had
     just healed from a network cut and its heartbeat was not back yet): the drain tries again
     while the request runs and moves it once B appears. Before, it gave up at once and the
@@ -340,7 +362,7 @@ async def test_a_drain_with_no_other_node_in_view_moves_the_request_once_one_app
     try:
         others = [n.node_id for n in await read_nodes(redis) if n.node_id != "alone-a"]
         assert not others, f"nodes left in the view by earlier tests: {others}"
-        req, reply = await a.admit("alpha", PROMPT, OUT, ttft=30.0)
+        req, reply = await a.admit("alpha", PROMPT, LONG_OUT, ttft=30.0)
         assert reply.accepted, reply.reason
         rid = req.request_id
         await until(lambda: len(a.tokens[rid]) >= 5, what="tokens from A")
@@ -353,7 +375,7 @@ async def test_a_drain_with_no_other_node_in_view_moves_the_request_once_one_app
         reasons = [m.reason for m in a.worker.migrations if m.request_id == rid]
         assert reasons[0] == "no destination" and reasons[-1] == "moved", reasons
         assert a.finals[rid].node_id == "alone-b"
-        assert tuple(a.finals[rid].output_token_ids) == _reference(model_dir, PROMPT, OUT)
+        assert tuple(a.finals[rid].output_token_ids) == _reference(model_dir, PROMPT, LONG_OUT)
     finally:
         await a.worker.stop()
         await b.worker.stop()
