@@ -61,6 +61,7 @@ class Pending:
     # A node that was sent its admission and did not answer (the reply, or the command, lost in
     # a NATS outage): it may be running it. Asked before the request goes anywhere else.
     unanswered: str | None = None
+    silent_since: float = 0.0  # when that node first did not answer a STATUS question either
 
     def rank(self) -> tuple[int, int]:
         """Of two messages for one request, the later one: a higher attempt (the gateway resumed

@@ -259,18 +259,27 @@ class Placer:
 
     async def _settled_by_unanswered(self, p: Pending, nodes: list[NodeView]) -> bool:
         """Whether the node that did not answer `p`'s admission settles it: it runs (or ran) the
-        request, which is then placed there, or it may, and cannot be asked yet while it is
-        still in the cluster view (asked again soon). Placing it elsewhere before knowing ran
-        it twice (a NATS restart lost a node's "admitted"). Each silence counts as a refusal."""
+        request, which is then placed there, or it may, and cannot be asked yet (asked again
+        soon). Placing it elsewhere before knowing ran it twice (a NATS restart lost a node's
+        "admitted"). It is asked even when out of the cluster view, which a Redis failover can
+        empty of a live node for seconds (a multihost run re-placed a request its node had
+        finished); silent and out of the view for `node_gone_s`, it is taken for gone. Each
+        silence while in the view counts as a refusal."""
         node_id, req = p.unanswered, p.request
-        in_view = any(n.node_id == node_id for n in nodes)  # else gone, and what it ran with it
-        reply = None if not in_view else await self.port.command(node_id, NodeCommand(
+        in_view = any(n.node_id == node_id for n in nodes)
+        reply = await self.port.command(node_id, NodeCommand(
             CommandKind.STATUS, request_id=req.request_id, attempt=req.attempt))
-        if reply is None and in_view:  # alive by its heartbeats, not answering yet
-            # Another refusal by its silence: one that never answers fails the request with
-            # that reason after MAX_REFUSALS, as a node that never answered ADMIT did.
-            await self._refused(p, node_id, "no reply")
-            return True
+        now = time.time()
+        if reply is None:
+            p.silent_since = p.silent_since or now
+            if in_view:  # alive by its heartbeats, not answering yet
+                # Another refusal by its silence: one that never answers fails the request with
+                # that reason after MAX_REFUSALS, as a node that never answered ADMIT did.
+                await self._refused(p, node_id, "no reply")
+                return True
+            if now - p.silent_since < self.s.node_gone_s:
+                p.next_try = now + min(1.0, self.s.node_gone_s / 4)  # not a refusal: it may be back
+                return True
         if reply is not None and reply.reason in (RequestState.RUNNING.value, RequestState.FINISHED.value):
             p.unanswered = None
             log.info("node %s holds %s (its admission's answer was lost)", node_id, req.request_id)
@@ -281,8 +290,11 @@ class Placer:
             await self.port.nc.publish(token_subject(req.request_id),
                                        wire.encode(announcement(req, node_id)))
             return True
-        p.unanswered = None  # it never took it (or handed it back): place it, judged from now,
-        _judge_from_now(p)  # the time the question took being the fault's too
+        if reply is None:
+            log.info("node %s silent and out of the view for %.0f s: placing %s elsewhere",
+                     node_id, now - p.silent_since, req.request_id)
+        p.unanswered, p.silent_since = None, 0.0  # it never took it (or handed it back, or is
+        _judge_from_now(p)  # gone): place it, judged from now, the questions being the fault's
         return False
 
     async def _placed(self, p: Pending, plan: PlacementPlan, reply: NodeReply) -> None:

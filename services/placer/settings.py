@@ -34,6 +34,11 @@ class PlacerSettings:
     # Pinned models (services/placer/pinning.py): their instance count is checked this often
     # (0: never; a pinned instance is still never reclaimed, but a missing one is not started).
     pin_check_s: float = 1.0
+    # A node that did not answer a request's admission may be running it: the request goes
+    # elsewhere only once the node says it never took it, or has been silent and out of the
+    # cluster view this long (a Redis failover can leave a live node out of the view for
+    # seconds: a multihost run re-placed a request its node had already finished).
+    node_gone_s: float = 15.0
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -48,6 +53,7 @@ class PlacerSettings:
                    preload_interval_s=env_float("SLINFER_CLUSTER_PRELOAD_S", PRELOAD_INTERVAL_S,
                                                         minimum=0.0),
                    pin_check_s=env_float("SLINFER_PIN_CHECK_S", 1.0, minimum=0.0),
+                   node_gone_s=env_float("SLINFER_NODE_GONE_S", 15.0, minimum=0.0),
                    modules=ModuleSettings(
                        hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
                        link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,

@@ -22,7 +22,7 @@ from services.placer.placer import Placer
 from services.placer.settings import PlacerSettings
 from shared import wire
 from shared.bus import ensure_streams
-from shared.cluster import encode_reply, publish_node, save_profile
+from shared.cluster import encode_reply, publish_node, remove_node, save_profile
 from shared.core.config import CoreConfig
 from shared.core.node_scheduler import new_node
 from shared.core.perf_model import DecodeTable, PerfModel, PrefillTable, Profile
@@ -126,6 +126,14 @@ class FakeNode:
         reply = self.answer(cmd)
         if reply is not None:
             await msg.respond(encode_reply(reply))  # as a node does: its view a snapshot
+
+    async def leave_view(self) -> None:
+        """Its snapshot gone from the cluster view while it still answers commands (its
+        heartbeat not in Redis for a while, as after a failover)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        await remove_node(self.redis, self.node_id)
 
     def commanded(self, request_id: str) -> list[NodeCommand]:
         return [c for _, c in self.commands if c.request and c.request.request_id == request_id]

@@ -394,7 +394,7 @@ async def test_time_lost_to_a_node_that_died_under_a_request_is_its_grace(server
     finals = Finals(nc)
     req = request("lost-time", ttft=0.5)
     await finals.watch(req.request_id)
-    async with running_placer(servers, admit_timeout_s=1.0):
+    async with running_placer(servers, admit_timeout_s=1.0, node_gone_s=0.5):
         await publish(nc, req)
         await until(lambda: dead.commanded(req.request_id), what="the command to the dying node")
         await dead.stop()
@@ -443,5 +443,36 @@ async def test_a_node_whose_admission_answer_was_lost_is_asked_before_the_reques
     assert any(c.kind is CommandKind.STATUS and c.request_id == "lost-answer"
                for _, c in g0.commands)
     assert not g1.commanded("lost-answer")
+    await g0.stop()
+    await g1.stop()
+
+
+async def test_a_node_out_of_the_view_whose_admission_answer_was_lost_is_asked_all_the_same(
+        servers, conns):
+    """The node took the request, its answer was lost, and its heartbeat is not in the cluster
+    view for a while (a Redis failover: the new primary has not had its snapshot yet). It is
+    alive and ran the request, so the request is placed there, not on the node that is in the
+    view. Before, out of the view meant gone: the request ran on both (a multihost run).
+    A node that stays silent is taken for gone only after `node_gone_s`."""
+    nc, redis = conns
+    taken: set[str] = set()
+
+    def silent_once(cmd: NodeCommand) -> NodeReply | None:
+        if cmd.kind is CommandKind.STATUS:
+            return NodeReply(True, RequestState.FINISHED.value) if cmd.request_id in taken else None
+        taken.add(cmd.request.request_id)
+        return None  # admitted (and run), but the answer is lost
+
+    g0 = await FakeNode(nc, redis, empty_gpu("g0"), answer=silent_once).start()
+    g1 = await FakeNode(nc, redis, empty_gpu("g1")).start()
+    async with running_placer(servers, admit_timeout_s=1.0):
+        await publish(nc, request("out-of-view", ttft=30.0))
+        await until(lambda: g0.commanded("out-of-view"), what="the admission to g0")
+        await g0.leave_view()
+        await until(lambda: any(c.kind is CommandKind.STATUS and c.request_id == "out-of-view"
+                                for _, c in g0.commands), what="the placer to ask g0")
+        await _idle(nc)  # placed (acked), not retried
+    assert [c.kind for c in g0.commanded("out-of-view")] == [CommandKind.ADMIT]
+    assert not g1.commanded("out-of-view")
     await g0.stop()
     await g1.stop()
