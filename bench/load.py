@@ -2,7 +2,7 @@
 or guidellm (`--tool guidellm`, from `.venv-guidellm`: `make bench-guidellm`).
 
     .venv/bin/python bench/load.py [--tool vllm|guidellm] [--rate 2] [--num-prompts 120]
-                                   [--input-len 128] [--output-len 64] [--work-dir DIR]
+                                   [--input-len 128] [--output-len 64] [--work-dir DIR] [--out FILE]
 
 Starts the whole stack as real processes (`services.stack.running_stack`: nats-server, valkey,
 placer, one CPU node, the gateway) serving the `small` model of `shared.modelgen` (~46M-parameter
@@ -130,6 +130,8 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--work-dir", help="keep servers' data and service logs here (default: temp)")
+    p.add_argument("--out", type=Path, help="the result file (default: bench/results/"
+                   "load_small.json, or load_small_guidellm.json with --tool guidellm)")
     args = p.parse_args()
     tool = VLLM_PYTHON if args.tool == "vllm" else GUIDELLM
     if not tool.exists():
@@ -155,7 +157,7 @@ def main() -> int:
         result = {**common, "tool": "guidellm 0.8.1, unmodified: guidellm " + shlex.join(
             guidellm_args(args, "<gateway>", Path("<model>"), Path("<out>"))),
             "summary": guidellm_summary(bench)}
-        GUIDELLM_OUT.write_text(json.dumps(result, indent=2) + "\n")
+        (args.out or GUIDELLM_OUT).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["summary"], indent=2))
         return 0
     detail = {k: bench.pop(k) for k in ("ttfts", "itls", "input_lens", "output_lens", "errors",
@@ -165,7 +167,7 @@ def main() -> int:
                       + "vllm bench serve " + shlex.join(bench_args(args, "<gateway>",
                                                                     Path("<model>"), Path("<out>"))),
               "slo": slo_attainment(detail), "vllm_bench": bench}
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    (args.out or OUT).write_text(json.dumps(result, indent=2) + "\n")
     keys = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms",
             "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms")
     print(json.dumps({**{k: bench.get(k) for k in keys}, "slo": result["slo"]}, indent=2))
