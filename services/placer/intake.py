@@ -13,7 +13,9 @@ then redelivers a request that was already answered, and placing it again would 
 two nodes. So an answer is noted in Redis by the message's stream sequence before the ack, the ack
 is retried until the server confirms it, and a redelivered message whose answer is noted is acked
 without a decision. (A node's own redelivery gate, services/node/book.py, is the second line: it
-catches a redelivery that comes back to the same node.)"""
+catches a redelivery that comes back to the same node.) A restarted nats-server may redeliver an
+unacked message as a first delivery (its count not persisted yet), so the sequences this placer
+answered are also kept in memory, and every delivery shortly after a reconnect is checked."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +47,10 @@ from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQU
 log = logging.getLogger("slinfer.placer")
 CANCEL_REPLAY_S = 5.0  # at start, wait at most this long for the cancel stream's replay
 ACK_CONFIRM_S = 30.0  # retry an unconfirmed ack this long: past a NATS restart or an election
+# A NATS restart can redeliver an unacked message as a first delivery (its count not yet
+# persisted): for this long after a reconnect, every delivery is checked against the notes.
+SUSPECT_AFTER_RECONNECT_S = 120.0
+ANSWERED_KEPT = 65536  # stream sequences this placer answered, remembered locally
 
 
 @dataclass
@@ -84,6 +91,8 @@ class RequestIntake:
         self.started_at = time.time()
         self._reconnects = self._reconnect_count()
         self._settling: set[asyncio.Task] = set()  # answers whose ack is not confirmed yet
+        self._answered: OrderedDict[int, str] = OrderedDict()  # stream seq -> request id
+        self._suspect_until = 0.0  # (monotonic) deliveries before this may be redeliveries
 
     async def start(self) -> None:
         """The streams, the durable consumer, the cancel replay. Each JetStream call is retried
@@ -123,6 +132,7 @@ class RequestIntake:
         if (reconnects := self._reconnect_count()) != self._reconnects:
             self._reconnects = reconnects  # (checked after the fetch: one can span the outage)
             self.held_since_now()  # back from an outage: what arrived meanwhile waited for it
+            self._suspect_until = time.monotonic() + SUSPECT_AFTER_RECONNECT_S
         for msg in msgs:
             try:
                 req = wire.decode(InferenceRequest, msg.data)
@@ -155,17 +165,23 @@ class RequestIntake:
 
     async def _already_answered(self, msg: Msg, req: InferenceRequest) -> bool:
         """Whether `msg` is a redelivery of a message some placer answered (its ack was lost);
-        if so it is acked here."""
+        if so it is acked here. One this placer answered is known here; another placer's is
+        looked up in its note when the message says it was delivered before, or shortly after a
+        reconnect: a restarted nats-server redelivered an unacked message as a first delivery,
+        and it ran on two nodes (the fault suite's NATS restart)."""
         seq = _stream_seq(msg)
-        if seq is None or _deliveries(msg) < 2:
-            return False  # a first delivery was never answered
-        try:
-            answered = await self.port.redis.get(answered_key(seq))
-        except Exception as exc:  # unknown: decide again; the node's gate is the second line
-            log.warning("could not read whether %s was answered: %r", req.request_id, exc)
+        if seq is None:
             return False
-        if answered is None or answered.decode() != req.request_id:
-            return False  # (another id: a note from a stream that was since re-created)
+        answered: str | None = self._answered.get(seq)
+        if answered is None and (_deliveries(msg) >= 2 or time.monotonic() < self._suspect_until):
+            try:
+                note = await self.port.redis.get(answered_key(seq))
+            except Exception as exc:  # unknown: decide again; the node's gate is the second line
+                log.warning("could not read whether %s was answered: %r", req.request_id, exc)
+                return False
+            answered = note.decode() if note is not None else None
+        if answered != req.request_id:
+            return False  # never answered (or a note from a stream that was since re-created)
         self.port.count("redelivery_already_answered")
         self._settle(msg, req.request_id, note=False)
         log.info("%s was answered before (a lost ack): acked, not placed again", req.request_id)
@@ -174,6 +190,11 @@ class RequestIntake:
     def _settle(self, msg: Msg, request_id: str, note: bool = True) -> None:
         """Note the answer and ack `msg` until confirmed, in the background (NATS may be away
         for seconds; the run loop goes on)."""
+        seq = _stream_seq(msg)
+        if seq is not None:  # known here at once: a redelivery may come before the note is
+            self._answered[seq] = request_id
+            while len(self._answered) > ANSWERED_KEPT:
+                self._answered.popitem(last=False)
         task = asyncio.create_task(self._note_and_ack(msg, request_id, note),
                                    name=f"ack-{request_id}")
         self._settling.add(task)  # a reference, so the task is not collected mid-way

@@ -14,6 +14,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
+import services.placer.intake as intake_module
 from shared import wire
 from shared.schemas import InferenceRequest
 from shared.subjects import PLACER_DURABLE, REQUEST_STREAM
@@ -70,6 +71,25 @@ async def test_a_redelivered_request_that_was_placed_is_not_placed_again(servers
         assert lost.dropped >= 1
         assert placer.port.decisions.get("redelivery_already_answered", 0) == 1
     assert len(node.commanded("placed-once")) == 1
+    await node.stop()
+
+
+async def test_a_redelivery_that_says_it_is_a_first_delivery_is_not_placed_again(
+        servers, conns, monkeypatch):
+    """A restarted nats-server redelivered an unacked message with a delivery count of 1 (the
+    count not yet persisted when it died): the placer took it for a new request, placed it on
+    the other node, and it ran on two (the fault suite's NATS restart). The placer knows the
+    stream sequences it answered, whatever the count says."""
+    nc, redis = conns
+    lost = LostAcks(monkeypatch, "counted-once")
+    monkeypatch.setattr(intake_module, "_deliveries", lambda msg: 1)  # every delivery a first
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    async with running_placer(servers, ack_wait_s=ACK_WAIT_S) as placer:
+        await publish(nc, request("counted-once", ttft=60.0))
+        await _idle(nc)  # redelivered after ack_wait, then acked without placing
+        assert lost.dropped >= 1
+        assert placer.port.decisions.get("redelivery_already_answered", 0) == 1
+    assert len(node.commanded("counted-once")) == 1
     await node.stop()
 
 
