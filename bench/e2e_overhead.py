@@ -3,10 +3,10 @@ JetStream, the placer, the node worker and back) against the engine's own prefil
 *same request*, which the node reports on its first token message (`TokenMessage.prefill_s`).
 Pairing per request makes the difference immune to the machine's noise between two phases.
 
-    .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024]
+    .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024] [--out FILE]
 
 Sequential warm requests (the cold start is reported on its own). Writes
-bench/results/e2e_overhead.json and prints it.
+bench/results/e2e_overhead.json (or --out) and prints it.
 """
 
 from __future__ import annotations
@@ -111,6 +111,8 @@ def main() -> int:
     p.add_argument("--n", type=int, default=50)
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024])
     p.add_argument("--work-dir", help="keep servers' data and service logs here (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_overhead.json",
+                   help="the result file (an A/B run keeps the recorded one)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -127,7 +129,7 @@ def main() -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "cold_start_ttft_ms": raw["cold_start_ttft_ms"],
               "rows": [summarize(*raw[n]) for n in args.lengths]}
-    out = ROOT / "bench" / "results" / "e2e_overhead.json"
+    out = args.out
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
