@@ -66,9 +66,10 @@ def guidellm_args(args: argparse.Namespace, url: str, model_dir: Path, out: Path
     """guidellm 0.8's `run`: the same load shape (synthetic prompts of --input-len tokens asking
     for --output-len, Poisson arrivals at --rate, --num-prompts requests) through the
     completions API, the tokenizer read from the model's directory."""
-    return ["run", "--backend", f"kind=openai_http,target={url},model={NAME}",
+    return ["run", "--backend", f"kind=openai_http,target={url},model={NAME},"
+                                "request_format=/v1/completions",
             "--profile", f"kind=poisson,rate={args.rate}",
-            "--constraint", f"kind=max_requests,value={args.num_prompts}",
+            "--constraint", f"kind=max_requests,count={args.num_prompts}",
             "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
                       f"output_tokens={args.output_len}",
             "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
