@@ -176,6 +176,10 @@ def _corrupt_copy(model_dir: str, dest) -> str:
     return str(dest)
 
 
+async def _outcome_is(redis, req, final) -> bool:
+    return await read_outcome(redis, req.request_id, req.attempt) == final
+
+
 @pytest.mark.parametrize("fault", ["missing", "corrupt"])
 async def test_a_failed_load_ends_the_waiting_request_and_frees_the_instance(
         connections, model_dir, profile, tmp_path, fault):
@@ -197,7 +201,8 @@ async def test_a_failed_load_ends_the_waiting_request_and_frees_the_instance(
             assert code == FAILED and f"The model {model!r} could not be made servable: " \
                 "failed on cpu: files missing or unreadable (found by node " in message
             assert path not in message and "<model directory>" in message
-            assert await read_outcome(redis, req.request_id, req.attempt) == final
+            # The node marks the model failed and keeps the answer just after it sends it.
+            await until(lambda: _outcome_is(redis, req, final), what="the kept outcome")
             step = (await get_status(redis, model)).kind("cpu")
             assert step.state is ModelState.FAILED and path in step.reason
             iid = reply.instance_id
