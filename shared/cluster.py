@@ -137,11 +137,21 @@ async def remove_node(redis: Redis, node_id: str) -> None:
 async def read_nodes(redis: Redis, now: float | None = None) -> list[NodeView]:
     """Live nodes, their times on this process's clock (`now`: time.time()); a member whose
     snapshot expired (missed heartbeats) is dropped from the set."""
-    now = time.time() if now is None else now
-    ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(NODES_SET))
+    ids = member_ids(await redis.smembers(NODES_SET))
     if not ids:
         return []
-    blobs = await redis.mget([node_key(i) for i in ids])
+    return await views_of(redis, ids, await redis.mget([node_key(i) for i in ids]), now)
+
+
+def member_ids(members) -> list[str]:
+    """The node ids of NODES_SET's members, sorted."""
+    return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+
+
+async def views_of(redis: Redis, ids: list[str], blobs: list, now: float | None = None) -> list[NodeView]:
+    """The views of the snapshots `blobs` of nodes `ids` (an MGET's answer); a member whose
+    snapshot expired is dropped from NODES_SET."""
+    now = time.time() if now is None else now
     nodes = []
     for node_id, blob in zip(ids, blobs):
         if blob is None:

@@ -159,20 +159,8 @@ class ModelRegistry:
         return await self.resolve(name, tenant)
 
     async def list(self, tenant: str | None = None) -> list[ModelRecord]:
-        """All records (tenant None) or those visible to `tenant`, sorted by name.
-
-        A record that does not decode (a foreign writer, an old schema) is skipped, not fatal.
-        """
-        raw = await self._redis.hgetall(MODELS_HASH)
-        records = []
-        for data in raw.values():
-            try:
-                record = wire.decode(ModelRecord, data)
-            except wire.WireError:
-                continue
-            if tenant is None or visible_to(record, tenant):
-                records.append(record)
-        return sorted(records, key=lambda r: r.name)
+        """All records (tenant None) or those visible to `tenant`, sorted by name."""
+        return records_of(await self._redis.hgetall(MODELS_HASH), tenant)
 
     async def delete(self, name: str) -> bool:
         removed, = await write_confirmed(self._redis, f"deleting {name}",
@@ -188,6 +176,21 @@ class ModelRegistry:
         """False while Redis has lost its data and no placer has restored the registry yet: a
         model missing now may only be missing for a moment (503, not 404)."""
         return bool(await self._redis.exists(STATE_EPOCH_KEY))
+
+
+def records_of(raw: dict, tenant: str | None = None) -> list[ModelRecord]:
+    """The records of MODELS_HASH's contents `raw` (all, or those visible to `tenant`), sorted
+    by name. A record that does not decode (a foreign writer, an old schema) is skipped, not
+    fatal."""
+    records = []
+    for data in raw.values():
+        try:
+            record = wire.decode(ModelRecord, data)
+        except wire.WireError:
+            continue
+        if tenant is None or visible_to(record, tenant):
+            records.append(record)
+    return sorted(records, key=lambda r: r.name)
 
 
 def aliases_of(aliases: dict[str, str], model: str) -> list[str]:

@@ -56,7 +56,7 @@ from services.placer.settings import PlacerSettings
 from services.placer.tracing import decision_span, startup_label
 from shared import telemetry as tm
 from shared import wire
-from shared.cluster import (adapter_spec, announcement, grace_from_now, model_spec, read_nodes,
+from shared.cluster import (adapter_spec, announcement, grace_from_now, model_spec,
                             request_view)
 from shared.core.context import DecisionContext
 from shared.core.perf_model import PerfModel
@@ -176,9 +176,10 @@ class Placer:
     # --- decisions ---------------------------------------------------------------------------
     async def place_queued(self) -> None:
         # A draining node (POST /admin/nodes/{id}/drain) takes no new work; it would refuse it.
-        nodes = [n for n in await read_nodes(self.port.redis) if not n.draining]
+        views, listed = await self.port.read_turn()
+        nodes = [n for n in views if not n.draining]
         await self.port.refresh_perf()
-        records = {r.name: r for r in await self.port.registry.list()}
+        records = {r.name: r for r in listed}
         now = time.time()
         for rid in list(self.queue):
             pending = self.queue.get(rid)

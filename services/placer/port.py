@@ -11,10 +11,12 @@ from redis.asyncio import Redis
 
 from services.placer.commands import send_command
 from services.placer.settings import PlacerSettings
-from shared.cluster import load_perf
+from shared.cluster import load_perf, member_ids, views_of
 from shared.core.perf_model import PerfModel
-from shared.registry import ModelRegistry
-from shared.schemas import NodeCommand, NodeReply
+from shared.core.types import NodeView
+from shared.registry import ModelRegistry, records_of
+from shared.schemas import ModelRecord, NodeCommand, NodeReply
+from shared.subjects import MODELS_HASH, NODES_SET, node_key
 
 PERF_REFRESH_S = 2.0
 
@@ -27,6 +29,23 @@ class PlacerPort:
         self.perf = PerfModel()  # the profiles as last read (`refresh_perf`)
         self._perf_at = 0.0
         self.decisions: dict[str, int] = {}  # what was decided -> count (tests, metrics)
+        self._node_ids: list[str] = []  # the members of the last `read_turn`
+
+    async def read_turn(self) -> tuple[list[NodeView], list[ModelRecord]]:
+        """The live nodes' views and the registry's records, as a turn decides on them, in one
+        Redis round trip: the snapshots asked for are those of the nodes the last read found
+        (a node that joined or left since costs a second trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(NODES_SET)
+            pipe.hgetall(MODELS_HASH)
+            if self._node_ids:
+                pipe.mget([node_key(i) for i in self._node_ids])
+            members, models, *known = await pipe.execute()
+        ids, blobs = member_ids(members), (known[0] if known else [])
+        if ids != self._node_ids:
+            blobs = await self.redis.mget([node_key(i) for i in ids]) if ids else []
+            self._node_ids = ids
+        return await views_of(self.redis, ids, blobs), records_of(models)
 
     def count(self, decision: str, n: int = 1) -> None:
         self.decisions[decision] = self.decisions.get(decision, 0) + n
