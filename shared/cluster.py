@@ -70,6 +70,15 @@ def announcement(req: InferenceRequest, node_id: str) -> TokenMessage:
                         attempt=req.attempt)
 
 
+# Request ids of warm-ups: requests that only start an instance (pinning's, the admin's preload,
+# a pre-warm's stand-in). The pre-warming policy does not count them as calls of their model.
+WARM_UP_PREFIXES = ("pin-", "preload-", "prewarm-")
+
+
+def is_warm_up(request_id: str) -> bool:
+    return request_id.startswith(WARM_UP_PREFIXES)
+
+
 def warm_up_request(record: ModelRecord, request_id: str, now: float, timeout_s: float,
                     keep_alive_s: float | None = None) -> InferenceRequest:
     """A request that only starts (or finds warm) an instance of `record` where the core places

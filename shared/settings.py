@@ -241,4 +241,7 @@ def core_config_from_env(env: Mapping[str, str] | None = None):
         # Chunked prefill (issue 26): the smallest chunk in tokens; 0 (the default): whole
         # prefills. Engines that cannot chunk keep whole prefills either way.
         prefill_chunk_tokens=env_int("SLINFER_PREFILL_CHUNK_TOKENS", 0, env=env, minimum=0),
+        # Predictive pre-warming (issue 26; services/placer/prewarmer.py): off by default. The
+        # nodes read it too: an instance only the policy keeps gives way to any admission.
+        prewarm=env_bool("SLINFER_PREWARM", False, env=env),
     )

@@ -77,6 +77,9 @@ class Pending:
 
 
 Arrival = Callable[[InferenceRequest, float], None]  # a new request and when it was seen
+# A request left the queue: its id, the node it was placed on (None: answered without one:
+# dropped, failed, cancelled, given up) and when.
+Answer = Callable[[str, str | None, float], None]
 
 
 class RequestIntake:
@@ -84,6 +87,7 @@ class RequestIntake:
         self.port = port
         self.js = port.nc.jetstream()
         self.on_arrival = on_arrival  # told of every new request (not of a redelivered copy)
+        self.on_answer: list[Answer] = []  # told of every request that leaves the queue
         self.queue: dict[str, Pending] = {}
         # request id -> cancel every attempt below this (math.inf: all), and when it was seen
         self.cancelled: dict[str, tuple[float, float]] = {}
@@ -231,6 +235,7 @@ class RequestIntake:
         if pending is not None and pending.request.attempt < below:
             del self.queue[notice.request_id]
             self._settle(pending.msg, notice.request_id)
+            self._answered_to(notice.request_id, None)
         if len(self.cancelled) > 1024 and now - next(iter(self.cancelled.values()))[1] > STREAM_MAX_AGE_S:
             self.cancelled = {k: v for k, v in self.cancelled.items()
                               if now - v[1] <= STREAM_MAX_AGE_S}
@@ -264,12 +269,14 @@ class RequestIntake:
         self.queue.pop(p.request.request_id, None)
         self.port.count("given_up")
         self._settle(p.msg, p.request.request_id)
+        self._answered_to(p.request.request_id, None)
         log.info("not placing %s: %s", p.request.request_id, why)
 
     async def placed(self, p: Pending, node_id: str | None, instance_id: str | None,
                      action: str) -> None:
         self.queue.pop(p.request.request_id, None)
         self._settle(p.msg, p.request.request_id)
+        self._answered_to(p.request.request_id, node_id)
         log.info("placed %s on %s/%s (%s)", p.request.request_id, node_id, instance_id, action)
 
     async def fail(self, p: Pending, reason: FinishReason, error: str) -> None:
@@ -292,7 +299,13 @@ class RequestIntake:
             log.warning("could not keep the answer to %s: %r", p.request.request_id, exc)
         await self.port.nc.publish(token_subject(p.request.request_id), wire.encode(final))
         self._settle(p.msg, p.request.request_id)
+        self._answered_to(p.request.request_id, None)
         log.info("%s %s: %s", reason.value, p.request.request_id, error)
+
+    def _answered_to(self, request_id: str, node_id: str | None) -> None:
+        now = time.time()
+        for told in self.on_answer:
+            told(request_id, node_id, now)
 
 
 async def confirm_ack(msg: Msg, within_s: float) -> bool:

@@ -50,6 +50,7 @@ from services.placer.module_scaler import ModuleScaler
 from services.placer.pinning import PinKeeper
 from services.placer.port import PlacerPort
 from services.placer.preloader import ClusterPreloader
+from services.placer.prewarmer import Prewarmer
 from services.placer.readiness import ReadinessGate, Verdict, hold_or_fail
 from services.placer.scaleout import ScaleOut
 from services.placer.settings import PlacerSettings
@@ -94,6 +95,10 @@ class Placer:
         self.intake.on_arrival.append(self.bursts.note)
         # Pinned models (min_instances): their missing instances started by warm-up requests.
         self.pinning = PinKeeper(self.port, settings.pin_check_s)
+        # Predictive pre-warming (off unless settings.core.prewarm): each model's idle times.
+        self.prewarmer = Prewarmer(self.port, settings.prewarm, settings.prewarm_check_s)
+        self.intake.on_arrival.append(self.prewarmer.note)
+        self.intake.on_answer.append(self.prewarmer.answered)
         self._kept_at = 0.0
         self.errors = 0  # run-loop turns that failed (Redis or NATS trouble)
         self._failing = False
@@ -172,6 +177,7 @@ class Placer:
         await self.modules.turn()  # rate limited (settings.module_scaling_s)
         await self.preloader.turn()  # rate limited (settings.preload_interval_s)
         await self.pinning.turn()  # rate limited (settings.pin_check_s)
+        await self.prewarmer.turn()  # rate limited (settings.prewarm_check_s)
 
     # --- decisions ---------------------------------------------------------------------------
     async def place_queued(self) -> None:
@@ -224,6 +230,7 @@ class Placer:
                 with decision_span(p, plan):
                     pass
             return nodes  # still ours: the intake renews the claim every turn
+        p.request = self.prewarmer.with_window(p.request, record)  # (pre-warming on)
         with decision_span(p, plan) as outcome:
             if plan.action is PlaceAction.DROP and p.refused_by_fault:
                 # A node failed it; the time its retries took is not overload: say what failed.

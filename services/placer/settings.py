@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from shared.core.config import CoreConfig
 from shared.core.module_scaling import ModuleSettings
 from shared.core.preload import PRELOAD_INTERVAL_S
+from shared.core.prewarm import PrewarmConfig
 from shared.settings import (core_config_from_env, env_bool, env_float, env_int, env_nats_url,
                              env_redis_url, env_str, env_stream_replicas)
 
@@ -39,6 +40,10 @@ class PlacerSettings:
     # cluster view this long (a Redis failover can leave a live node out of the view for
     # seconds: a multihost run re-placed a request its node had already finished).
     node_gone_s: float = 15.0
+    # Predictive pre-warming (services/placer/prewarmer.py, on with SLINFER_PREWARM): the idle-time
+    # histogram's bins (the paper's: 1 minute, 240 of them) and how often pre-warms are planned.
+    prewarm: PrewarmConfig = PrewarmConfig()
+    prewarm_check_s: float = 0.5
 
     @classmethod
     def from_env(cls) -> PlacerSettings:
@@ -54,6 +59,10 @@ class PlacerSettings:
                                                         minimum=0.0),
                    pin_check_s=env_float("SLINFER_PIN_CHECK_S", 1.0, minimum=0.0),
                    node_gone_s=env_float("SLINFER_NODE_GONE_S", 15.0, minimum=0.0),
+                   prewarm=PrewarmConfig(
+                       bin_s=env_float("SLINFER_PREWARM_BIN_S", 60.0, minimum=1e-3),
+                       bins=env_int("SLINFER_PREWARM_BINS", 240, minimum=1)),
+                   prewarm_check_s=env_float("SLINFER_PREWARM_CHECK_S", 0.5, minimum=0.01),
                    modules=ModuleSettings(
                        hop_latency_s=env_float("SLINFER_MODULE_HOP_LATENCY_S", 1e-3, minimum=0.0),
                        link_bytes_per_s=env_float("SLINFER_MODULE_LINK_BYTES_PER_S", 1.25e9,
