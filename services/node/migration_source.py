@@ -61,19 +61,22 @@ class MigrationSource:
         await self._publish_view()
         node_id = self.rt.s.node_id
         stuck: set[str] = set()  # requests that can never move: not tried again
+        homeless: set[str] = set()  # requests a try found no destination for (recorded once)
         while not self.rt.stopping:
             todo = [rid for rid in self.book.live if rid not in self.book.migrating and rid not in stuck]
             if not todo:
                 break
             for rid in todo:
-                if not await self._drain_one(rid, node_id):
+                if not await self._drain_one(rid, node_id, homeless):
                     stuck.add(rid)
             if any(rid in self.book.live for rid in todo):
                 await asyncio.sleep(self.policy.drain_retry_s)
         log.info("node %s drained: %d requests still finishing here", node_id, len(self.book.live))
 
-    async def _drain_one(self, rid: str, node_id: str) -> bool:
-        """One try at moving `rid` off; False when no try ever can (the source refuses it)."""
+    async def _drain_one(self, rid: str, node_id: str, homeless: set[str]) -> bool:
+        """One try at moving `rid` off; False when no try ever can (the source refuses it). A
+        try with nowhere to go is recorded for the request's first only (`homeless`): the
+        retries every second would crowd the migration history out."""
         live = self.book.live.get(rid)
         if live is None or rid in self.book.migrating:
             return True
@@ -84,7 +87,10 @@ class MigrationSource:
             return True
         dest = choose_destination(nodes, live.request.model, node_id)
         if dest is None:  # recorded, as a refused try is
-            self.migrations.append(MigrationLog(rid, node_id, "", time.time(), reason="no destination"))
+            if rid not in homeless:
+                homeless.add(rid)
+                self.migrations.append(MigrationLog(rid, node_id, "", time.time(),
+                                                    reason="no destination"))
             return True
         moved = await self.migrate_out(rid, *dest)
         if dest[1] is not None and moved.reason == f"refused: {AdmitReason.INSTANCE_GONE.value}":
