@@ -29,7 +29,8 @@ carry the plan out with the nodes, and take the node's answer.
     commands.py     one node command and its reply
     scaleout.py     λScale multicasts for the new instances a turn admitted
     tracing.py      the decision spans
-    burst.py, module_scaler.py, preloader.py, pinning.py, readiness.py: plug-ins on the port
+    burst.py, module_scaler.py, preloader.py, pinning.py, prewarmer.py, readiness.py: plug-ins on
+    the port
 """
 
 from __future__ import annotations
