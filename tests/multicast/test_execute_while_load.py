@@ -115,6 +115,9 @@ async def test_a_new_instance_serves_through_a_pipeline_before_its_copy_is_whole
         assert finals[early].error is None and finals[early].node_id == HEAD
         assert finals[early].output_token_ids == reference
         assert placer.decisions.get("new_instance") == 1
+        # The placer's report comes when its multicast's last exchange with the holder ends,
+        # which may be after the head took its layers back (a loaded run: 80 ms after).
+        await until(lambda: placer.multicast_reports, timeout_s=60, what="the multicast's report")
         (report,) = placer.multicast_reports
         assert report.ok and [d.node for d in report.destinations] == [HEAD]
         # The holder hosted the stage and lets it go; the head runs every layer itself.

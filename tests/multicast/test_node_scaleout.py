@@ -101,7 +101,9 @@ async def test_a_burst_scales_small_out_to_four_nodes_by_multicast_and_each_serv
         outputs = {tuple(finals[r].output_token_ids) for r in rids}
         assert len(outputs) == 1  # same weights, same prompt, greedy: the same tokens
 
-        # One multicast from the holder to the four nodes, every copy whole and in a DRAM tier.
+        # One multicast from the holder to the four nodes, every copy whole and in a DRAM tier
+        # (its report comes when its last exchange with the holder ends).
+        await until(lambda: not placer.scaleout.running, timeout_s=60, what="the multicast's report")
         reports = list(placer.multicast_reports)
         assert len(reports) == 1, [r.to_dict() for r in reports]
         report = reports[0]
