@@ -82,3 +82,43 @@ def test_through_the_nodes_checkpoint_loader(real_model_dir, real_tokenizer, tmp
     answer, _ = greedy_answer(engine, real_tokenizer, "What is the capital of France?")
     assert engine.load_info["source"] == "loader"
     assert "Paris" in answer, answer
+
+
+def test_two_instances_loading_at_once_both_come_out_whole(real_model_dir, tmp_path):
+    """A node loads two instances side by side (the reservation station lets ops of different
+    instances overlap), one from the model's files and one through its loader. transformers
+    switches process-wide state while it builds a model, so without the engines taking turns to
+    build, about a third of such loads came out with meta buffers (`make test` run 29: "Cannot
+    copy out of meta tensor")."""
+    import threading
+
+    from services.node.loader import CheckpointLoader, LoaderSettings, convert_checkpoint
+
+    converted = tmp_path / real_model_dir.name
+    converted.mkdir()
+    for f in real_model_dir.iterdir():
+        os.link(f, converted / f.name)
+    convert_checkpoint(converted)
+    loader = CheckpointLoader(LoaderSettings(dram_cache_bytes=1 << 30, dram_bytes_per_s=1e10))
+    failures: list[str] = []
+
+    def load_and_unload(make) -> None:
+        for _ in range(8):
+            engine = make()
+            try:
+                engine.load()
+                assert not any(t.is_meta for t in engine.model.state_dict().values())
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                failures.append(repr(exc)[:120])
+            finally:
+                engine.unload()
+
+    threads = [threading.Thread(target=load_and_unload, args=(make,)) for make in (
+        lambda: TorchEngine(real_model_dir, device="cpu"),
+        lambda: TorchEngine(converted, device="cpu", loader=loader))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loader.close()
+    assert not failures, failures

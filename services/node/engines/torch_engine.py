@@ -49,7 +49,7 @@ from .split import Split
 from .stage_client import StageClient
 from .torch_kernel import (DECODE_WORKSPACE_BYTES, DEFAULT_BLOCK_SIZE, StepSpec, Workspace,
                            abort_step, decoder_layer, finish_step, open_attention, reserve_step)
-from .weights import (DTYPES, check_supported, config_dtype, layer_of, partial_model,
+from .weights import (BUILD_LOCK, DTYPES, check_supported, config_dtype, layer_of, partial_model,
                       read_tensors, rebuild_meta_buffers, weight_bytes)
 
 DEFAULT_KV_TOKENS = 16384  # default pool: min(this, 4 x context length) tokens
@@ -130,11 +130,13 @@ class TorchEngine(RequestBook):
             if loader.has_checkpoint(self.model_dir):
                 model = self._model_from_loader(loader, config)
             else:
-                model = self._model_from_hf()
+                with BUILD_LOCK:  # (weights.BUILD_LOCK: builds take turns)
+                    model = self._model_from_hf()
         finally:
             if self._loader is None:
                 loader.close()
-        self.model = model.to(self.device).eval()
+        with BUILD_LOCK:
+            self.model = model.to(self.device).eval()
         self.load_info["seconds"] = time.perf_counter() - started
         self.config = config
         self.dtype = self.model.dtype
@@ -266,11 +268,12 @@ class TorchEngine(RequestBook):
         dtype = DTYPES[self.dtype_name] if self.dtype_name else config_dtype(config, state)
         if any(t.is_floating_point() and t.dtype != dtype for t in state.values()):
             state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()
-        rebuild_meta_buffers(model, config, self.device)
+        with BUILD_LOCK:  # the checkpoint was read above, outside it
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.load_state_dict(state, strict=False, assign=True)
+            model.tie_weights()
+            rebuild_meta_buffers(model, config, self.device)
         if left := [n for n, p in model.named_parameters() if p.is_meta]:
             raise ValueError(f"the checkpoint of {self.model_dir} lacks {left[:5]}")
         if (self.model_dir / "generation_config.json").is_file():

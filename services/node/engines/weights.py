@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -68,6 +69,14 @@ def read_tensors(model_dir: str | Path, wanted: Callable[[str], bool]) -> dict[s
     return out
 
 
+# Building a model is not thread-safe: transformers' from_pretrained and from_config switch
+# process-wide state while they run (module registration patched to put tensors on the meta
+# device, the default dtype), so two instances loading at once on one node could leave one with
+# meta buffers ("Cannot copy out of meta tensor", in a run of `make test`: two instances of one
+# model loading side by side). Builds take turns; reading the checkpoint does not need to.
+BUILD_LOCK = threading.Lock()
+
+
 def partial_model(config, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                   device: torch.device, local: Callable[[str], bool]) -> torch.nn.Module:
     """The model built on the meta device with `tensors` as its parameters (assign: on CPU they
@@ -79,11 +88,12 @@ def partial_model(config, tensors: Mapping[str, torch.Tensor], dtype: torch.dtyp
     dtype = dtype or config_dtype(config, state)
     state = {k: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
              for k, t in state.items()}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    rebuild_meta_buffers(model, config, device)
+    with BUILD_LOCK:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()
+        rebuild_meta_buffers(model, config, device)
     if missing := [n for n, p in model.named_parameters() if p.is_meta and local(n)]:
         raise ValueError(f"the checkpoint lacks {missing[:5]}")
     return model.eval()
