@@ -72,7 +72,8 @@ def announcement(req: InferenceRequest, node_id: str) -> TokenMessage:
 
 # Request ids of warm-ups: requests that only start an instance (pinning's, the admin's preload,
 # a pre-warm's stand-in). The pre-warming policy does not count them as calls of their model.
-WARM_UP_PREFIXES = ("pin-", "preload-", "prewarm-")
+PIN_ID_PREFIX, PRELOAD_ID_PREFIX, PREWARM_ID_PREFIX = "pin-", "preload-", "prewarm-"
+WARM_UP_PREFIXES = (PIN_ID_PREFIX, PRELOAD_ID_PREFIX, PREWARM_ID_PREFIX)
 
 
 def is_warm_up(request_id: str) -> bool:

@@ -19,8 +19,8 @@ import dataclasses
 import enum
 import types
 import typing
-from functools import cache
 from collections.abc import Callable
+from functools import cache
 from typing import Any, TypeVar
 
 import msgpack
@@ -122,9 +122,6 @@ class _Refused(Exception):
     """A compiled decoder met what it does not accept (the reference walk says why)."""
 
 
-_REFUSED = _Refused()  # raised often inside unions: one instance, no traceback to build
-
-
 Decoder = Callable[[Any], Any]
 _DECODERS: dict[Any, Decoder] = {}
 
@@ -162,27 +159,27 @@ def _compile(tp: Any) -> Decoder:
 
 
 def _refuse(value: Any) -> Any:
-    raise _REFUSED
+    raise _Refused()
 
 
 def _float(value: Any) -> float:
     if type(value) is float:
         return value
     if type(value) is bool or not isinstance(value, (int, float)):
-        raise _REFUSED
+        raise _Refused()
     return float(value)
 
 
 def _int(value: Any) -> int:
     if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    raise _REFUSED
+    raise _Refused()
 
 
 def _exactly(tp: type) -> Decoder:
     def check(value: Any) -> Any:
         if not isinstance(value, tp):
-            raise _REFUSED
+            raise _Refused()
         return value
     return check
 
@@ -199,7 +196,7 @@ def _union_decoder(args: tuple) -> Decoder:
                 return _decoder(variant)(value)
             except _Refused:
                 continue
-        raise _REFUSED
+        raise _Refused()
     return decode_union
 
 
@@ -210,7 +207,7 @@ def _dataclass_decoder(cls: type) -> Decoder:
     def decode_dataclass(value: Any) -> Any:
         nonlocal plan
         if not isinstance(value, dict):
-            raise _REFUSED
+            raise _Refused()
         if plan is None:
             hints = _hints(cls)
             plan = [(f.name, _decoder(hints[f.name]),
@@ -221,7 +218,7 @@ def _dataclass_decoder(cls: type) -> Decoder:
             if name in value:
                 kwargs[name] = decode_field(value[name])
             elif required:
-                raise _REFUSED
+                raise _Refused()
         return cls(**kwargs)
     return decode_dataclass
 
@@ -231,7 +228,7 @@ def _enum_decoder(cls: type[enum.Enum]) -> Decoder:
         try:
             return cls(value)
         except ValueError:
-            raise _REFUSED from None
+            raise _Refused() from None
     return decode_enum
 
 
@@ -240,7 +237,7 @@ def _sequence_decoder(item: Any, as_tuple: bool) -> Decoder:
 
     def decode_sequence(value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
-            raise _REFUSED
+            raise _Refused()
         if exact is not None and exact.issuperset(map(type, value)):
             items = value  # already what the hint asks: no call per item
         else:
@@ -253,7 +250,7 @@ def _sequence_decoder(item: Any, as_tuple: bool) -> Decoder:
 def _dict_decoder(key: Any, val: Any) -> Decoder:
     def decode_dict(value: Any) -> Any:
         if not isinstance(value, dict):
-            raise _REFUSED
+            raise _Refused()
         decode_key, decode_val = _decoder(key), _decoder(val)
         return {decode_key(k): decode_val(v) for k, v in value.items()}
     return decode_dict

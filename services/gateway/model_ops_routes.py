@@ -27,7 +27,7 @@ from services.gateway.service import Prepared
 from services.gateway.tokenization import tokenizer_eos_ids
 from services.gateway.validation import SamplingParams, _Strict, keep_alive_seconds, parse_body
 from shared import wire
-from shared.cluster import decode_reply, read_nodes
+from shared.cluster import PRELOAD_ID_PREFIX, decode_reply, read_nodes
 from shared.core.types import InstanceStatus, NodeView
 from shared.schemas import CommandKind, ModelRecord, NodeCommand
 from shared.subjects import node_command_subject
@@ -66,7 +66,7 @@ async def preload_model(name: str, caller: Caller, raw: OptionalBody,
     prompt = (list(record.eos_token_ids) or tokenizer_eos_ids(tokenizer) or [0])[:1]
     prepared = Prepared(record=record, tokenizer=tokenizer, prompt_ids=prompt, params=params,
                         max_tokens=1)
-    choices = await service.start(prepared, f"preload-{uuid.uuid4().hex}",
+    choices = await service.start(prepared, f"{PRELOAD_ID_PREFIX}{uuid.uuid4().hex}",
                                   record.owner or caller.tenant, "preload")
     run = choices[0]
     try:

@@ -19,7 +19,7 @@ from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared import wire
 from shared.bus import publish_retrying
-from shared.cluster import read_nodes, warm_up_request
+from shared.cluster import PIN_ID_PREFIX, read_nodes, warm_up_request
 from shared.core.keepalive import pin_shortfall
 from shared.schemas import ModelRecord
 from shared.subjects import REQUEST_SUBJECT, pin_lease_key
@@ -58,7 +58,7 @@ class PinKeeper:
 
     async def _start(self, record: ModelRecord, lacking: int) -> None:
         now = time.time()
-        req = warm_up_request(record, f"pin-{uuid.uuid4().hex}", now, timeout_s=LEASE_S)
+        req = warm_up_request(record, f"{PIN_ID_PREFIX}{uuid.uuid4().hex}", now, timeout_s=LEASE_S)
         await publish_retrying(self.p.nc.jetstream(), REQUEST_SUBJECT, wire.encode(req),
                                {"Nats-Msg-Id": req.request_id})
         self.started.append(record.name)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
-from shared.cluster import is_warm_up, model_spec, read_nodes, warm_up_request
+from shared.cluster import PREWARM_ID_PREFIX, is_warm_up, model_spec, warm_up_request
 from shared.core.prewarm import IdleTracker, PrewarmConfig, PrewarmPlan, plan_prewarms
 from shared.core.types import NodeView
 from shared.schemas import CommandKind, InferenceRequest, ModelRecord, NodeCommand
@@ -91,10 +91,10 @@ class Prewarmer:
         await self._periodic.turn()
 
     async def _check(self) -> None:
-        nodes = await read_nodes(self.p.redis)
+        nodes, listed = await self.p.read_turn()
         now = time.time()
         self.ended_in(nodes, now)
-        records = {r.name: r for r in await self.p.registry.list() if r.base_model is None}
+        records = {r.name: r for r in listed if r.base_model is None}
         specs = {name: model_spec(r) for name, r in records.items()}
         await self.p.refresh_perf()
         for plan in plan_prewarms(self.tracker, specs, nodes, self.p.perf, now, self.p.s.core):
@@ -115,7 +115,7 @@ class Prewarmer:
                 self.tracker.ended(call.model, min(seen, now))
 
     async def _start(self, plan: PrewarmPlan, record: ModelRecord, now: float) -> None:
-        stand_in = warm_up_request(record, f"prewarm-{uuid.uuid4().hex}", now, STAND_IN_TIMEOUT_S)
+        stand_in = warm_up_request(record, f"{PREWARM_ID_PREFIX}{uuid.uuid4().hex}", now, STAND_IN_TIMEOUT_S)
         cmd = NodeCommand(CommandKind.START_INSTANCE, request=stand_in,
                           model=replace(record, keep_alive_s=plan.keep_alive_s))
         reply = await self.p.command(plan.node_id, cmd)

@@ -135,8 +135,7 @@ class TorchEngine(RequestBook):
         finally:
             if self._loader is None:
                 loader.close()
-        with BUILD_LOCK:
-            self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()
         self.load_info["seconds"] = time.perf_counter() - started
         self.config = config
         self.dtype = self.model.dtype
