@@ -91,11 +91,14 @@ def _retry(failover: bool = False) -> dict:
             "retry_on_error": [RedisConnectionError]}
 
 
-def open_redis(url: str, timeout_s: float | None = None) -> Redis:
-    """An async client for `url`; `timeout_s` bounds connecting and each socket read/write."""
+def open_redis(url: str, timeout_s: float | None = None,
+               connect_timeout_s: float | None = None) -> Redis:
+    """An async client for `url`; `timeout_s` bounds each socket read/write, and connecting
+    too unless `connect_timeout_s` says otherwise."""
+    connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
     if url.startswith(SENTINEL_SCHEME):
-        return _open_sentinel(parse_sentinel_url(url), timeout_s)
-    return Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+        return _open_sentinel(parse_sentinel_url(url), timeout_s, connect_s)
+    return Redis.from_url(url, socket_connect_timeout=connect_s, socket_timeout=timeout_s,
                           **_retry())
 
 
@@ -114,12 +117,13 @@ class _AskingConnection(SentinelManagedConnection):
         await self.connect()  # asks the Sentinels, then connect_to() the primary they name
 
 
-def _open_sentinel(target: SentinelTarget, timeout_s: float | None) -> Redis:
+def _open_sentinel(target: SentinelTarget, timeout_s: float | None,
+                   connect_s: float | None) -> Redis:
     asking = timeout_s or SENTINEL_TIMEOUT_S
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={
-        "socket_connect_timeout": asking, "socket_timeout": asking})
+        "socket_connect_timeout": connect_s or asking, "socket_timeout": asking})
     return sentinel.master_for(target.master, db=target.db, password=target.password,
-                               socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                               socket_connect_timeout=connect_s, socket_timeout=timeout_s,
                                connection_class=_AskingConnection, **_retry(failover=True))
 
 

@@ -19,13 +19,22 @@ from shared.redis_client import open_redis
 
 S = TypeVar("S")
 
+# A placer's or a node's Redis commands are short (none blocks on the server): one unanswered
+# for REDIS_TIMEOUT_S is stuck on a connection the network lost, and fails so that the next
+# command opens a new one. A connect gets less: started while the network is cut, its SYN is
+# lost and the kernel resends it only after 1, 3, 7... s, so a connect left to the kernel kept a
+# node out of the cluster view for 5 s after a cut host came back (tests/cluster); a bounded one
+# is tried again, fresh, at once.
+REDIS_TIMEOUT_S = 5.0
+REDIS_CONNECT_TIMEOUT_S = 1.0
+
 
 Body = Callable[[S, NATS, Redis, asyncio.Event, telemetry.Telemetry], Awaitable[None]]
 
 
 async def _serve(settings, client_name: str, body: Body, tel: telemetry.Telemetry) -> None:
     nc = await connect_nats(settings.nats_url, client_name)
-    redis = open_redis(settings.redis_url)
+    redis = open_redis(settings.redis_url, REDIS_TIMEOUT_S, REDIS_CONNECT_TIMEOUT_S)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -65,3 +65,47 @@ def test_a_redis_that_is_down_fails_at_once(tmp_path):
             await redis.aclose()
 
     asyncio.run(run())
+
+
+def test_a_connect_whose_syn_is_lost_gives_up_at_its_own_timeout():
+    """A listener whose accept queue is full drops SYNs, as a cut network does: a connect left
+    to the kernel waits for its SYN retries (1, 3, 7... s, still waiting here after 3 s), one
+    with `connect_timeout_s` fails at that bound so the next command can connect afresh (what
+    kept a node out of the cluster view for seconds after its host's network came back)."""
+    import socket
+
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # the queue's one place: now full
+    url = f"redis://127.0.0.1:{port}"
+
+    async def run() -> tuple[bool, type]:
+        kernel = open_redis(url)  # as the placer and nodes opened it: the kernel decides
+        bounded = open_redis(url, 5.0, connect_timeout_s=0.3)
+        try:
+            try:
+                await asyncio.wait_for(kernel.ping(), 3.0)
+                kernel_waited = False
+            except asyncio.TimeoutError:
+                kernel_waited = True
+            try:
+                await asyncio.wait_for(bounded.ping(), 3.0)
+                raised = type(None)
+            except Exception as exc:  # noqa: BLE001 - which one is the point
+                raised = type(exc)
+            return kernel_waited, raised
+        finally:
+            await kernel.aclose()
+            await bounded.aclose()
+
+    try:
+        kernel_waited, raised = asyncio.run(run())
+    finally:
+        filler.close()
+        listener.close()
+    assert kernel_waited, "the kernel completed a connect to a full listener: the test is moot"
+    assert raised is RedisTimeoutError, raised

@@ -91,6 +91,8 @@ class MigrationSource:
                 homeless.add(rid)
                 self.migrations.append(MigrationLog(rid, node_id, "", time.time(),
                                                     reason="no destination"))
+                log.info("drain: no other node in the cluster view can take %s now; it runs "
+                         "here and is tried again every %.1f s", rid, self.policy.drain_retry_s)
             return True
         moved = await self.migrate_out(rid, *dest)
         if dest[1] is not None and moved.reason == f"refused: {AdmitReason.INSTANCE_GONE.value}":

@@ -114,6 +114,24 @@ def _node_ids(cluster: Cluster) -> set[str] | None:
     return {n["node_id"] for n in json.loads(body)["data"]}
 
 
+def _until_fresh(cluster: Cluster, node_ids: set[str], since: float, timeout_s: float = 60
+                 ) -> float:
+    """Until the cluster view holds a snapshot of each of `node_ids` taken after `since` (wall
+    clock; the hosts share this machine's); when (wall clock) that was first seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            body = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
+                                 OPERATOR_KEY)
+            fresh = {n["node_id"] for n in json.loads(body)["data"] if n["heartbeat"] > since}
+            if node_ids <= fresh:
+                return time.time()
+        except RuntimeError:  # the gateway could not say just now: ask again
+            pass
+        assert time.monotonic() < deadline, f"{node_ids} not all back in the view"
+        time.sleep(0.2)
+
+
 def _until_held_by(cluster: Cluster, request_id: str, node_id: str, timeout_s: float = 60) -> None:
     """Until the cluster view shows `node_id` holding `request_id` (a live migration to it
     committed): only then may the source's host die without the request being resumed."""
@@ -127,8 +145,24 @@ def _until_held_by(cluster: Cluster, request_id: str, node_id: str, timeout_s: f
                 return
         except RuntimeError:  # the gateway could not say just now: ask again
             pass
-        assert time.monotonic() < deadline, f"{request_id} never moved to {node_id}"
+        assert time.monotonic() < deadline, (f"{request_id} never moved to {node_id}; what "
+                                             f"the nodes said:\n{_migration_story(cluster)}")
         time.sleep(0.2)
+
+
+def _migration_story(cluster: Cluster) -> str:
+    """The nodes' log lines about drains, migrations and their refusals, and the views of the
+    cluster then: what a failed move needs to be understood after the test's hosts are gone."""
+    words = ("drain", "migrat", "refus", "destination", "view", "reconnect", "disconnect")
+    lines = [f"{name}: {line}" for name in ("node-0", "node-1")
+             for line in cluster.procs[name].log().splitlines()
+             if any(w in line.lower() for w in words)]
+    try:
+        nodes = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
+                              OPERATOR_KEY)
+    except RuntimeError as exc:
+        nodes = f"(the gateway could not say: {exc})"
+    return "\n".join(lines[-60:] + [f"/admin/nodes: {nodes[-3000:]}"])
 
 
 def other(node_id: str) -> str:
@@ -174,6 +208,10 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
             seg["h3"].cut()
             time.sleep(8)
             seg["h3"].heal()
+            healed = time.time()
+            # node-1 serves again once its heartbeat reaches Redis: until then a drain of
+            # node-0 has nowhere to go (node-0 alone serves the load)
+            back_after = _until_fresh(cluster, {"node-0", "node-1"}, healed) - healed
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the cut")
 
             # A live migration across hosts: the node holding a long request drains it to the
@@ -218,6 +256,7 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
                "fault_free_request_s": round(statistics.median(
                    o.seconds for o in outcomes if o.ok and o.ended < min(faults.values())), 2),
                "node_left_view_after_s": round(left_after, 2),
+               "cut_node_back_in_view_after_s": round(back_after, 2),
                "long_request_moved": [n for _, n in path],
                "multicast": {k: mc[k] for k in ("bytes", "seconds", "blocks_received")}}
     print(f"\nmulti-host: {json.dumps(summary)}")
