@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import replace
 
@@ -63,7 +64,7 @@ class LayerMoves:
         s = rt.s
         self.host = StageHost(None, bind_host=s.multicast_host,
                               advertise_host=s.multicast_advertise_host, device=s.device)
-        self._tended = 0.0
+        self._tended = -math.inf  # never (monotonic time counts from boot)
         self._drift_logged: set[str] = set()
         # Stage key -> (its meter, the forward seconds and the time it was last sampled at), for
         # the stages hosted with a load (moved layers).

@@ -5,6 +5,7 @@ logged (once per run of failures) and never becomes the turn's: placement must g
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,7 +22,9 @@ class Periodic:
         self.enabled = enabled and interval_s > 0
         self.log = log
         self.failed = failed
-        self.last = 0.0  # time.monotonic() of the last run
+        # time.monotonic() of the last run; never yet: -inf, not 0.0, since the monotonic
+        # clock counts from boot and a box up for less than `interval_s` would wait it out
+        self.last = -math.inf
         self.failing = False
 
     async def turn(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import replace
 
@@ -100,7 +101,7 @@ class Placer:
         self.prewarmer = Prewarmer(self.port, settings.prewarm, settings.prewarm_check_s)
         self.intake.on_arrival.append(self.prewarmer.note)
         self.intake.on_answer.append(self.prewarmer.answered)
-        self._kept_at = 0.0
+        self._kept_at = -math.inf  # never (monotonic time counts from boot)
         self.errors = 0  # run-loop turns that failed (Redis or NATS trouble)
         self._failing = False
         tel = telemetry or tm.local("placer")

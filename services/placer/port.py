@@ -4,6 +4,7 @@ the profiles as last read, the decision counts, and node commands."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from nats.aio.client import Client as NATS
@@ -27,7 +28,7 @@ class PlacerPort:
         self.nc, self.redis = nc, redis
         self.registry = ModelRegistry(redis)
         self.perf = PerfModel()  # the profiles as last read (`refresh_perf`)
-        self._perf_at = 0.0
+        self._perf_at = -math.inf  # never (monotonic time counts from boot)
         self.decisions: dict[str, int] = {}  # what was decided -> count (tests, metrics)
         self._node_ids: list[str] = []  # the members of the last `read_turn`
 
@@ -60,7 +61,7 @@ class PlacerPort:
 
     def reread_perf(self) -> None:
         """A profile was stored that the copy lacks: the next `refresh_perf` reads them."""
-        self._perf_at = 0.0
+        self._perf_at = -math.inf  # never (monotonic time counts from boot)
 
     async def command(self, node_id: str, cmd: NodeCommand,
                       timeout_s: float | None = None) -> NodeReply | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from services.placer.periodic import Periodic
 
@@ -18,6 +19,15 @@ class Work:
         self.runs += 1
         if self.fail:
             raise RuntimeError("boom")
+
+
+async def test_the_first_turn_runs_however_long_the_box_has_been_up() -> None:
+    """The monotonic clock counts from boot: an interval longer than the uptime must not hold
+    the first run back (it did, with "never" kept as 0.0: make test on a box up for 42 minutes
+    failed the hour-long interval's tests below)."""
+    work = Work()
+    await Periodic(work, time.monotonic() + 3600.0, log, "failed (%r)").turn()
+    assert work.runs == 1
 
 
 async def test_it_runs_at_most_once_per_interval() -> None:
