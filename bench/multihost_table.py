@@ -44,11 +44,15 @@ def totals(runs: list[dict]) -> str:
     moved = sum(1 for run in runs if len(run["long_request_moved"]) == 2)
     left = [run["node_left_view_after_s"] for run in runs]
     cast = [run["multicast"]["seconds"] * 1e3 for run in runs]
+    back = [run["cut_node_back_in_view_after_s"] for run in runs
+            if "cut_node_back_in_view_after_s" in run]  # recorded since 36e941c
+    back_line = (f" The cut host's node was back in the view {min(back):.1f}-{max(back):.1f} s "
+                 f"after its network was." if back else "")
     answered = ", ".join(f"{n} answered {code}" for code, n in sorted(errors.items())) or "no errors"
     return (f"Over the {len(runs)} runs: {sum(r['requests'] for r in runs)} requests, "
             f"{sum(r['completed'] for r in runs)} completed with the fault-free text, {answered}, "
             f"{sum(r['ran_twice'] for r in runs)} ran twice. The dead node left the cluster view "
-            f"{min(left):.1f}-{max(left):.1f} s after its host died. The multicast moved "
+            f"{min(left):.1f}-{max(left):.1f} s after its host died.{back_line} The multicast moved "
             f"{runs[0]['multicast']['bytes'] / 1e6:.1f} MB ({runs[0]['multicast']['blocks_received']}"
             f" blocks) between the hosts in {min(cast):.0f}-{max(cast):.0f} ms; the 1,500-token "
             f"request moved live from the drained node to the other host in {moved} of "

@@ -19,7 +19,7 @@ from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared import wire
 from shared.bus import publish_retrying
-from shared.cluster import PIN_ID_PREFIX, read_nodes, warm_up_request
+from shared.cluster import PIN_ID_PREFIX, warm_up_request
 from shared.core.keepalive import pin_shortfall
 from shared.schemas import ModelRecord
 from shared.subjects import REQUEST_SUBJECT, pin_lease_key
@@ -42,11 +42,10 @@ class PinKeeper:
         await self._periodic.turn()
 
     async def _check(self) -> None:
-        pinned = {r.name: r for r in await self.p.registry.list()
-                  if r.min_instances > 0 and r.base_model is None}
+        nodes, records = await self.p.read_turn()
+        pinned = {r.name: r for r in records if r.min_instances > 0 and r.base_model is None}
         if not pinned:
             return
-        nodes = await read_nodes(self.p.redis)
         short = pin_shortfall({n: r.min_instances for n, r in pinned.items()}, nodes)
         for name in pinned:
             if name not in short:

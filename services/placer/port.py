@@ -36,14 +36,15 @@ class PlacerPort:
         """The live nodes' views and the registry's records, as a turn decides on them, in one
         Redis round trip: the snapshots asked for are those of the nodes the last read found
         (a node that joined or left since costs a second trip)."""
+        asked = self._node_ids  # as of now: another caller's read may replace it meanwhile
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(NODES_SET)
             pipe.hgetall(MODELS_HASH)
-            if self._node_ids:
-                pipe.mget([node_key(i) for i in self._node_ids])
+            if asked:
+                pipe.mget([node_key(i) for i in asked])
             members, models, *known = await pipe.execute()
         ids, blobs = member_ids(members), (known[0] if known else [])
-        if ids != self._node_ids:
+        if ids != asked:
             blobs = await self.redis.mget([node_key(i) for i in ids]) if ids else []
             self._node_ids = ids
         return await views_of(self.redis, ids, blobs), records_of(models)

@@ -16,7 +16,6 @@ import time
 from services.placer.periodic import Periodic
 from services.placer.port import PlacerPort
 from shared import wire
-from shared.cluster import read_nodes
 from shared.core.lora import CallRates
 from shared.core.preload import Preloadable, cluster_preload, plan_valid_s
 from shared.schemas import InferenceRequest, ModelRecord, PreloadPlan
@@ -52,8 +51,8 @@ class ClusterPreloader:
         if not called:
             return
         now = time.time()
-        nodes = await read_nodes(self.p.redis)
-        known = preloadables({r.name: r for r in await self.p.registry.list()})
+        nodes, records = await self.p.read_turn()
+        known = preloadables({r.name: r for r in records})
         plans = cluster_preload(called, known, self.rates, nodes, self.p.perf, now,
                                 self.p.s.core.watermark)
         valid_s = plan_valid_s(self.interval_s)

@@ -42,3 +42,20 @@ async def test_the_turn_read_follows_nodes_joining_leaving_and_expiring(servers,
     assert await redis.smembers(NODES_SET) == {b"g0"}  # and it left the set
     await remove_node(redis, "g0")
     assert await port.read_turn() == ([], [r for r in await registry.list()])
+
+
+async def test_reads_side_by_side_each_see_the_nodes_they_asked_for(servers, conns) -> None:
+    """Two turn reads in flight at once (the pre-warmer's, pinning's, the turn's own) while a
+    node joins: the one that asked for the old members' snapshots must not pair them with the
+    new members the other read recorded meanwhile."""
+    nc, redis = conns
+    port = PlacerPort(settings(servers), nc, redis)
+    await publish_node(redis, empty_gpu("g0"), ttl_s=60)
+    await port.read_turn()  # members: g0
+    await publish_node(redis, empty_gpu("g1", memory_gb=40), ttl_s=60)
+    for _ in range(20):  # interleavings vary with the event loop: try a few
+        port._node_ids = ["g0"]  # noqa: SLF001 - the state the race needs
+        reads = await asyncio.gather(*(port.read_turn() for _ in range(3)))
+        for views, _ in reads:
+            assert [(v.node_id, v.memory_bytes) for v in views] == [
+                ("g0", 80 * 1024**3), ("g1", 40 * 1024**3)]
