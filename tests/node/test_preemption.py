@@ -60,14 +60,19 @@ def _kv_after(harness: Harness, model: str, reqs) -> int:
 
 async def _crowded_node_and_a_home_for_the_victim(nc, redis, model_dir, core: CoreConfig = CORE):
     """Node A: alpha with two long requests, beta with one (the smaller neighbour), memory for
-    exactly that. Node B: plenty of memory and an instance of beta with one long request."""
+    exactly that. Node B: an instance of beta with one long request, and memory for the victim's
+    request beside it but not for an instance of alpha: the newcomer's only way in is the
+    preemption. (With room for alpha on B, a turn that found the preemption infeasible for a
+    moment, say while A's alpha KV was resizing, started alpha on B instead: make test run 45.)"""
     probe = Harness(nc, redis, model_dir, 1, "probe")
     alpha2 = [probe.request("alpha", PROMPT, ALPHA_OUT, ttft=30.0) for _ in range(2)]
     beta1 = [probe.request("beta", 64, LONG, ttft=30.0)]
-    weights = sum(probe.records[m].weight_bytes for m in MODELS)
-    memory = weights + _kv_after(probe, "alpha", alpha2) + _kv_after(probe, "beta", beta1)
+    beta2 = beta1 + [probe.request("beta", 64, LONG, ttft=30.0)]
+    weights = {m: probe.records[m].weight_bytes for m in MODELS}
+    memory = sum(weights.values()) + _kv_after(probe, "alpha", alpha2) + _kv_after(probe, "beta", beta1)
     a = Harness(nc, redis, model_dir, memory + 64 * 1024, "pre-a", heartbeat_s=0.05, core=core)
-    b = Harness(nc, redis, model_dir, 2 * memory, "pre-b", heartbeat_s=0.05, core=core)
+    b = Harness(nc, redis, model_dir, weights["beta"] + _kv_after(probe, "beta", beta2)
+                + weights["alpha"] // 2, "pre-b", heartbeat_s=0.05, core=core)
     await a.worker.start()
     await b.worker.start()
     return a, b
@@ -111,7 +116,7 @@ async def test_preemption_moves_the_victims_request_to_the_validated_instance(co
         victim, newcomer, beta_on_a, beta_on_b, runner = await _preempted_by_a_newcomer(
             nc, a, b, placer, stop)
         await a.wait([newcomer])
-        assert a.finals[newcomer.request_id].node_id == "pre-a"
+        assert a.finals[newcomer.request_id].node_id == "pre-a", placer.decisions
         assert placer.decisions.get("preempt_and_route") == 1, placer.decisions
 
         # The victim's instance on A is gone; its request lives on B's beta instance, where the
