@@ -6,10 +6,12 @@ not a timeout: the gateway turns it into a 503 at once)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.redis_client import open_redis
 from shared.servers import start_redis
@@ -70,12 +72,7 @@ def test_a_redis_that_is_down_fails_at_once(tmp_path):
 def test_a_connect_whose_syn_is_lost_gives_up_at_its_own_timeout():
     """A listener whose accept queue is full drops SYNs, as a cut network does: a connect left
     to the kernel waits for its SYN retries (1, 3, 7... s, still waiting here after 3 s), one
-    with `connect_timeout_s` fails at that bound so the next command can connect afresh (what
-    kept a node out of the cluster view for seconds after its host's network came back)."""
-    import socket
-
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
+    with `connect_timeout_s` fails at that bound so the next command can connect afresh."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)

@@ -103,15 +103,20 @@ def _stall(outcomes: list[Outcome], at: float) -> float:
     return (min(after) - at) if after else float("inf")
 
 
-def _node_ids(cluster: Cluster) -> set[str] | None:
-    """The cluster view's nodes; None when the gateway could not say (its Redis may be failing
-    over: the host that died may have held the valkey primary)."""
+def _view(cluster: Cluster) -> list[dict] | None:
+    """The cluster view's nodes (`/admin/nodes`); None when the gateway could not say (its Redis
+    may be failing over: the host that died may have held the valkey primary)."""
     try:
         body = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
                              OPERATOR_KEY)
     except RuntimeError:
         return None
-    return {n["node_id"] for n in json.loads(body)["data"]}
+    return json.loads(body)["data"]
+
+
+def _node_ids(cluster: Cluster) -> set[str] | None:
+    view = _view(cluster)
+    return None if view is None else {n["node_id"] for n in view}
 
 
 def _until_fresh(cluster: Cluster, node_ids: set[str], since: float, timeout_s: float = 60
@@ -120,14 +125,9 @@ def _until_fresh(cluster: Cluster, node_ids: set[str], since: float, timeout_s: 
     clock; the hosts share this machine's); when (wall clock) that was first seen."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            body = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
-                                 OPERATOR_KEY)
-            fresh = {n["node_id"] for n in json.loads(body)["data"] if n["heartbeat"] > since}
-            if node_ids <= fresh:
-                return time.time()
-        except RuntimeError:  # the gateway could not say just now: ask again
-            pass
+        view = _view(cluster)  # None: the gateway could not say just now; ask again
+        if view is not None and node_ids <= {n["node_id"] for n in view if n["heartbeat"] > since}:
+            return time.time()
         assert time.monotonic() < deadline, f"{node_ids} not all back in the view"
         time.sleep(0.2)
 
@@ -157,12 +157,9 @@ def _migration_story(cluster: Cluster) -> str:
     lines = [f"{name}: {line}" for name in ("node-0", "node-1")
              for line in cluster.procs[name].log().splitlines()
              if any(w in line.lower() for w in words)]
-    try:
-        nodes = cluster.probe(cluster.seg["h1"], "get", f"{cluster.gateway_url}/admin/nodes",
-                              OPERATOR_KEY)
-    except RuntimeError as exc:
-        nodes = f"(the gateway could not say: {exc})"
-    return "\n".join(lines[-60:] + [f"/admin/nodes: {nodes[-3000:]}"])
+    view = _view(cluster)
+    nodes = "(the gateway could not say)" if view is None else json.dumps(view)[-3000:]
+    return "\n".join(lines[-60:] + [f"/admin/nodes: {nodes}"])
 
 
 def other(node_id: str) -> str:
