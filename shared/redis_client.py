@@ -10,7 +10,9 @@ within its timeout, not three of them).
 
 Why Sentinel (not Valkey Cluster): the placer's transactions touch several keys at once, which a
 Cluster refuses across hash slots. After a failover, a connection to the old primary is dropped
-(refused, or READONLY once it is a replica) and the next one asks the Sentinels again.
+(refused, READONLY once it is a replica, or NOREPLICAS while it is cut off from its replicas and
+set to refuse writes then: `min-replicas-to-write`) and the next one asks the Sentinels again,
+all of them, trusting the one that knows the latest failover.
 
     redis+sentinel://[:password@]host1:26379,host2:26379/<master-name>[/<db>]
 
@@ -19,6 +21,7 @@ The password is the data servers' (the Sentinels themselves take none here).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +30,11 @@ from urllib.parse import unquote
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 RETRIES = 3  # enough for every stale pooled connection to be replaced by a fresh one
 BACKOFF_CAP_S, BACKOFF_BASE_S = 0.2, 0.02
@@ -102,11 +107,27 @@ def open_redis(url: str, timeout_s: float | None = None,
                           **_retry())
 
 
+NOREPLICAS = "NOREPLICAS"  # a primary with min-replicas-to-write refusing a write
+
+
 class _AskingConnection(SentinelManagedConnection):
     """A connection to the primary that asks the Sentinels where it is on every reconnect.
     redis-py's own (redis-py issue 3874) asks only on a pool's first connect: a command retried
     after the primary died reconnects through `connect_check_health` to the dead address until
     its retries run out, though the Sentinels promoted a replica a second in."""
+
+    async def read_response(self, *args, **kwargs):
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not str(exc).startswith(NOREPLICAS):
+                raise
+            # The primary is cut off from its replicas (the Sentinels may have promoted one on
+            # the other side). The write was refused, not done, so it is safe to retry it: drop
+            # the connection so that the retry asks the Sentinels where the primary is now.
+            await self.disconnect()
+            raise RedisConnectionError(
+                f"the primary at {self.host}:{self.port} refuses writes: {exc}") from exc
 
     async def connect_check_health(self, check_health: bool = True,
                                    retry_socket_connect: bool = True) -> None:
@@ -117,10 +138,46 @@ class _AskingConnection(SentinelManagedConnection):
         await self.connect()  # asks the Sentinels, then connect_to() the primary they name
 
 
+def newest_primary(states: list[dict]) -> tuple[str, int] | None:
+    """The primary named by the Sentinel whose configuration is newest (highest config-epoch:
+    each failover raises it), among Sentinels' `SENTINEL MASTERS` entries that see it up; the
+    first of them on a tie (the caller's order), None if there are none."""
+    if not states:
+        return None
+    best = max(states, key=lambda s: s.get("config-epoch", 0))  # max keeps the first on a tie
+    return best["ip"], int(best["port"])
+
+
+class _NewestSentinel(Sentinel):
+    """Asks every Sentinel at once and believes the newest configuration. redis-py's asks them
+    in turn, takes the first that answers and moves it to the front; a host cut off the network
+    with its Sentinel then keeps hearing, after the heal, from that Sentinel, which still names
+    the cut-off primary until the others' news reaches it (seconds; 4-12 s in the multi-host
+    test), while the others already name the one they promoted."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        replies = await asyncio.gather(*(s.sentinel_masters() for s in self.sentinels),
+                                       return_exceptions=True)
+        states, errors = [], []
+        for sentinel, reply in zip(self.sentinels, replies):
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, (RedisConnectionError, RedisTimeoutError)):
+                    raise reply
+                errors.append(f"{sentinel} - {reply!r}")
+            elif (state := reply.get(service_name)) and self.check_master_state(state,
+                                                                                  service_name):
+                states.append(state)
+        address = newest_primary(states)
+        if address is None:
+            raise MasterNotFoundError(f"No master found for {service_name!r}"
+                                      + (f" : {', '.join(errors)}" if errors else ""))
+        return address
+
+
 def _open_sentinel(target: SentinelTarget, timeout_s: float | None,
                    connect_s: float | None) -> Redis:
     asking = timeout_s or SENTINEL_TIMEOUT_S
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={
+    sentinel = _NewestSentinel(list(target.sentinels), sentinel_kwargs={
         "socket_connect_timeout": connect_s or asking, "socket_timeout": asking})
     return sentinel.master_for(target.master, db=target.db, password=target.password,
                                socket_connect_timeout=connect_s, socket_timeout=timeout_s,

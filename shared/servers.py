@@ -280,17 +280,36 @@ def start_nats_cluster(data_dir: Path, size: int = 3, host: str = "127.0.0.1",
     return servers
 
 
+# A primary refuses writes once no replica has acknowledged it for this long: cut off from its
+# replicas (and, behind Sentinels, from the majority that promotes one of them), it must not go
+# on taking writes that the failover discards. Replicas acknowledge every second, so on a busy
+# host a lag of 1-2 s is ordinary; the cost is writes taken in the first seconds of a cut.
+MIN_REPLICAS_MAX_LAG_S = 3
+
+
+def refuse_writes_alone(min_replicas: int) -> list[str]:
+    """valkey-server arguments: refuse writes unless `min_replicas` replicas are in reach (0:
+    always accept, for a server that runs alone)."""
+    if min_replicas <= 0:
+        return []
+    return ["--min-replicas-to-write", str(min_replicas),
+            "--min-replicas-max-lag", str(MIN_REPLICAS_MAX_LAG_S)]
+
+
 def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                 password: str | None = None, timeout_s: float = 15.0,
-                replica_of: ServerProcess | None = None) -> ServerProcess:
-    """A valkey server; with `replica_of`, a replica of that one (same password)."""
+                replica_of: ServerProcess | None = None,
+                min_replicas_to_write: int = 0) -> ServerProcess:
+    """A valkey server; with `replica_of`, a replica of that one (same password); with
+    `min_replicas_to_write`, one that refuses writes while it is a primary with fewer replicas
+    in reach."""
     port = port or free_port(host)
     # Durable: an append-only file in data_dir, fsynced every second (a crash of the server
     # alone loses nothing the kernel already has; a machine crash, at most the last second).
     # No RDB snapshots: the AOF is the one copy, rewritten in the background as it grows.
     argv = [redis_server_binary(), "--bind", host, "--port", str(port), "--dir", str(data_dir),
             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-            "--protected-mode", "no"]
+            "--protected-mode", "no"] + refuse_writes_alone(min_replicas_to_write)
     if password:
         argv += ["--requirepass", password]
     if replica_of is not None:

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.redis_client import open_redis
+from shared.redis_client import newest_primary, open_redis
 from shared.servers import start_redis
 
 pytestmark = pytest.mark.integration  # real valkey processes
@@ -106,3 +106,19 @@ def test_a_connect_whose_syn_is_lost_gives_up_at_its_own_timeout():
         listener.close()
     assert kernel_waited, "the kernel completed a connect to a full listener: the test is moot"
     assert raised is RedisTimeoutError, raised
+
+
+def _state(ip: str, epoch: int) -> dict:
+    return {"ip": ip, "port": 6379, "config-epoch": epoch}
+
+
+def test_the_newest_sentinel_configuration_names_the_primary():
+    # A Sentinel that was cut off with the old primary (epoch 3) answers first; the others
+    # promoted a replica meanwhile (epoch 4): theirs is the primary.
+    assert newest_primary([_state("10.0.0.3", 3), _state("10.0.0.2", 4),
+                           _state("10.0.0.2", 4)]) == ("10.0.0.2", 6379)
+
+
+def test_sentinels_that_agree_give_the_first_answer_and_none_gives_none():
+    assert newest_primary([_state("a", 2), _state("b", 2)]) == ("a", 6379)
+    assert newest_primary([]) is None

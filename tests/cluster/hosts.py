@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.servers import nats_server_binary, popen_tied, redis_server_binary
+from shared.servers import nats_server_binary, popen_tied, redis_server_binary, refuse_writes_alone
 from tests.cluster.netns import Host, Segment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,6 +153,9 @@ class Cluster:
         argv = [redis_server_binary(), "--bind", h.ip, "--port", str(VALKEY_PORT), "--dir", str(d),
                 "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
                 "--protected-mode", "no"]
+        # Three valkeys: a primary on the minority side of a cut refuses writes (its clients
+        # then ask the Sentinels again) instead of taking writes the failover would discard.
+        argv += refuse_writes_alone(1)
         primary = self.hosts[0]
         if h is not primary:
             argv += ["--replicaof", primary.ip, str(VALKEY_PORT)]

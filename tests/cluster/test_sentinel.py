@@ -13,6 +13,7 @@ from contextlib import ExitStack
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from services.placer.keeper import StateKeeper
 from shared.redis_client import has_replicas, open_redis, write_confirmed
@@ -145,6 +146,51 @@ async def test_what_a_failover_lost_a_placer_writes_back(tmp_path):
         finally:
             await redis.aclose()
             await replica_client.aclose()
+
+
+async def test_a_primary_cut_off_from_its_replicas_sends_writes_to_the_sentinels_choice(tmp_path):
+    """A primary set to refuse writes without a replica in reach (min-replicas-to-write) answers
+    NOREPLICAS once its replica is gone; a client still connected to it asks the Sentinels again
+    and writes to the server they name now, instead of failing (or, without the setting, writing
+    to a primary whose writes the failover discards). The cut is staged from the client's side:
+    the replica leaves (REPLICAOF NO ONE) and the Sentinel is told to watch it as the primary,
+    which is what a client sees after a failover on the far side of a network cut."""
+    with ExitStack() as stack:
+        primary = start_redis(tmp_path / "primary", password=PASSWORD, min_replicas_to_write=1)
+        stack.callback(primary.stop)
+        replica = start_redis(tmp_path / "replica", password=PASSWORD, replica_of=primary)
+        stack.callback(replica.stop)
+        sentinel = start_sentinel(tmp_path / "sentinel", primary, "main", password=PASSWORD,
+                                  down_after_ms=60_000)  # no failover of its own
+        stack.callback(sentinel.stop)
+        redis = open_redis(sentinel.url, 2.0)
+        primary_client, replica_client = open_redis(primary.url, 2.0), open_redis(replica.url, 2.0)
+        ask = Redis(host=sentinel.host, port=sentinel.port)
+        try:
+            await _until(lambda: _linked(replica_client), 10, "replica in sync")
+            await _until(lambda: _write(redis, "before"), 10, "a write with the replica in reach")
+            assert await primary_client.get("before") == b"1"
+
+            await replica_client.execute_command("REPLICAOF", "NO", "ONE")
+            await ask.execute_command("SENTINEL", "REMOVE", "main")
+            await ask.execute_command("SENTINEL", "MONITOR", "main", replica.host, replica.port, 1)
+            await ask.execute_command("SENTINEL", "SET", "main", "auth-pass", PASSWORD)
+            await _until(lambda: _refuses(primary_client), 10, "the old primary's refusal")
+
+            assert await _write(redis, "after")  # the same client: now on the Sentinel's choice
+            assert await replica_client.get("after") == b"1"
+            assert await primary_client.get("after") is None
+        finally:
+            for client in (redis, primary_client, replica_client, ask):
+                await client.aclose()
+
+
+async def _refuses(client) -> bool:
+    try:
+        await client.set("probe", "1")
+    except ResponseError as exc:
+        return str(exc).startswith("NOREPLICAS")
+    return False
 
 
 async def _is_primary(client) -> bool:
