@@ -261,6 +261,9 @@ def test_valkey_values_make_the_sentinels_the_chart_points_at() -> None:
     assert valkey["replica"]["persistence"]["enabled"]
     assert "appendonly yes" in valkey["commonConfiguration"]
     n = valkey["replica"]["replicaCount"]
+    # A primary cut off from its replicas refuses writes, yet one of the n servers may be down.
+    refuse = re.search(r"^min-replicas-to-write (\d+)$", valkey["commonConfiguration"], re.M)
+    assert refuse and 1 <= int(refuse.group(1)) <= n - 2
     # Release `valkey`: pods valkey-node-<i> (a server and a Sentinel each), Secret `valkey`.
     assert ours["sentinels"] == [f"valkey-node-{i}.valkey-headless:26379" for i in range(n)]
     assert valkey["sentinel"]["quorum"] == n // 2 + 1
