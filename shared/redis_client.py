@@ -148,7 +148,7 @@ def newest_primary(states: list[dict]) -> tuple[str, int] | None:
     return best["ip"], int(best["port"])
 
 
-class _NewestSentinel(Sentinel):
+class NewestSentinel(Sentinel):
     """Asks every Sentinel at once and believes the newest configuration. redis-py's asks them
     in turn, takes the first that answers and moves it to the front; a host cut off the network
     with its Sentinel then keeps hearing, after the heal, from that Sentinel, which still names
@@ -163,7 +163,7 @@ class _NewestSentinel(Sentinel):
             if isinstance(reply, BaseException):
                 if not isinstance(reply, (RedisConnectionError, RedisTimeoutError)):
                     raise reply
-                errors.append(f"{sentinel} - {reply!r}")
+                errors.append(f"{sentinel}: {type(reply).__name__}: {reply}")
             elif (state := reply.get(service_name)) and self.check_master_state(state,
                                                                                   service_name):
                 states.append(state)
@@ -177,7 +177,7 @@ class _NewestSentinel(Sentinel):
 def _open_sentinel(target: SentinelTarget, timeout_s: float | None,
                    connect_s: float | None) -> Redis:
     asking = timeout_s or SENTINEL_TIMEOUT_S
-    sentinel = _NewestSentinel(list(target.sentinels), sentinel_kwargs={
+    sentinel = NewestSentinel(list(target.sentinels), sentinel_kwargs={
         "socket_connect_timeout": connect_s or asking, "socket_timeout": asking})
     return sentinel.master_for(target.master, db=target.db, password=target.password,
                                socket_connect_timeout=connect_s, socket_timeout=timeout_s,

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.redis_client import newest_primary, open_redis
+from shared.redis_client import NewestSentinel, newest_primary, open_redis
 from shared.servers import start_redis
 
 pytestmark = pytest.mark.integration  # real valkey processes
@@ -122,3 +122,36 @@ def test_the_newest_sentinel_configuration_names_the_primary():
 def test_sentinels_that_agree_give_the_first_answer_and_none_gives_none():
     assert newest_primary([_state("a", 2), _state("b", 2)]) == ("a", 6379)
     assert newest_primary([]) is None
+
+
+class _FakeSentinel:
+    """A Sentinel's answer to SENTINEL MASTERS (a dict), or the error it fails with."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    async def sentinel_masters(self):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def _master(ip: str, epoch: int, **flags) -> dict:
+    return {"main": {"ip": ip, "port": 6379, "config-epoch": epoch, "is_master": True,
+                     "is_sdown": False, "is_odown": False, "num-other-sentinels": 2, **flags}}
+
+
+async def test_discovery_asks_every_sentinel_and_skips_the_unreachable_and_the_down():
+    sentinel = NewestSentinel([("127.0.0.1", 1)])
+    sentinel.sentinels = [_FakeSentinel(RedisConnectionError("cut off")),
+                          _FakeSentinel(_master("10.0.0.3", 3)),  # the cut host's, first
+                          _FakeSentinel(_master("10.0.0.9", 9, is_sdown=True)),
+                          _FakeSentinel(_master("10.0.0.2", 4))]
+    assert await sentinel.discover_master("main") == ("10.0.0.2", 6379)
+
+
+async def test_no_usable_answer_is_a_connection_error_that_names_the_failures():
+    sentinel = NewestSentinel([("127.0.0.1", 1)])
+    sentinel.sentinels = [_FakeSentinel(RedisTimeoutError("slow")), _FakeSentinel({})]
+    with pytest.raises(RedisConnectionError, match="slow"):  # MasterNotFoundError: retried
+        await sentinel.discover_master("main")
