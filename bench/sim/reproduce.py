@@ -14,7 +14,10 @@ the rest are sensitivity runs on the first `--sensitivity-seeds` seeds (default 
 - watermark (§IX-I5): 64 x 7B at 0/25/50/100%;
 - noise: 128 x 7B SLINFER with the iteration noise off, default, doubled;
 - storage: 128 x 7B with checkpoint tiers (DRAM and disk caches, cold at the start) and with
-  every load from the registry, against the headline's all-in-DRAM.
+  every load from the registry, against the headline's all-in-DRAM;
+- past (issue 26, every seed): SLINFER at 128 models of each size with chunked prefill, with
+  predictive pre-warming, and with both, against the headline's baselines of the same seed; and
+  (first seeds) the same with the 2 s start-up, against the start-up group's baselines.
 A stopped reproduction goes on where it stopped (summary.json is written after every run).
 summary.json holds every run's headline numbers; the table module turns it into BENCHMARKS.md.
 """
@@ -36,6 +39,11 @@ SYSTEMS = ("sllm", "sllm+c", "sllm+c+s", "slinfer")
 SIZES = ("3b", "7b", "13b")
 COUNTS = (32, 64, 128)
 RPS_PER_MODEL = 0.02  # the synthetic workload's load (sensitivity runs)
+# Issue 26's mechanisms (each off in the headline): the smallest prefill chunk, 64 tokens as the
+# real stack's `SLINFER_PREFILL_CHUNK_TOKENS`; pre-warming with 1 s idle-time bins (the trace is
+# 30 minutes: the paper's 1-minute bins would hold too few idle times to be representative).
+PAST_VARIANTS = {"chunked": {"prefill_chunk_tokens": 64}, "prewarm": {"prewarm": True},
+                 "both": {"prefill_chunk_tokens": 64, "prewarm": True}}
 HEADLINE_KEYS = ("requests", "slo_met", "slo_attainment", "slo_attainment_mean_tpot", "dropped",
                  "ttft_cold_start_p50", "ttft_cold_start_p99", "loads_by_tier", "avg_cpu_nodes_used",
                  "avg_gpu_nodes_used", "ttft_p50", "ttft_p99", "tpot_p50", "avg_batch_size",
@@ -72,6 +80,15 @@ def plan(seeds: list[int], groups: set[str], sensitivity_seeds: int = 1) -> dict
                             runs[f"cv{cv:g}/{size}/{n}/{system}/s{seed}"] = SimConfig(
                                 system=system, models=n, model_size=size, seed=seed,
                                 arrivals="synthetic", cv=cv, rps=RPS_PER_MODEL * n, **base)
+        if "past" in groups:
+            for size in SIZES:
+                for name, flags in PAST_VARIANTS.items():
+                    runs[f"past/{size}/128/slinfer-{name}/s{seed}"] = SimConfig(
+                        system="slinfer", models=128, model_size=size, seed=seed, **flags, **base)
+                    if extra:
+                        runs[f"past-startup/{size}/128/slinfer-{name}/s{seed}"] = SimConfig(
+                            system="slinfer", models=128, model_size=size, seed=seed,
+                            engine_startup=2.0, **flags, **base)
         if not extra:
             continue
         if "ablation" in groups:

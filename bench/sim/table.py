@@ -41,15 +41,18 @@ class Runs:
 
     def gains(self, group: str, size: str, n: int, baseline: str) -> list[float]:
         """SLINFER's SLO-met requests over the baseline's, in %, seed by seed."""
-        mine = {k.rsplit("/", 1)[1]: r["slo_met"] for k, r in self.rows.items()
-                if k.startswith(f"{group}/{size}/{n}/slinfer/")}
-        out = []
-        for k, r in self.rows.items():
-            if k.startswith(f"{group}/{size}/{n}/{baseline}/"):
-                seed = k.rsplit("/", 1)[1]
-                if seed in mine and r["slo_met"]:
-                    out.append((mine[seed] / r["slo_met"] - 1) * 100)
-        return out
+        return self.ratio(f"{group}/{size}/{n}/slinfer", f"{group}/{size}/{n}/{baseline}")
+
+    def ratio(self, mine: str, other: str) -> list[float]:
+        """SLO-met requests of configuration `mine` over `other`'s, in %, seed by seed (the
+        seeds both ran)."""
+        theirs = {r["seed"]: r["slo_met"] for r in self._by_seed(other)}
+        return [(r["slo_met"] / theirs[r["seed"]] - 1) * 100 for r in self._by_seed(mine)
+                if theirs.get(r["seed"])]
+
+    def _by_seed(self, prefix: str) -> list[dict]:
+        return [{**r, "seed": k.rsplit("/", 1)[1]} for k, r in sorted(self.rows.items())
+                if k.rsplit("/", 1)[0] == prefix]
 
 
 def spread(values: list[float], fmt: str = "{:.2f}", pct: bool = False) -> str:
@@ -223,6 +226,57 @@ def answers(r: Runs) -> str:
     return ", ".join(f"{k} {n:,} ({n / all_n:.2%})" for k, n in sorted(total.items(), key=lambda x: -x[1]))
 
 
+PAST_VARIANTS = ("chunked", "prewarm", "both")
+PAST_AIM_ATTAINMENT_7B = 0.9  # issue 26's aim, beside the paper's lower ends (PAPER_GAIN)
+
+
+def past_table(r: Runs, group: str, base: str) -> str:
+    """Issue 26's mechanisms at 128 models: each SLINFER variant against the same seeds'
+    baselines of the `base` group (SLINFER's own row there is the mechanisms off)."""
+    out = ["| size | SLINFER | SLO-met | attainment | vs sllm (aim +86%) | vs sllm+c (+47%) | "
+           "vs sllm+c+s (+18%) | cold starts |", "|---|---|---|---|---|---|---|---|"]
+    for size in SIZES:
+        for variant in ("", *PAST_VARIANTS):
+            prefix = (f"{group}/{size}/128/slinfer-{variant}" if variant
+                      else f"{base}/{size}/128/slinfer")
+            if not r.seeds(prefix):
+                continue
+            cells = [f"{spread(g, pct=True)} ({_met(g, PAPER_GAIN[b][0])})"
+                     for b in BASELINES for g in [r.ratio(prefix, f"{base}/{size}/128/{b}")]]
+            out.append(f"| {size} | {variant or 'off'} | "
+                       f"{spread(r.values(prefix, 'slo_met'), '{:.0f}')} | "
+                       f"{spread(r.values(prefix, 'slo_attainment'), '{:.3f}')} | "
+                       + " | ".join(cells)
+                       + f" | {statistics.fmean(r.values(prefix, 'cold_starts')):.0f} |")
+    return "\n".join(out)
+
+
+def past_section(r: Runs) -> str:
+    """Issue 26's ablation, when its runs are in the summary (nothing otherwise)."""
+    if not any(k.startswith("past/") for k in r.rows):
+        return ""
+    seeds = sorted({k.rsplit("/", 1)[1] for k in r.rows if k.startswith("past/")})
+    att = [(v, _mean(r.values(f"past/7b/128/slinfer-{v}", "slo_attainment")))
+           for v in PAST_VARIANTS]
+    best = max((a for a in att if a[1] is not None), key=lambda a: a[1], default=None)
+    aim = ("" if best is None else
+           f" Best 7B attainment: {best[1]:.3f} ({best[0]}; aim >= {PAST_AIM_ATTAINMENT_7B}: "
+           f"{'met' if best[1] >= PAST_AIM_ATTAINMENT_7B else '**not met**'}).")
+    return f"""
+### Past the paper (issue 26): chunked prefill and predictive pre-warming, 128 models
+
+Each mechanism alone and both, in SLINFER only (the baselines have neither), on the headline's
+arrivals and settings (seeds {", ".join(seeds)}); gains against the headline baselines of the same
+seed, "met" against the paper's lower ends.{aim}
+
+{past_table(r, "past", "headline")}
+
+With the 2 s engine start-up on every cold start (against the start-up group's baselines):
+
+{past_table(r, "past-startup", "startup")}
+"""
+
+
 def _note(meta: dict) -> str:
     return f"\n\n**Note:** {meta['note']}" if meta.get("note") else ""
 
@@ -321,7 +375,7 @@ without any cache. SLINFER's core sees each node's tiers (q + n/b); the baseline
 load times.
 
 {storage_table(r)}
-{END}"""
+{past_section(r)}{END}"""
 
 
 def plots(r: Runs, cdfs: dict, out_dir: Path) -> list[Path]:
