@@ -47,7 +47,7 @@ def totals(runs: list[dict]) -> str:
     back = [run["cut_node_back_in_view_after_s"] for run in runs
             if "cut_node_back_in_view_after_s" in run]  # recorded since 36e941c
     back_line = (f" The cut host's node was back in the view {min(back):.1f}-{max(back):.1f} s "
-                 f"after its network was." if back else "")
+                 f"after its network was{_by_primary(runs)}." if back else "")
     answered = ", ".join(f"{n} answered {code}" for code, n in sorted(errors.items())) or "no errors"
     return (f"Over the {len(runs)} runs: {sum(r['requests'] for r in runs)} requests, "
             f"{sum(r['completed'] for r in runs)} completed with the fault-free text, {answered}, "
@@ -58,6 +58,16 @@ def totals(runs: list[dict]) -> str:
             f"request moved live from the drained node to the other host in {moved} of "
             f"{len(runs)} runs. The fault-free request took "
             f"{statistics.median(r['fault_free_request_s'] for r in runs):.2f} s (median).")
+
+
+def _by_primary(runs: list[dict]) -> str:
+    """Each run's return after the heal with where the valkey primary was during the cut
+    (recorded since the cut-off primary refuses writes), where known."""
+    known = [(r["cut_node_back_in_view_after_s"], r["valkey_primary_during_cut"]) for r in runs
+             if "valkey_primary_during_cut" in r]
+    if not known:
+        return ""
+    return " (" + ", ".join(f"{s:.1f} s with the primary on {host}" for s, host in known) + ")"
 
 
 def main() -> int:
@@ -71,3 +81,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

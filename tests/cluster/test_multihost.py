@@ -166,6 +166,11 @@ def other(node_id: str) -> str:
     return {"node-0": "node-1", "node-1": "node-0"}[node_id]
 
 
+def _primary_host(cluster, seg) -> str:
+    """The address of the valkey the Sentinels name primary now (asked from h1)."""
+    return cluster.probe(seg["h1"], "primary", f"{seg['h1'].ip}:26379", "slinfer").split(":")[0]
+
+
 def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile) -> None:
     model_dir = demo_model(tmp_path)
     convert_checkpoint(model_dir)  # the loading-optimized form a multicast sends
@@ -192,15 +197,15 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
             cluster.restart(f"nats@{leader}")
 
             # 2. the valkey primary (Sentinel promotes a replica; the old one comes back as one)
-            primary_ip = cluster.probe(seg["h1"], "primary", f"{seg['h1'].ip}:26379",
-                                       "slinfer").split(":")[0]
-            primary = cluster.host_at(primary_ip)
+            primary = cluster.host_at(_primary_host(cluster, seg))
             faults[f"valkey primary ({primary.name})"] = time.monotonic()
             cluster.kill(f"valkey@{primary.name}")
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the primary")
             cluster.restart(f"valkey@{primary.name}")
 
-            # 3. node-1's host off the network for a while, then back
+            # 3. node-1's host off the network for a while, then back (with the valkey primary
+            # or not: where the failover above put it decides how node-1's writes fare)
+            primary_in_cut = _primary_host(cluster, seg)
             faults["h3 cut off for 8 s"] = time.monotonic()
             seg["h3"].cut()
             time.sleep(8)
@@ -254,6 +259,7 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
                    o.seconds for o in outcomes if o.ok and o.ended < min(faults.values())), 2),
                "node_left_view_after_s": round(left_after, 2),
                "cut_node_back_in_view_after_s": round(back_after, 2),
+               "valkey_primary_during_cut": cluster.host_at(primary_in_cut).name,
                "long_request_moved": [n for _, n in path],
                "multicast": {k: mc[k] for k in ("bytes", "seconds", "blocks_received")}}
     print(f"\nmulti-host: {json.dumps(summary)}")
