@@ -72,14 +72,21 @@ class Sizes:
     loader_repeats: int
     stack_requests: int
     stack_max_tokens: int
+    stack_prompt_repeats: int  # the prompt's sentence this many times (inside the profiled range)
     node_memory_bytes: int
 
 
-GPU = Sizes("llama-3.2-1b", (7, 61, 250, 700), 32, (1, 8, 32, 128), 512, 1024, GiB, 8192, 20,
-            32 * GiB, ProfilePlan(lora_ranks=()), 20, 3, 3, 4, 64, 40 * GiB)
-CPU = Sizes("tiny", (5, 17, 40), 8, (1, 4), 32, 64, 16 << 20, 256, 5, 4 << 20,
-            ProfilePlan(max_len=64, max_batch=4, repeats=1, passes=1, lora_ranks=(),
-                        chunks=False), 4, 1, 1, 2, 8, 2 * GiB)
+GPU = Sizes(shape="llama-3.2-1b", parity_lengths=(7, 61, 250, 700), parity_new=32,
+            batches=(1, 8, 32, 128), context=512, prefill_tokens=1024, copy_bytes=GiB,
+            matmul_n=8192, steps=20, kv_start_bytes=32 * GiB, plan=ProfilePlan(lora_ranks=()),
+            check_n=20, profile_runs=3, loader_repeats=3, stack_requests=4, stack_max_tokens=64,
+            stack_prompt_repeats=8, node_memory_bytes=40 * GiB)
+CPU = Sizes(shape="tiny", parity_lengths=(5, 17, 40), parity_new=8, batches=(1, 4), context=32,
+            prefill_tokens=64, copy_bytes=16 << 20, matmul_n=256, steps=5, kv_start_bytes=4 << 20,
+            plan=ProfilePlan(max_len=64, max_batch=4, repeats=1, passes=1, lora_ranks=(),
+                             chunks=False),
+            check_n=4, profile_runs=1, loader_repeats=1, stack_requests=2, stack_max_tokens=8,
+            stack_prompt_repeats=1, node_memory_bytes=2 * GiB)
 
 
 def machine(device: torch.device) -> dict:
@@ -189,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "loader": lambda: loading.loading(model_dir, device, sizes.loader_repeats),
         "stack": lambda: stack_part.whole_stack(
             model_dir, shape, str(device), device_profile.get("value"), work / "stack",
-            sizes.stack_requests, sizes.stack_max_tokens, sizes.node_memory_bytes),
+            sizes.stack_requests, sizes.stack_max_tokens, sizes.stack_prompt_repeats,
+            sizes.node_memory_bytes),
     }
     for name in PARTS:
         if name not in parts:

@@ -59,7 +59,8 @@ def _stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def whole_stack(model_dir: Path, name: str, device: str, profile, work: Path,
-                requests: int, max_tokens: int, node_memory_bytes: int) -> dict:
+                requests: int, max_tokens: int, prompt_repeats: int, node_memory_bytes: int
+                ) -> dict:
     """`profile` is the device profile measured by the profile part (the placer decides with
     it); None: the stack measures one on the CPU, which a GPU node must not use."""
     absent = missing()
@@ -73,7 +74,7 @@ def whole_stack(model_dir: Path, name: str, device: str, profile, work: Path,
     gpu = device.startswith("cuda")
     node_env = {"SLINFER_NODE_HARDWARE": "gpu" if gpu else "cpu", "SLINFER_DEVICE": device,
                 "SLINFER_NODE_MEMORY_BYTES": str(node_memory_bytes)}
-    prompt = "Tell me about serverless inference on shared GPUs. " * 8
+    prompt = "Tell me about serverless inference on shared GPUs. " * prompt_repeats
     with running_stack(work, model_dir, model=name, profile=replace(profile, model=name),
                        child_env={"node-0": node_env}) as stack:
         rows = [_stream_one(stack.url, name, prompt, max_tokens) for _ in range(requests)]
