@@ -152,7 +152,10 @@ async def test_a_starting_profiler_requeues_a_model_left_mid_lifecycle(own_serve
                         "the orphaned model to be profiled")
             await until(lambda: _state_is(redis, "waiting", ModelState.READY), 120.0,
                         "the waiting model to be profiled")
-            assert service.done == 2  # each once: the waiting one was not queued again
+            # A job counts as done once acknowledged, just after its model's state says ready.
+            await until(lambda: service.done >= 2, 30.0, "both jobs acknowledged")
+            # Each once: the waiting one was not queued again.
+            assert service.done == 2 and await queued_jobs(nc.jetstream(), "cpu") == set()
         finally:
             stop.set()
             await runner
