@@ -151,9 +151,9 @@ def newest_primary(states: list[dict]) -> tuple[str, int] | None:
 class NewestSentinel(Sentinel):
     """Asks every Sentinel at once and believes the newest configuration. redis-py's asks them
     in turn, takes the first that answers and moves it to the front; a host cut off the network
-    with its Sentinel then keeps hearing, after the heal, from that Sentinel, which still names
-    the cut-off primary until the others' news reaches it (seconds; 4-12 s in the multi-host
-    test), while the others already name the one they promoted."""
+    with its Sentinel then keeps hearing, after the heal, from that Sentinel, which may still
+    name the cut-off primary until the others' news reaches it, while the others already name
+    the one they promoted."""
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         replies = await asyncio.gather(*(s.sentinel_masters() for s in self.sentinels),

@@ -300,6 +300,16 @@ def refuse_writes_alone(min_replicas: int) -> list[str]:
             "--repl-diskless-sync-delay", "0"]
 
 
+def valkey_argv(host: str, port: int, data_dir: Path) -> list[str]:
+    """A durable valkey server's command line: an append-only file in data_dir, fsynced every
+    second (a crash of the server alone loses nothing the kernel already has; a machine crash,
+    at most the last second). No RDB snapshots: the AOF is the one copy, rewritten in the
+    background as it grows."""
+    return [redis_server_binary(), "--bind", host, "--port", str(port), "--dir", str(data_dir),
+            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+            "--protected-mode", "no"]
+
+
 def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                 password: str | None = None, timeout_s: float = 15.0,
                 replica_of: ServerProcess | None = None,
@@ -308,12 +318,7 @@ def start_redis(data_dir: Path, port: int | None = None, host: str = "127.0.0.1"
     `min_replicas_to_write`, one that refuses writes while it is a primary with fewer replicas
     in reach."""
     port = port or free_port(host)
-    # Durable: an append-only file in data_dir, fsynced every second (a crash of the server
-    # alone loses nothing the kernel already has; a machine crash, at most the last second).
-    # No RDB snapshots: the AOF is the one copy, rewritten in the background as it grows.
-    argv = [redis_server_binary(), "--bind", host, "--port", str(port), "--dir", str(data_dir),
-            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-            "--protected-mode", "no"] + refuse_writes_alone(min_replicas_to_write)
+    argv = valkey_argv(host, port, data_dir) + refuse_writes_alone(min_replicas_to_write)
     if password:
         argv += ["--requirepass", password]
     if replica_of is not None:

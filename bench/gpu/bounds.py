@@ -22,18 +22,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall seconds of `fn()` over `repeats` runs, the device drained before and after."""
-    for _ in range(warmup):
-        fn()
+def samples(fn, device: torch.device, repeats: int, before=None) -> list[float]:
+    """Wall seconds of each of `repeats` runs of `fn()`, the device drained before and after
+    each; `before()` runs untimed ahead of each (a cache to drop, say)."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    times.sort()
+    return times
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall seconds of `fn()` over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = sorted(samples(fn, device, repeats))
     return times[len(times) // 2]
 
 

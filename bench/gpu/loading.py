@@ -13,12 +13,11 @@ figures; the warm ones isolate the path from host memory to the device.
 from __future__ import annotations
 
 import gc
-import time
 from pathlib import Path
 
 import torch
 
-from bench.gpu.bounds import sync
+from bench.gpu.bounds import samples
 from services.node.loader import CheckpointLoader, LoaderSettings, convert_checkpoint
 from services.node.loader.direct_io import drop_page_cache
 
@@ -37,25 +36,18 @@ def _read_all(files: list[Path]) -> None:
 
 
 def _timed(run, files: list[Path], device: torch.device, cold: bool, repeats: int) -> dict:
-    times = []
-    for _ in range(repeats):
+    def before() -> None:
+        gc.collect()  # the previous run's tensors go first
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if cold:
             for path in files:
                 drop_page_cache(path)
         else:
             _read_all(files)
-        gc.collect()
-        sync(device)
-        start = time.perf_counter()
-        result = run()
-        sync(device)
-        times.append(time.perf_counter() - start)
-        del result
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    times.sort()
-    return {"seconds": times[len(times) // 2], "all_seconds": times}
+
+    times = samples(run, device, repeats, before)
+    return {"seconds": sorted(times)[len(times) // 2], "all_seconds": times}
 
 
 def loading(model_dir: Path, device: torch.device, repeats: int) -> dict:

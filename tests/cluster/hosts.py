@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.servers import nats_server_binary, popen_tied, redis_server_binary, refuse_writes_alone
+from shared.servers import (nats_server_binary, popen_tied, redis_server_binary,
+                            refuse_writes_alone, valkey_argv)
 from tests.cluster.netns import Host, Segment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,9 +151,7 @@ class Cluster:
     def _valkey_argv(self, h: Host) -> list[str]:
         d = self.data / h.name / "valkey"
         d.mkdir(parents=True, exist_ok=True)
-        argv = [redis_server_binary(), "--bind", h.ip, "--port", str(VALKEY_PORT), "--dir", str(d),
-                "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                "--protected-mode", "no"]
+        argv = valkey_argv(h.ip, VALKEY_PORT, d)
         # Three valkeys: a primary on the minority side of a cut refuses writes (its clients
         # then ask the Sentinels again) instead of taking writes the failover would discard.
         argv += refuse_writes_alone(1)
