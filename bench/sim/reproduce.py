@@ -148,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run everything again (default: keep the runs summary.json already holds)")
     args = p.parse_args(argv)
     runs = plan(args.seeds, set(args.groups), args.sensitivity_seeds)
+    # Issue 26's ablation is its own invocation, later than the reproduction it compares with:
+    # its command goes beside the reproduction's, not over it.
+    meta_key = "meta_past" if set(args.groups) == {"past"} else "meta"
     # Slowest first (SLINFER at 128 models), so the pool's last minutes are not one long run.
     run_plan(runs, Path(args.out), jobs=args.jobs, fresh=args.fresh, row=row_of, attach=cdf_of,
              sections=("runs", "cdfs"),
              order=lambda k: ("slinfer" not in k and "ablation" not in k, "/128/" not in k, k),
-             meta=lambda elapsed, _load: _meta(args, argv, elapsed),
+             meta=lambda elapsed, _load: _meta(args, argv, elapsed), meta_key=meta_key,
              describe=lambda row: f"slo={row['slo_attainment']:.3f} "
                                   f"gpu={row['avg_gpu_nodes_used']:.2f} wall={row['wall_s']:.1f}s")
     return 0

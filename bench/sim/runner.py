@@ -66,10 +66,11 @@ def run_plan(runs: dict[str, SimConfig], out: Path, *, jobs: int, fresh: bool, r
              meta: Callable[[float, tuple[float, ...]], dict],
              describe: Callable[[dict], str], order: Callable[[str], Any] | None = None,
              attach: AttachFn | None = None, sections: tuple[str, ...] = ("runs",),
-             wall_digits: int = 2) -> dict:
+             wall_digits: int = 2, meta_key: str = "meta") -> dict:
     """Run what summary.json lacks (all with `fresh`), slowest first by `order`; after each run
     store its row (and attachment), `meta(seconds since start, load average before)` as the
-    summary's meta, and print `describe(row)`. Returns the summary."""
+    summary's `meta_key` (an invocation of extra groups keeps the main one's meta), and print
+    `describe(row)`. Returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = load_summary(summary_path, fresh, sections)
@@ -87,7 +88,7 @@ def run_plan(runs: dict[str, SimConfig], out: Path, *, jobs: int, fresh: bool, r
             if attached is not None:
                 section, value = attached
                 summary.setdefault(section, {})[key] = value
-            summary["meta"] = meta(time.perf_counter() - started, load_before)
+            summary[meta_key] = meta(time.perf_counter() - started, load_before)
             summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
             print(f"[{i + 1}/{len(todo)}] {key:45s} {describe(result)}", flush=True)
     return summary

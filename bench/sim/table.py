@@ -31,6 +31,7 @@ class Runs:
     def __init__(self, summary: dict) -> None:
         self.rows: dict[str, dict] = summary["runs"]
         self.meta = summary.get("meta", {})
+        self.past_meta = summary.get("meta_past", {})
 
     def seeds(self, prefix: str) -> list[dict]:
         """Every seed's row of one configuration (`prefix` = the key without /s<seed>)."""
@@ -256,6 +257,9 @@ def past_section(r: Runs) -> str:
     if not any(k.startswith("past/") for k in r.rows):
         return ""
     seeds = sorted({k.rsplit("/", 1)[1] for k in r.rows if k.startswith("past/")})
+    m = r.past_meta
+    rows = [x for k, x in r.rows.items() if k.startswith("past")]
+    cpu_hours = sum(x.get("wall_s", 0) for x in rows) / 3600
     att = [(v, _mean(r.values(f"past/7b/128/slinfer-{v}", "slo_attainment")))
            for v in PAST_VARIANTS]
     best = max((a for a in att if a[1] is not None), key=lambda a: a[1], default=None)
@@ -267,7 +271,8 @@ def past_section(r: Runs) -> str:
 
 Each mechanism alone and both, in SLINFER only (the baselines have neither), on the headline's
 arrivals and settings (seeds {", ".join(seeds)}); gains against the headline baselines of the same
-seed, "met" against the paper's lower ends.{aim}
+seed, "met" against the paper's lower ends.{aim} Command: `{m.get('command', '?')}`
+({len(rows)} runs, {cpu_hours:.1f} CPU-hours, {m.get('date', '?')}).{_note(m)}
 
 {past_table(r, "past", "headline")}
 
@@ -284,10 +289,12 @@ def _note(meta: dict) -> str:
 def section(r: Runs) -> str:
     m = r.meta
     seeds = m.get("seeds", [])
-    n_runs = len(r.rows)
+    # The ablation (issue 26) is a later invocation of its own, counted in its own section.
+    own = {k: x for k, x in r.rows.items() if not k.startswith("past")}
+    n_runs = len(own)
     head = r.seeds("headline/7b/128/slinfer")
     reqs = spread([float(x["requests"]) for x in head], "{:.0f}")
-    cpu_hours = sum(x.get("wall_s", 0) for x in r.rows.values()) / 3600
+    cpu_hours = sum(x.get("wall_s", 0) for x in own.values()) / 3600
     return f"""{BEGIN}
 ## Cluster simulator: SLINFER §IX reproduced on the paper's workload (`bench/sim/`)
 

@@ -36,3 +36,19 @@ def test_the_plan_runs_every_seed_at_every_size_and_the_start_up_on_the_first():
     assert {k.rsplit("/", 1)[1] for k in keys if k.startswith("past-startup/")} == {"s0"}
     assert keys["past/13b/128/slinfer-both/s1"].prewarm
     assert keys["past/13b/128/slinfer-both/s1"].prefill_chunk_tokens == 64
+
+
+def test_the_ablation_keeps_its_own_command_and_runs_out_of_the_reproductions():
+    import json
+    from pathlib import Path
+
+    from bench.sim.table import section
+    summary = json.loads(Path("bench/results/sim/summary.json").read_text())
+    before = section(Runs(summary)).split("Command:")[1].split("\n\n")[0]
+    summary["runs"]["past/7b/128/slinfer-both/s0"] = {**_row(190), "wall_s": 7200}
+    summary["meta_past"] = {"command": "reproduce --groups past", "date": "2026-11-28"}
+    runs = Runs(summary)
+    # the reproduction's command, run count and CPU-hours unchanged
+    assert section(runs).split("Command:")[1].split("\n\n")[0] == before
+    assert "Command: `reproduce --groups past`" in past_section(runs)
+    assert "(1 runs, 2.0 CPU-hours, 2026-11-28)" in past_section(runs)
