@@ -5,7 +5,6 @@ connect, run until SIGINT/SIGTERM, close (flushing buffered spans). Used by `sli
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -28,26 +27,6 @@ S = TypeVar("S")
 # cause, the valkey primary cut off with the node; see bench/BENCHMARKS.md, "Several hosts".)
 REDIS_TIMEOUT_S = 5.0
 REDIS_CONNECT_TIMEOUT_S = 1.0
-
-
-# Every hop of a warm request is an event loop waking on a socket (bench/BENCHMARKS.md, "Where
-# the overhead goes"): uvloop does that in C, as uvicorn already does for the gateway.
-# SLINFER_EVENT_LOOP=asyncio runs the standard loop (an A/B, or a platform without uvloop).
-EVENT_LOOPS = ("uvloop", "asyncio")
-
-
-def event_loop_runner(name: str | None) -> Callable[[Awaitable[None]], None]:
-    """`asyncio.run` or uvloop's, by name (None: uvloop where it is installed)."""
-    if name not in (None, *EVENT_LOOPS):
-        raise ValueError(f"SLINFER_EVENT_LOOP must be one of {', '.join(EVENT_LOOPS)}, not {name!r}")
-    if name != "asyncio":
-        try:
-            import uvloop
-            return uvloop.run
-        except ImportError:
-            if name == "uvloop":
-                raise ValueError("SLINFER_EVENT_LOOP=uvloop, but uvloop is not installed") from None
-    return asyncio.run
 
 
 Body = Callable[[S, NATS, Redis, asyncio.Event, telemetry.Telemetry], Awaitable[None]]
@@ -73,12 +52,11 @@ def run_service(name: str, load_settings: Callable[[], S], client_name: Callable
     try:
         tel = telemetry.setup(name)  # logs, traces, metrics from OTEL_* and SLINFER_LOG_FORMAT
         settings = load_settings()
-        run = event_loop_runner(os.environ.get("SLINFER_EVENT_LOOP") or None)
     except ValueError as exc:
         print(f"slinfer {name}: {exc}", file=sys.stderr)
         return 2
     try:
-        run(_serve(settings, client_name(settings), body, tel))
+        asyncio.run(_serve(settings, client_name(settings), body, tel))
     finally:
         tel.shutdown()
     return 0

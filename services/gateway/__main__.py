@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 import uvicorn
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     # log_config=None: uvicorn's own loggers go through the handler telemetry installed.
     config = uvicorn.Config(create_app(settings, tel), host=settings.host, port=settings.port,
                             log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
-                            log_config=None, loop=os.environ.get("SLINFER_EVENT_LOOP") or "auto")
+                            log_config=None)
     server = uvicorn.Server(config)
     try:
         server.run()
