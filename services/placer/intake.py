@@ -62,7 +62,9 @@ class Pending:
     next_try: float = 0.0  # back off after a refusal: the next view may be fresher
     last_refusal: str = ""
     refused_by_fault: bool = False  # the last refusal was a node's error, not its load
-    last_progress: float = 0.0  # last in_progress() sent to JetStream
+    # Last in_progress() sent to JetStream, or the delivery, which starts the ack-wait clock too:
+    # a request placed within ack_wait / 3 of its arrival (every warm one) needs none.
+    last_progress: float = 0.0
     trace_parent: Context = field(default_factory=Context)  # from the message's headers
     queue_decisions: int = 0  # QUEUE plans so far
     # A node that was sent its admission and did not answer (the reply, or the command, lost in
@@ -150,8 +152,9 @@ class RequestIntake:
         unclaimed = _unclaimed_since(msg, req, self.started_at)
         if unclaimed > 0:  # it waited for a live placer (module docstring)
             req = replace(req, grace_s=max(req.grace_s, unclaimed))
-        new = Pending(msg, req, time.time(), trace_parent=tm.extract_context(msg.headers,
-                                                                          req.trace_context))
+        now = time.time()
+        new = Pending(msg, req, now, last_progress=now,
+                      trace_parent=tm.extract_context(msg.headers, req.trace_context))
         old = self.queue.get(req.request_id)
         if old is None and await self._already_answered(msg, req):
             return

@@ -476,3 +476,47 @@ async def test_a_node_out_of_the_view_whose_admission_answer_was_lost_is_asked_a
     assert not g1.commanded("out-of-view")
     await g0.stop()
     await g1.stop()
+
+
+async def _acks(nc) -> list[bytes]:
+    """Every acknowledgement sent for a request message from now on (+ACK, +WPI, ...)."""
+    seen: list[bytes] = []
+
+    async def note(msg) -> None:
+        seen.append(msg.data)
+
+    await nc.subscribe("$JS.ACK.>", cb=note)
+    await nc.flush()
+    return seen
+
+
+async def test_a_request_placed_at_once_is_acked_once_with_no_progress_message(servers, conns):
+    """The delivery starts JetStream's ack-wait clock: a warm request, placed within a fraction
+    of it, needs no "in progress" message on its way to a node (one publish fewer per request)."""
+    nc, redis = conns
+    node = await FakeNode(nc, redis, empty_gpu("g0")).start()
+    acks = await _acks(nc)
+    async with running_placer(servers):
+        await publish(nc, request("quick"))
+        await until(lambda: node.commanded("quick"), what="the request placed")
+        await _idle(nc)
+    await nc.flush()
+    assert len(acks) == 1 and acks[0] in (b"", b"+ACK"), acks  # (an empty ack is an +ACK)
+    await node.stop()
+
+
+async def test_a_request_queued_past_ack_wait_stays_claimed(servers, conns):
+    """With no node to take it, a request waits in the queue longer than ack_wait: the placer
+    tells JetStream it is still working on it, so it is never redelivered meanwhile."""
+    nc, redis = conns
+    acks = await _acks(nc)
+    async with running_placer(servers, ack_wait_s=1.0) as placer:
+        await publish(nc, request("waiting", ttft=30.0))
+        await until(lambda: "waiting" in placer.queue, what="the request queued")
+        await asyncio.sleep(2.5)
+        from shared.subjects import PLACER_DURABLE, REQUEST_STREAM
+        info = await nc.jetstream().consumer_info(REQUEST_STREAM, PLACER_DURABLE)
+        assert info.num_redelivered == 0 and "waiting" in placer.queue
+        await cancel(nc, "waiting")
+        await _idle(nc)
+    assert acks.count(b"+WPI") >= 2, acks
