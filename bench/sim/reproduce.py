@@ -125,7 +125,11 @@ def cdf_of(key: str, outcome) -> tuple[str, tuple] | None:
 
 
 def _meta(args: argparse.Namespace, argv: list[str] | None, elapsed: float) -> dict:
-    return {"command": "python -m bench.sim.reproduce " + " ".join(sys.argv[1:] if argv is None else argv),
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--note" in given:  # the note is shown as such, not as part of the command
+        at = given.index("--note")
+        del given[at:at + 2]
+    return {"command": "python -m bench.sim.reproduce " + " ".join(given),
             "seeds": args.seeds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                                              f"Python {platform.python_version()}",
             "date": time.strftime("%Y-%m-%d"), "wall_s_last_invocation": round(elapsed, 1),

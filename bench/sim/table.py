@@ -234,8 +234,9 @@ PAST_AIM_ATTAINMENT_7B = 0.9  # issue 26's aim, beside the paper's lower ends (P
 def past_table(r: Runs, group: str, base: str) -> str:
     """Issue 26's mechanisms at 128 models: each SLINFER variant against the same seeds'
     baselines of the `base` group (SLINFER's own row there is the mechanisms off)."""
-    out = ["| size | SLINFER | SLO-met | attainment | vs sllm (aim +86%) | vs sllm+c (+47%) | "
-           "vs sllm+c+s (+18%) | cold starts |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| size | SLINFER | SLO-met | vs off (same seed) | attainment | vs sllm (aim +86%) | "
+           "vs sllm+c (+47%) | vs sllm+c+s (+18%) | cold starts |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for size in SIZES:
         for variant in ("", *PAST_VARIANTS):
             prefix = (f"{group}/{size}/128/slinfer-{variant}" if variant
@@ -244,8 +245,10 @@ def past_table(r: Runs, group: str, base: str) -> str:
                 continue
             cells = [f"{spread(g, pct=True)} ({_met(g, PAPER_GAIN[b][0])})"
                      for b in BASELINES for g in [r.ratio(prefix, f"{base}/{size}/128/{b}")]]
+            off = f"{base}/{size}/128/slinfer"
+            paired = spread(r.ratio(prefix, off), pct=True) if variant else "-"
             out.append(f"| {size} | {variant or 'off'} | "
-                       f"{spread(r.values(prefix, 'slo_met'), '{:.0f}')} | "
+                       f"{spread(r.values(prefix, 'slo_met'), '{:.0f}')} | {paired} | "
                        f"{spread(r.values(prefix, 'slo_attainment'), '{:.3f}')} | "
                        + " | ".join(cells)
                        + f" | {statistics.fmean(r.values(prefix, 'cold_starts')):.0f} |")

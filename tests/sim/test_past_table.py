@@ -26,7 +26,7 @@ def test_the_section_waits_for_its_runs_and_then_reports_every_variant():
     assert past_section(Runs({"runs": rows})) == ""
     rows.update({f"past/7b/128/slinfer-{v}/s0": _row(190, 0.95) for v in ("chunked", "prewarm", "both")})
     text = past_section(Runs({"runs": rows}))
-    assert "| 7b | off | 160 |" in text and "| 7b | both | 190 | 0.950 | +90% (met)" in text
+    assert "| 7b | off | 160 | - |" in text and "| 7b | both | 190 | +19% | 0.950 | +90% (met)" in text
     assert "aim >= 0.9: met" in text
 
 
@@ -52,3 +52,13 @@ def test_the_ablation_keeps_its_own_command_and_runs_out_of_the_reproductions():
     assert section(runs).split("Command:")[1].split("\n\n")[0] == before
     assert "Command: `reproduce --groups past`" in past_section(runs)
     assert "(1 runs, 2.0 CPU-hours, 2026-11-28)" in past_section(runs)
+
+
+def test_the_note_is_kept_out_of_the_command():
+    import argparse
+
+    from bench.sim.reproduce import _meta
+    args = argparse.Namespace(seeds=[0], jobs=2, sensitivity_seeds=1, note="niced")
+    meta = _meta(args, ["--groups", "past", "--note", "niced", "--jobs", "2"], 1.0)
+    assert meta["command"] == "python -m bench.sim.reproduce --groups past --jobs 2"
+    assert meta["note"] == "niced"
