@@ -60,11 +60,16 @@ def spread(values: list[float], fmt: str = "{:.2f}", pct: bool = False) -> str:
     """mean [min, max] (or just the value for one run)."""
     if not values:
         return "n/a"
-    f = (lambda v: f"{v:+.0f}%") if pct else (lambda v: fmt.format(v))
+    f = _pct if pct else (lambda v: fmt.format(v))
     mean = statistics.fmean(values)
     if len(values) == 1:
         return f(mean)
     return f"{f(mean)} [{f(min(values))}, {f(max(values))}]"
+
+
+def _pct(v: float) -> str:
+    """A signed whole percentage; one that rounds to zero is 0% (not -0%)."""
+    return "0%" if round(v) == 0 else f"{v:+.0f}%"
 
 
 def _met(values: list[float], low: float) -> str:
