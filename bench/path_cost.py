@@ -97,36 +97,40 @@ async def measure(stack, prompt: str, n: int) -> dict:
             "messages_per_request": {k: round(v / n, 2) for k, v in seen.most_common()}}
 
 
+TCP_ECHO = """
+import socket, sys
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while data := conn.recv(4096):
+    conn.sendall(data)
+"""
+
+
 def tcp_round_trip_us(rounds: int = 3000) -> float:
-    """Median round trip of 300 bytes between this process and a forked one, loopback TCP."""
+    """Median round trip of 300 bytes between this process and an echoing one, loopback TCP."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
-    port = server.getsockname()[1]
-    pid = os.fork()
-    if pid == 0:  # the echo side
-        conn = socket.create_connection(("127.0.0.1", port))
+    echo = subprocess.Popen([sys.executable, "-c", TCP_ECHO, str(server.getsockname()[1])])
+    try:
+        conn, _ = server.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while data := conn.recv(4096):
-            conn.sendall(data)
-        os._exit(0)
-    conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    times = []
-    for i in range(rounds):
-        t = time.perf_counter()
-        conn.sendall(b"x" * 300)
-        conn.recv(4096)
-        times.append(time.perf_counter() - t)
-        if i % 2:
-            time.sleep(0.001)  # some rounds find the other side asleep, as a service's do
-    conn.close()
-    server.close()
-    os.waitpid(pid, 0)
+        times = []
+        for i in range(rounds):
+            t = time.perf_counter()
+            conn.sendall(b"x" * 300)
+            conn.recv(4096)
+            times.append(time.perf_counter() - t)
+            if i % 2:
+                time.sleep(0.001)  # some rounds find the other side asleep, as a service's do
+        conn.close()
+    finally:
+        server.close()
+        echo.wait(timeout=10)
     return round(statistics.median(times) * 1e6, 1)
 
 
-ECHO = """
+NATS_ECHO = """
 import asyncio, sys, nats
 async def main():
     nc = await nats.connect(sys.argv[1])
@@ -143,7 +147,7 @@ async def nats_round_trip_us(url: str, rounds: int = 2000) -> float:
     """Median NATS request-reply (2,900 bytes: an admit command's size) between two nats-py
     processes through the stack's nats-server."""
     import nats
-    echo = subprocess.Popen([sys.executable, "-c", ECHO, url], stdout=subprocess.PIPE, text=True)
+    echo = subprocess.Popen([sys.executable, "-c", NATS_ECHO, url], stdout=subprocess.PIPE, text=True)
     try:
         echo.stdout.readline()
         nc = await nats.connect(url)
