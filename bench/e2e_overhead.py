@@ -35,10 +35,39 @@ from services.stack import MODEL as NAME, running_stack  # noqa: E402
 
 
 
-def prompt_of(tokenizer, length: int) -> str:
-    """A text prompt whose tokenization (with BOS, as the gateway does it) has ~`length` tokens."""
-    ids = tokenizer(" ".join(f"word{i}" for i in range(length * 2)))["input_ids"][1:length]
+def prompt_of(tokenizer, length: int, shift: int = 0) -> str:
+    """A text prompt whose tokenization (with BOS, as the gateway does it) has ~`length` tokens
+    (`shift`: start the words' numbering there, for another prompt of the same length)."""
+    words = " ".join(f"word{i}" for i in range(shift, shift + length * 2))
+    ids = tokenizer(words)["input_ids"][1:length]
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def visible_prompts(model_dir: Path, tokenizer, lengths: list[int]) -> dict[int, str]:
+    """A prompt of each length whose first greedy token, on the model's (random) weights,
+    decodes to text. A token that decodes to part of a UTF-8 character is held back by the
+    gateway until a later one completes it, so the client's first chunk would wait a decode step
+    or more and count it as overhead: the 256-token prompt of `prompt_of` starts its output with
+    two such bytes (the "HTTP out" of 4.7 ms in BENCHMARKS' earlier splits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.gateway.tokenization import IncrementalDetokenizer, encode_text
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = {}
+    for length in lengths:
+        for shift in range(64):
+            prompt = prompt_of(tokenizer, length, shift)
+            ids = encode_text(tokenizer, prompt)
+            with torch.inference_mode():
+                first = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if IncrementalDetokenizer(tokenizer, ids).push([first]).strip():
+                prompts[length] = prompt
+                break
+        else:
+            raise RuntimeError(f"no prompt of {length} tokens starts its output with text")
+    return prompts
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
@@ -120,7 +149,7 @@ def main() -> int:
         data = Path(args.work_dir or tmp)
         model_dir = Path(ensure_demo_model(data))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        prompts = {n: prompt_of(tok, n) for n in args.lengths}
+        prompts = visible_prompts(model_dir, tok, args.lengths)
         # Keep the instance warm between sequential requests: only the first is a cold start.
         with running_stack(data, model_dir, {"SLINFER_KEEP_ALIVE_S": "60"},
                            plan=ProfilePlan(max_len=1024, max_batch=8)) as stack:

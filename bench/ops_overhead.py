@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e_overhead import NAME, one_request, prompt_of, watch_prefill  # noqa: E402
+from e2e_overhead import NAME, one_request, visible_prompts, watch_prefill  # noqa: E402
 from services.stack import running_stack  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.profiler.run import profile_model  # noqa: E402
@@ -159,7 +159,7 @@ def main() -> int:
         data = Path(args.work_dir or tmp)
         model_dir = Path(ensure_demo_model(data) if shape == "tiny" else ensure_model(data, shape, name))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        prompts = {n: prompt_of(tok, n) for n in args.lengths}
+        prompts = visible_prompts(model_dir, tok, args.lengths)
         profile, _ = profile_model(model_dir, name, plan=ProfilePlan(max_len=1024, max_batch=8))
         n_params = parameters(model_dir)
         receiver = subprocess.Popen([sys.executable, "-m", "tests.ops.otlp_receiver"], cwd=ROOT,

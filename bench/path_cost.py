@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e_overhead import one_request, prompt_of  # noqa: E402
+from e2e_overhead import one_request, visible_prompts  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.stack import running_stack  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
@@ -175,7 +175,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         model_dir = Path(ensure_demo_model(data))
-        prompt = prompt_of(AutoTokenizer.from_pretrained(model_dir), args.length)
+        prompt = visible_prompts(model_dir, AutoTokenizer.from_pretrained(model_dir),
+                                 [args.length])[args.length]
         with running_stack(data, model_dir, {"SLINFER_KEEP_ALIVE_S": "600"},
                            plan=ProfilePlan(max_len=1024, max_batch=8)) as stack:
             result = asyncio.run(measure(stack, prompt, args.n))

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e_overhead import prompt_of  # noqa: E402
+from e2e_overhead import visible_prompts  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.stack import MODEL as NAME, running_stack  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> int:
         data = Path(tmp)
         model_dir = Path(ensure_demo_model(data))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        prompts = {n: prompt_of(tok, n) for n in args.lengths}
+        prompts = visible_prompts(model_dir, tok, args.lengths)
         dump = data / "spans.jsonl"
         receiver = subprocess.Popen([sys.executable, "-m", "tests.ops.otlp_receiver", "0", str(dump)],
                                     cwd=ROOT, stdout=subprocess.PIPE, text=True)
