@@ -57,6 +57,8 @@ async def test_a_model_called_every_two_seconds_is_prewarmed_before_its_next_cal
         assert admitted[-1] < at < admitted[-1] + 2.0 + 0.5
         assert cmd.request.request_id.startswith("prewarm-") and cmd.instance_id is None
         assert cmd.model.name == MODEL.name and 0 < cmd.model.keep_alive_s < 3.0  # the policy's
+        # The placer notes the pre-warm once the node's acceptance is back, after the node saw it.
+        await until(lambda: placer.prewarmer.started, 30, "the placer to note the pre-warm")
         assert placer.prewarmer.started[0].node_id == "g0"
         await asyncio.sleep(1.0)
         assert len(_prewarms(node)) == 1  # once per idle period
