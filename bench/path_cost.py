@@ -78,7 +78,7 @@ async def measure(stack, prompt: str, n: int) -> dict:
 
     await monitor.subscribe(">", cb=count)
     await monitor.flush()
-    pids = {name: pid for name, pid in stack.pids().items()}
+    pids = stack.pids()
     node = pids["node-0"]
     before = {name: cpu_s(pid) for name, pid in pids.items()}
     node_loop_before = cpu_s(node, node)  # the main thread runs the node's event loop
