@@ -11,7 +11,8 @@ in its own process. All processes share this machine's clock, so one request's t
     gateway_in   -> its request span starts: body, validation, chat template, tokenization
     to_placer    -> the placer took it from the stream: JetStream publish, store, pull
     placer       -> its decision span starts: queued, the cluster view, the core's decision
-    to_node      -> the node's request span starts: the admit command's request-reply
+    to_node      -> the node's request span starts: the admit command's request-reply (on the
+                    warm fast path, with no placer on the way, the gateway's own)
     node_admit   -> the node's prefill starts: admission re-check, queueing for an iteration
     prefill      the engine's prefill iteration
     token_back   -> the gateway has the first token: the token message over core NATS
@@ -62,15 +63,19 @@ def split(spans: list[dict], sent_ns: int, first_ns: int) -> dict[str, float]:
 
     server = one("slinfer-gateway", lambda s: s["kind"] == 2)  # SERVER
     request = one("slinfer-gateway", lambda s: "gen_ai.response.id" in s["attributes"])
-    place = one("slinfer-placer", lambda s: s["name"].startswith("place "))
     node = one("slinfer-node", lambda s: s["name"] == "node.request")
     prefill = one("slinfer-node", lambda s: s["name"] == "node.prefill")
     first_event = [t for (name, _), t in zip(request["events"], request["event_ns"])
                    if name == "first_token"]
     if not first_event:
         raise ValueError("the request span has no first_token event")
-    taken_ns = place["start_ns"] - int(place["attributes"]["slinfer.placement.queued_s"] * 1e9)
-    marks = [sent_ns, server["start_ns"], request["start_ns"], taken_ns, place["start_ns"],
+    if any(s["service"] == "slinfer-placer" for s in spans):
+        place = one("slinfer-placer", lambda s: s["name"].startswith("place "))
+        placed_ns = place["start_ns"]
+        taken_ns = placed_ns - int(place["attributes"]["slinfer.placement.queued_s"] * 1e9)
+    else:  # the warm fast path: the gateway sent it to the node itself (to_node holds that)
+        taken_ns = placed_ns = request["start_ns"]
+    marks = [sent_ns, server["start_ns"], request["start_ns"], taken_ns, placed_ns,
              node["start_ns"], prefill["start_ns"], prefill["end_ns"], first_event[0], first_ns]
     return {part: (b - a) / 1e9 for part, a, b in zip(PARTS, marks, marks[1:])}
 

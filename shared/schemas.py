@@ -145,6 +145,9 @@ class InferenceRequest:
     # Ollama's keep_alive: how long its instance stays loaded once idle after it (seconds;
     # negative: never; None: the model's registered keep-alive). The last request's wins.
     keep_alive_s: float | None = None
+    # The warm fast path (services/gateway/direct.py): the node the gateway sent this request to
+    # directly, which did not answer. It may be running it, so the placer asks it first.
+    asked_node: str | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -296,6 +299,20 @@ class NodeCommand:
     # HOST_LAYERS of moved layers: the share of the host's compute the stage takes (the core's
     # `modules.stage_load`), which the host reports in its view (`NodeView.stage_load`).
     stage_load: float = 0.0
+    # ADMIT sent by a gateway on the warm fast path, not by a placer: once admitted, the node
+    # tells the placers (`DirectAdmission`), whose arrival histories count it.
+    direct: bool = False
+
+
+@dataclass(frozen=True)
+class DirectAdmission:
+    """Node -> placers: a request the gateway sent straight to this node was admitted (the warm
+    fast path). `request` comes without its prompt: the placers note its arrival and where it
+    runs, as if they had placed it."""
+
+    request: InferenceRequest
+    node_id: str
+    instance_id: str
 
 
 @dataclass(frozen=True)

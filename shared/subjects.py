@@ -43,6 +43,12 @@ def token_subject(request_id: str) -> str:
 CANCEL_SUBJECT = "slinfer.cancel"
 CANCEL_STREAM = "SLINFER_CANCELS"
 
+# The warm fast path: a gateway sends a request for a warm instance straight to its node, which
+# tells the placers what it admitted here (`DirectAdmission`). One placer of the queue group takes
+# each note, as one placer takes each request of the stream.
+DIRECT_ADMITTED_SUBJECT = "slinfer.admitted.direct"
+PLACER_QUEUE_GROUP = "placers"
+
 # --- Redis ----------------------------------------------------------------------------------------
 NODES_SET = "slinfer:nodes"
 MODELS_HASH = "slinfer:models"  # field = model name, value = msgpack ModelRecord

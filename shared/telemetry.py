@@ -80,6 +80,8 @@ NODE_REQUESTS = "slinfer.node.requests"  # gauge: requests the node owns
 NODE_ITERATIONS_RATE = "slinfer.node.iterations_per_second"  # gauge, over the last ~5 s
 NODE_ITERATIONS = "slinfer.node.iterations"  # counter
 PLACER_DECISIONS = "slinfer.placer.decisions"  # counter, by action
+# counter, by outcome (admitted | refused | silent): the gateway's warm fast path
+GATEWAY_DIRECT_ADMISSIONS = "slinfer.gateway.direct_admissions"
 NODE_PREDICTION_RATIO = "slinfer.node.prediction_ratio"  # histogram: actual / predicted (1 = exact)
 # A model's load on a node (ServerlessLLM §4), by the checkpoint tier that served it: the engine's
 # whole load, the checkpoint loader's part of it, and the bytes the loader moved.

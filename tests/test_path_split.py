@@ -41,6 +41,15 @@ def test_the_parts_follow_the_request_and_sum_to_its_ttft():
     assert sum(parts.values()) == pytest.approx(27.5e-3)
 
 
+def test_a_request_the_gateway_sent_to_its_node_has_no_placer_parts():
+    """The warm fast path: no placer span; the gateway's admit command is the hop to the node."""
+    spans = [s for s in trace() if s["service"] != "slinfer-placer"]
+    parts = split(spans, sent_ns=0, first_ns=int(27.5 * MS))
+    assert parts["to_placer"] == parts["placer"] == 0.0
+    assert parts["to_node"] == pytest.approx(8.0e-3)  # request span start (3) -> node (11)
+    assert sum(parts.values()) == pytest.approx(27.5e-3)
+
+
 def test_a_trace_without_a_service_span_is_refused_by_name():
     spans = [s for s in trace() if s["service"] != "slinfer-node"]
     with pytest.raises(ValueError, match="slinfer-node"):

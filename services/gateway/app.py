@@ -25,6 +25,7 @@ from services.gateway import openapi_docs as docs
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
+from services.gateway.direct import DirectConfig, DirectRoutes
 from services.gateway.deps import Context, GatewayContext
 from services.gateway.embeddings import EmbeddingBody
 from services.gateway.errors import install_error_handlers
@@ -66,6 +67,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
         redis = open_redis(settings.redis_url, REDIS_TIMEOUT_S)
         metrics_server = None
         backend: InferenceBackend | None = None
+        direct: DirectRoutes | None = None
         try:
             await redis.ping()
             js = nc.jetstream()
@@ -74,7 +76,10 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             await registry.mark_intact()  # a fresh Redis: its (empty) registry is the truth
             watchdog = WatchdogConfig(quiet_s=settings.stream_quiet_s,
                                       max_resumes=settings.max_resumes)
-            backend = InferenceBackend(nc, js, redis, watchdog)
+            direct = DirectRoutes(nc, redis, DirectConfig(enabled=settings.direct_admit),
+                                  tel.meter("slinfer.gateway"))
+            await direct.start()
+            backend = InferenceBackend(nc, js, redis, watchdog, direct)
             service = GatewayService(settings, registry, backend,
                                      TokenizerCache(), metrics, redis)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
@@ -90,6 +95,8 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
                 metrics_server.close()
             if backend is not None:
                 await backend.settle_cancels(timeout_s=5.0)
+            if direct is not None:
+                await direct.stop()
             await nc.drain()
             await redis.aclose()
 

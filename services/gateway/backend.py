@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from redis.asyncio import Redis
 
+from services.gateway.direct import DirectRoutes, Outcome
 from services.gateway.watchdog import Probe, Verdict, Watch, WatchdogConfig
 from shared import wire
 from shared.bus import PUBLISH_RETRY_S, publish_retrying
@@ -87,11 +88,13 @@ class InferenceBackend:
     for the watchdog; None: a node that does not answer is never judged dead)."""
 
     def __init__(self, nc: NATS, js: JetStreamContext, redis: Redis | None = None,
-                 watchdog: WatchdogConfig = WatchdogConfig()) -> None:
+                 watchdog: WatchdogConfig = WatchdogConfig(),
+                 direct: DirectRoutes | None = None) -> None:
         self._nc = nc
         self._js = js
         self._redis = redis
         self.watchdog = watchdog
+        self.direct = direct  # the warm fast path (direct.py); None: every request to placers
         self._cancels: set[asyncio.Task] = set()  # held: a bare task may be garbage-collected
 
     @property
@@ -105,6 +108,15 @@ class InferenceBackend:
         gateway span's). Raises BackendUnavailable if the stream does not take it, tried again
         (same message id) through a stream-leader election, within the request's timeout."""
         sub = await self._nc.subscribe(token_subject(request.request_id))
+        if self.direct is not None \
+                and (route := self.direct.pick(request, time.monotonic())) is not None:
+            headers = trace_headers if trace_headers is not None else inject_headers({})
+            outcome = await self.direct.admit(request, route, headers or None)
+            if outcome is Outcome.ADMITTED:
+                return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s,
+                                   request=request, backend=self, trace_headers=trace_headers)
+            if outcome is Outcome.SILENT:  # it may run there: the placer asks that node first
+                request = replace(request, asked_node=route.node_id)
         try:
             await publish_retrying(self._js, REQUEST_SUBJECT, wire.encode(request),
                                    self.request_headers(request, trace_headers),
@@ -201,7 +213,7 @@ def resumed_request(req: InferenceRequest, output: list[int], attempt: int,
     `resume_grace` moves its deadline by that time), or every placer would drop it as late."""
     grace = grace_from_now(req, len(output), now)
     return replace(req, attempt=attempt, resumed_token_ids=list(output), grace_s=grace,
-                   target_node=None, target_instance=None)
+                   target_node=None, target_instance=None, asked_node=None)
 
 
 class TokenStream:

@@ -13,8 +13,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from shared.settings import (DEFAULT_NATS_URL, DEFAULT_REDIS_URL, ENV_STREAM_REPLICAS,
-                             MAX_STREAM_REPLICAS, check_redis_url, env_float, env_int, env_nats_url,
-                             env_redis_url, env_str, env_stream_replicas, nats_servers)
+                             MAX_STREAM_REPLICAS, check_redis_url, env_bool, env_float, env_int,
+                             env_nats_url, env_redis_url, env_str, env_stream_replicas,
+                             nats_servers)
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -40,6 +41,7 @@ ENV_STREAM_QUIET = "SLINFER_STREAM_QUIET_S"
 ENV_MAX_RESUMES = "SLINFER_MAX_RESUMES"
 ENV_PROFILE_HARDWARE = "SLINFER_PROFILE_HARDWARE"
 ENV_MAX_CHOICES = "SLINFER_MAX_CHOICES"
+ENV_DIRECT_ADMIT = "SLINFER_DIRECT_ADMIT"
 MAX_CHOICES_LIMIT = 128  # OpenAI's own bound on n
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
@@ -84,6 +86,9 @@ class GatewaySettings:
     # The most choices (`n`) one request may ask for: each is a request of its own to the
     # cluster, so one call asks for up to this many generations' capacity (OpenAI allows 128).
     max_choices: int = 16
+    # The warm fast path (direct.py): a request for a warm instance goes straight to its node,
+    # the placers only where that node refuses it. Off: every request goes through a placer.
+    direct_admit: bool = True
 
     def __post_init__(self) -> None:
         nats_servers(self.nats_url, ENV_NATS_URL)
@@ -177,6 +182,7 @@ class GatewaySettings:
                                         minimum=0.001),
             default_max_tokens=env_int(ENV_DEFAULT_MAX_TOKENS, d["default_max_tokens"].default,
                                        env=env, minimum=1),
+            direct_admit=bool(env_bool(ENV_DIRECT_ADMIT, d["direct_admit"].default, env=env)),
             **_access_from_env(env),
             **_limits_from_env(env),
         )

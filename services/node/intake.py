@@ -63,6 +63,8 @@ class CommandIntake:
             if reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request \
                     and cmd.kind is not CommandKind.START_INSTANCE:  # its request is a stand-in
                 await self.rt.outbox.announce(cmd.request)
+                if cmd.direct and reply.instance_id:  # from a gateway: the placers note it
+                    await self.rt.outbox.admitted_direct(cmd.request, reply.instance_id)
 
     async def _answer(self, msg: Msg, cmd: NodeCommand) -> None:
         reply = await self._call(cmd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -20,8 +21,10 @@ from services.node.observe import NodeObserver
 from shared import wire
 from shared.bus import PUBLISH_RETRY_S, publish_retrying
 from shared.cluster import announcement, decode_reply, encode_reply
-from shared.schemas import InferenceRequest, MemOpCompletion, NodeCommand, NodeReply, TokenMessage
-from shared.subjects import REQUEST_SUBJECT, memop_subject, node_command_subject, token_subject
+from shared.schemas import (DirectAdmission, InferenceRequest, MemOpCompletion, NodeCommand,
+                            NodeReply, TokenMessage)
+from shared.subjects import (DIRECT_ADMITTED_SUBJECT, REQUEST_SUBJECT, memop_subject,
+                             node_command_subject, token_subject)
 
 log = logging.getLogger("slinfer.node")
 
@@ -53,6 +56,18 @@ class Outbox:
         watchdog asks that node if the stream goes quiet). No trace headers: those ride the
         request's token messages as `observe` counts them."""
         await self.token(announcement(req, self.node_id), headers=False)
+
+    # --- to the placers ---------------------------------------------------------------------------
+    async def admitted_direct(self, req: InferenceRequest, instance_id: str) -> None:
+        """Tell the placers a request of the warm fast path runs here (their arrival histories:
+        pre-warming, pre-loading, burst detection). Best effort: a lost note costs one arrival
+        in a rate, never the request."""
+        note = DirectAdmission(replace(req, prompt_token_ids=[], resumed_token_ids=[]),
+                               self.node_id, instance_id)
+        try:
+            await self.nc.publish(DIRECT_ADMITTED_SUBJECT, wire.encode(note))
+        except Exception as exc:
+            log.warning("direct admission of %s not told: %r", req.request_id, exc)
 
     # --- commands -------------------------------------------------------------------------------
     async def respond(self, msg: Msg, reply: NodeReply) -> None:

@@ -40,9 +40,11 @@ from shared import telemetry as tm
 from shared import wire
 from shared.outcomes import record_outcome
 from shared.bus import START_RETRY_S, STREAM_MAX_AGE_S, ensure_streams, retrying
-from shared.schemas import CancelNotice, FinishReason, InferenceRequest, TokenMessage
-from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, PLACER_DURABLE, REQUEST_SUBJECT,
-                             answered_key, token_subject)
+from shared.schemas import (CancelNotice, DirectAdmission, FinishReason, InferenceRequest,
+                            TokenMessage)
+from shared.subjects import (CANCEL_STREAM, CANCEL_SUBJECT, DIRECT_ADMITTED_SUBJECT,
+                             PLACER_DURABLE, PLACER_QUEUE_GROUP, REQUEST_SUBJECT, answered_key,
+                             token_subject)
 
 log = logging.getLogger("slinfer.placer")
 CANCEL_REPLAY_S = 5.0  # at start, wait at most this long for the cancel stream's replay
@@ -122,6 +124,23 @@ class RequestIntake:
         deadline = time.monotonic() + CANCEL_REPLAY_S
         while self._cancel_seq < last and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        await self.port.nc.subscribe(DIRECT_ADMITTED_SUBJECT, queue=PLACER_QUEUE_GROUP,
+                                     cb=self._on_direct)
+
+    async def _on_direct(self, msg: Msg) -> None:
+        """A node admitted a request a gateway sent it directly (the warm fast path): noted as
+        an arrival placed on that node, as if this placer had placed it."""
+        try:
+            note = wire.decode(DirectAdmission, msg.data)
+        except wire.WireError as exc:
+            log.warning("dropping undecodable direct-admission note: %s", exc)
+            return
+        now = time.time()
+        self.port.count("route_direct")
+        for arrived in self.on_arrival:
+            arrived(note.request, now)
+        for told in self.on_answer:
+            told(note.request.request_id, note.node_id, now)
 
     def held_since_now(self) -> None:
         """From now on this placer holds what it fetches (the grace of earlier waits ends)."""
@@ -153,8 +172,11 @@ class RequestIntake:
         if unclaimed > 0:  # it waited for a live placer (module docstring)
             req = replace(req, grace_s=max(req.grace_s, unclaimed))
         now = time.time()
+        # `asked_node`: a gateway's direct admission got no answer there; that node is asked
+        # before the request goes anywhere else (`Placer._settled_by_unanswered`).
         new = Pending(msg, req, now, last_progress=now,
-                      trace_parent=tm.extract_context(msg.headers, req.trace_context))
+                      trace_parent=tm.extract_context(msg.headers, req.trace_context),
+                      unanswered=req.asked_node)
         old = self.queue.get(req.request_id)
         if old is None and await self._already_answered(msg, req):
             return

@@ -96,24 +96,21 @@ def test_one_request_is_one_trace_across_gateway_placer_and_node(traced_stack):
     assert a["gen_ai.response.finish_reasons"] == [finish]
     assert chat.parent_id == roots[0].span_id
 
-    # The placer's decision, under the gateway's request span.
-    place = _one(spans, f"place {traced_stack.stack.model}", "slinfer-placer")
-    p = place.attributes
-    assert place.parent_id == chat.span_id
-    assert p["slinfer.placement.action"] in ("new_instance", "route")
-    assert p["slinfer.placement.node_id"] == "node-0"
-    assert p["slinfer.node.accepted"] is True and p["slinfer.node.reason"] == "admitted"
-    assert p["slinfer.placement.instance_id"].startswith(f"{traced_stack.stack.model}@node-0")
-    assert any(re.fullmatch(r"node-0/.+: admitted", t) for t in p["slinfer.placement.attempts"])
-    assert [e for e in place.events if e[0] == "admission" and e[1]["slinfer.admit_reason"] == "admitted"]
-    assert p["slinfer.placement.queued_s"] >= 0
-
-    # The node: its command span under the decision, the request's spans under it.
+    # Through a placer (a cold start, say): its decision under the gateway's request span, the
+    # node's command span under the decision. On the warm fast path the gateway's request span
+    # sent the admission itself, and no placer took part.
     command = _one(spans, "node.command admit", "slinfer-node")
-    assert command.parent_id == place.span_id
     assert command.attributes["slinfer.admit_reason"] == "admitted"
+    if any(s.service == "slinfer-placer" for s in spans):
+        place = _check_decision(spans, chat)
+        assert command.parent_id == place.span_id
+        chain = ["node.command admit", place.name, chat.name]
+    else:
+        place = None
+        assert command.parent_id == chat.span_id
+        chain = ["node.command admit", chat.name]
     node_req = _one(spans, "node.request", "slinfer-node")
-    assert _ancestors(node_req, by_id)[:3] == ["node.command admit", place.name, chat.name]
+    assert _ancestors(node_req, by_id)[:len(chain)] == chain
     assert node_req.attributes["gen_ai.usage.output_tokens"] == tokens
     assert node_req.attributes["gen_ai.response.finish_reasons"] == [finish]
     for name in ("node.queue", "node.prefill"):
@@ -127,7 +124,7 @@ def test_one_request_is_one_trace_across_gateway_placer_and_node(traced_stack):
     assert len([s for s in spans if s.name == "node.decode"]) <= 1, "one decode span, not one per token"
 
     # The cold start: the instance's load, with its bytes and time parked.
-    if place.attributes["slinfer.placement.action"] == "new_instance":
+    if place is not None and place.attributes["slinfer.placement.action"] == "new_instance":
         load = _one(spans, "node.memop load", "slinfer-node")
         assert load.parent_id == command.span_id
         assert load.attributes["slinfer.memop.bytes_after"] > 0
@@ -136,6 +133,36 @@ def test_one_request_is_one_trace_across_gateway_placer_and_node(traced_stack):
 
     # The token stream's headers: the gateway span links the node span that produced the tokens.
     assert (node_req.trace_id, node_req.span_id) in chat.links
+
+
+def _check_decision(spans: list[ReceivedSpan], chat: ReceivedSpan) -> ReceivedSpan:
+    """The placer's decision span, under the gateway's request span, and what it says."""
+    place = _one(spans, f"place {chat.attributes['gen_ai.request.model']}", "slinfer-placer")
+    p = place.attributes
+    assert place.parent_id == chat.span_id
+    assert p["slinfer.placement.action"] in ("new_instance", "route")
+    assert p["slinfer.placement.node_id"] == "node-0"
+    assert p["slinfer.node.accepted"] is True and p["slinfer.node.reason"] == "admitted"
+    assert p["slinfer.placement.instance_id"].startswith(f"{chat.attributes['gen_ai.request.model']}@node-0")
+    assert any(re.fullmatch(r"node-0/.+: admitted", t) for t in p["slinfer.placement.attempts"])
+    assert [e for e in place.events if e[0] == "admission" and e[1]["slinfer.admit_reason"] == "admitted"]
+    assert p["slinfer.placement.queued_s"] >= 0
+    return place
+
+
+def test_a_warm_request_goes_from_the_gateway_to_its_node_directly(traced_stack):
+    """Once the model has an instance, a request skips the stream and the placer: its trace
+    holds no placer span, and the gateway counts the direct admission."""
+    _chat(traced_stack)  # the instance is there now (if it was not)
+    rid, _, _ = _chat(traced_stack)
+    spans = _trace_of(traced_stack.receiver, rid)
+    assert not [s.name for s in spans if s.service == "slinfer-placer"]
+    chat = _one(spans, f"chat {traced_stack.stack.model}", "slinfer-gateway")
+    assert _one(spans, "node.command admit", "slinfer-node").parent_id == chat.span_id
+    text = httpx.get(f"{traced_stack.stack.url}/metrics", timeout=10).text
+    admitted = re.search(r'^slinfer_gateway_direct_admissions_total\{[^}]*outcome="admitted"[^}]*\} '
+                         r'(\S+)$', text, re.M)
+    assert admitted and float(admitted.group(1)) >= 1, text[:3000]
 
 
 def test_gateway_metrics_show_ttft_histogram_after_a_request(traced_stack):
