@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from redis.asyncio import Redis
@@ -107,14 +108,18 @@ class InferenceBackend:
         token can be missed). `trace_headers`: the W3C trace context the request carries (its
         gateway span's). Raises BackendUnavailable if the stream does not take it, tried again
         (same message id) through a stream-leader election, within the request's timeout."""
-        sub = await self._nc.subscribe(token_subject(request.request_id))
+        sub = await TokenInbox.subscribe(self._nc, token_subject(request.request_id))
         if self.direct is not None \
                 and (route := self.direct.pick(request, time.monotonic())) is not None:
             headers = trace_headers if trace_headers is not None else inject_headers({})
             outcome = await self.direct.admit(request, route, headers or None)
             if outcome is Outcome.ADMITTED:
-                return TokenStream(request.request_id, sub, deadline=time.monotonic() + timeout_s,
-                                   request=request, backend=self, trace_headers=trace_headers)
+                stream = TokenStream(request.request_id, sub,
+                                     deadline=time.monotonic() + timeout_s, request=request,
+                                     backend=self, trace_headers=trace_headers)
+                if stream.watch is not None:  # the node does not announce what it was sent so
+                    stream.watch.heard(time.monotonic(), route.node_id)
+                return stream
             if outcome is Outcome.SILENT:  # it may run there: the placer asks that node first
                 request = replace(request, asked_node=route.node_id)
         try:
@@ -222,7 +227,7 @@ class TokenStream:
 
     With `request` and `backend` given, a watchdog looks after the stream (module docstring)."""
 
-    def __init__(self, request_id: str, sub: Subscription, deadline: float,
+    def __init__(self, request_id: str, sub: TokenInbox, deadline: float,
                  request: InferenceRequest | None = None, backend: InferenceBackend | None = None,
                  trace_headers: dict[str, str] | None = None) -> None:
         self.request_id = request_id
@@ -258,8 +263,8 @@ class TokenStream:
                 raise StreamTimeout(self.request_id)
             wait = remaining if self.watch is None else min(remaining, self.watch.due_in(now))
             try:
-                msg = await self._sub.next_msg(timeout=max(wait, 0.001))
-            except nats.errors.TimeoutError:
+                msg = await self._sub.next(timeout=max(wait, 0.001))
+            except TimeoutError:
                 if self.watch is None or time.monotonic() >= self._deadline:
                     raise StreamTimeout(self.request_id) from None
                 if self.watch.due_in(time.monotonic()) <= 0:
@@ -409,7 +414,44 @@ class TokenStream:
         await _unsubscribe(self._sub)
 
 
-async def _unsubscribe(sub: Subscription) -> None:
+class TokenInbox:
+    """A request's token subject, its messages queued here. (nats-py's `next_msg` starts two
+    tasks per message, each a turn of the event loop before the token is read; a callback that
+    queues the message costs none.)"""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self.sub: Subscription | None = None
+
+    @classmethod
+    async def subscribe(cls, nc: NATS, subject: str) -> TokenInbox:
+        inbox = cls(nc)
+        inbox.sub = await nc.subscribe(subject, cb=inbox._on_msg)
+        return inbox
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._queue.put_nowait(msg)
+
+    async def next(self, timeout: float) -> Msg:
+        """The next message. Raises TimeoutError after `timeout` seconds without one, and
+        nats.errors.ConnectionClosedError when none is left and the connection is closed."""
+        try:
+            async with asyncio.timeout(timeout):
+                if self._queue.empty() and self._nc.is_closed:
+                    raise nats.errors.ConnectionClosedError
+                return await self._queue.get()
+        except TimeoutError:
+            if self._nc.is_closed:
+                raise nats.errors.ConnectionClosedError from None
+            raise
+
+    async def unsubscribe(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+
+async def _unsubscribe(sub: TokenInbox | Subscription) -> None:
     try:
         await sub.unsubscribe()
     except Exception:  # connection closing or already unsubscribed

@@ -13,9 +13,10 @@ the node's answer:
 - refused: the request goes to the placers like any other (one hop of ~1 ms lost), and its model
   is left to them for `hold_s`: a full instance would refuse the next ones too, and requests a
   placer queued for the model should get the room that frees up first.
-- no answer in `timeout_s` (a lost reply, or a node too busy to answer): the node may have
-  admitted it, so it goes to the placers with `asked_node`, and they ask that node before they
-  place it anywhere else (the path a lost admission reply takes between placer and node).
+- no answer in `timeout_s` (a lost reply, a node too busy to answer, or cut off): the node may
+  have admitted it, so it goes to the placers with `asked_node`, and they ask that node before
+  they place it anywhere else (the path a lost admission reply takes between placer and node).
+  The node is left out of direct admissions for `hold_s`, whatever the model.
 - no node listens on the subject (it is gone): to the placers at once.
 
 Only a first attempt takes the fast path: a resumed request, or one handed back with a target,
@@ -55,7 +56,9 @@ class DirectConfig:
     # How long the node may take to answer. It answers in ~1 ms when its event loop is free; a
     # loop held up longer than this is asked again by the placer (STATUS) before anything else.
     timeout_s: float = 0.5
-    hold_s: float = 1.0  # after a refusal or a silence, the model goes to the placers this long
+    # After a refusal or a silence, the model goes to the placers this long (and after a
+    # silence, anything that node serves).
+    hold_s: float = 1.0
 
 
 class Outcome(enum.Enum):
@@ -76,6 +79,7 @@ class DirectRoutes:
             description="Warm requests the gateway sent straight to a node, by outcome")
         self._views: dict[str, NodeView] = {}
         self._held: dict[str, float] = {}  # model -> until when (monotonic) it goes to placers
+        self._silent: dict[str, float] = {}  # node -> until when (monotonic) it is left out
         self._task: asyncio.Task | None = None
         self.counts: dict[Outcome, int] = {o: 0 for o in Outcome}
 
@@ -98,6 +102,10 @@ class DirectRoutes:
             return
         self._views = {n.node_id: n for n in nodes}
 
+    def see(self, view: NodeView) -> None:
+        """A fresher view of one node (its answer's)."""
+        self._views[view.node_id] = view
+
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.refresh_s)
@@ -110,7 +118,8 @@ class DirectRoutes:
             return None
         if self._held.get(request.model, 0.0) > now:
             return None
-        return warm_route(list(self._views.values()), request.model, request.adapter)
+        nodes = [v for v in self._views.values() if self._silent.get(v.node_id, 0.0) <= now]
+        return warm_route(nodes, request.model, request.adapter)
 
     async def admit(self, request: InferenceRequest, route: WarmRoute,
                     headers: dict[str, str] | None) -> Outcome:
@@ -127,9 +136,10 @@ class DirectRoutes:
         except Exception as exc:  # a timeout, NATS going down, an odd answer: it may run it
             log.info("node %s did not answer the direct admission of %s: %r", route.node_id,
                      request.request_id, exc)
+            self._silent[route.node_id] = time.monotonic() + self.config.hold_s
             return self._count(Outcome.SILENT, request)
         if reply.node is not None:
-            self._views[reply.node.node_id] = reply.node
+            self.see(reply.node)
         return self._count(Outcome.ADMITTED if reply.accepted else Outcome.REFUSED, request)
 
     def _count(self, outcome: Outcome, request: InferenceRequest) -> Outcome:

@@ -53,18 +53,28 @@ class CommandIntake:
             self.rt.spawn(self._answer(msg, cmd), f"{cmd.kind.value}-{_subject(cmd)}")
             return
         obs = self.rt.obs
-        with obs.command(msg.headers) as command:  # child of the placer's decision
+        with obs.command(msg.headers) as command:  # child of the placer's (or gateway's) span
             if cmd is None:
                 kind, reply = "unknown", NodeReply(False, f"bad_command: {bad}")
             else:
                 kind, reply = cmd.kind.value, await self._call(cmd, command)
-            await self.rt.outbox.respond(msg, replace(reply, node=self.rt.view()))
             obs.command_result(command, kind, reply.accepted, reply.reason, reply.instance_id)
-            if reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request \
-                    and cmd.kind is not CommandKind.START_INSTANCE:  # its request is a stand-in
-                await self.rt.outbox.announce(cmd.request)
-                if cmd.direct and reply.instance_id:  # from a gateway: the placers note it
-                    await self.rt.outbox.admitted_direct(cmd.request, reply.instance_id)
+        # Sent from a task of its own: an admission woke the token loop, which starts the
+        # request's prefill before the answer is encoded and sent (the asker reads it meanwhile).
+        self.rt.spawn(self._send(msg, reply, cmd), f"answer-{kind}")
+
+    async def _send(self, msg: Msg, reply: NodeReply, cmd: NodeCommand | None) -> None:
+        """The answer to a command (with the node's view), then who needs to know of an
+        admission: the gateway, whose watchdog asks this node if the stream goes quiet (a
+        gateway that sent it here itself knows), and the placers, of one a gateway sent."""
+        await self.rt.outbox.respond(msg, replace(reply, node=self.rt.view()))
+        if not (reply.accepted and reply.reason == "admitted" and cmd is not None and cmd.request
+                and cmd.kind is not CommandKind.START_INSTANCE):  # its request is a stand-in
+            return
+        if not cmd.direct:
+            await self.rt.outbox.announce(cmd.request)
+        elif reply.instance_id:
+            await self.rt.outbox.admitted_direct(cmd.request, reply.instance_id)
 
     async def _answer(self, msg: Msg, cmd: NodeCommand) -> None:
         reply = await self._call(cmd)

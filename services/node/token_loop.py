@@ -76,8 +76,9 @@ class TokenLoop:
                 await self._run(plan)
                 return
         self.rt.wake.clear()
-        try:
-            await asyncio.wait_for(self.rt.wake.wait(), timeout=self._idle_wait(time.time()))
+        try:  # (not wait_for: its extra task would put a turn of the loop between wake and step)
+            async with asyncio.timeout(self._idle_wait(time.time())):
+                await self.rt.wake.wait()
         except TimeoutError:
             pass
 

@@ -18,12 +18,16 @@ class _Outbox:
     def __init__(self) -> None:
         self.replies: list[NodeReply] = []
         self.announced: list[str] = []
+        self.noted: list[tuple[str, str]] = []  # direct admissions told to the placers
 
     async def respond(self, msg, reply: NodeReply) -> None:
         self.replies.append(reply)
 
     async def announce(self, req: InferenceRequest) -> None:
         self.announced.append(req.request_id)
+
+    async def admitted_direct(self, req: InferenceRequest, instance_id: str) -> None:
+        self.noted.append((req.request_id, instance_id))
 
 
 class _Runtime:
@@ -60,7 +64,9 @@ def _intake(handlers, spawned=None, cleanups=None, book=None):
 
 
 async def _send(intake: CommandIntake, cmd: NodeCommand | bytes) -> None:
+    """The command, and its answer (sent from a task of its own)."""
     await intake.on_command(_Msg(cmd if isinstance(cmd, bytes) else wire.encode(cmd)))
+    await asyncio.gather(*intake.rt.tasks)
 
 
 async def test_a_command_goes_to_its_handler_and_an_admission_is_announced():
@@ -72,6 +78,59 @@ async def test_a_command_goes_to_its_handler_and_an_admission_is_announced():
     (reply,) = rt.outbox.replies
     assert reply.accepted and reply.instance_id == "i1" and reply.node.node_id == "n1"
     assert rt.outbox.announced == ["r"]
+
+
+async def test_a_direct_admission_is_told_to_the_placers_not_announced():
+    """A gateway that sent the admission itself knows where the request runs; the placers
+    learn of it from the node."""
+    async def admit(cmd):
+        return NodeReply(True, "admitted", "i1")
+
+    rt, intake = _intake({CommandKind.ADMIT: admit})
+    await _send(intake, NodeCommand(CommandKind.ADMIT, request=_req(), instance_id="i1",
+                                    direct=True))
+    assert rt.outbox.replies[0].accepted and rt.outbox.noted == [("r", "i1")]
+    assert not rt.outbox.announced
+
+
+async def test_a_refused_direct_admission_is_told_to_nobody():
+    async def refuse(cmd):
+        return NodeReply(False, "headroom", "i1")
+
+    rt, intake = _intake({CommandKind.ADMIT: refuse})
+    await _send(intake, NodeCommand(CommandKind.ADMIT, request=_req(), instance_id="i1",
+                                    direct=True))
+    assert not rt.outbox.replies[0].accepted
+    assert not rt.outbox.noted and not rt.outbox.announced
+
+
+async def test_the_answer_goes_out_after_what_the_admission_woke_has_run():
+    """The handler's admission wakes the token loop; the answer is sent from a task started
+    after it, so the loop's turn (the prefill's start) comes first."""
+    order: list[str] = []
+    woken = asyncio.Event()
+
+    async def loop_turn() -> None:
+        await woken.wait()
+        order.append("token loop")
+
+    async def admit(cmd):
+        woken.set()
+        return NodeReply(True, "admitted", "i1")
+
+    rt, intake = _intake({CommandKind.ADMIT: admit})
+    waiter = asyncio.create_task(loop_turn())
+    await asyncio.sleep(0)  # the loop waits for work
+    respond = rt.outbox.respond
+
+    async def recorded(msg, reply):
+        order.append("answer")
+        await respond(msg, reply)
+
+    rt.outbox.respond = recorded
+    await _send(intake, NodeCommand(CommandKind.ADMIT, request=_req()))
+    await waiter
+    assert order == ["token loop", "answer"]
 
 
 async def test_one_wrapper_maps_errors_to_refusals_and_runs_the_cleanup():
