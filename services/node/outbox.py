@@ -60,12 +60,13 @@ class Outbox:
     # --- to the placers ---------------------------------------------------------------------------
     async def admitted_direct(self, req: InferenceRequest, instance_id: str) -> None:
         """Tell the placers a request of the warm fast path runs here (their arrival histories:
-        pre-warming, pre-loading, burst detection). Best effort: a lost note costs one arrival
-        in a rate, never the request."""
+        pre-warming, pre-loading, burst detection), in the request's trace. Best effort: a lost
+        note costs one arrival in a rate, never the request."""
         note = DirectAdmission(replace(req, prompt_token_ids=[], resumed_token_ids=[]),
                                self.node_id, instance_id)
         try:
-            await self.nc.publish(DIRECT_ADMITTED_SUBJECT, wire.encode(note))
+            await self.nc.publish(DIRECT_ADMITTED_SUBJECT, wire.encode(note),
+                                  headers=self.obs.headers(req.request_id))
         except Exception as exc:
             log.warning("direct admission of %s not told: %r", req.request_id, exc)
 

@@ -137,6 +137,11 @@ class RequestIntake:
             return
         now = time.time()
         self.port.count("route_direct")
+        req = note.request
+        with trace.use_span(trace.get_current_span(tm.extract_context(msg.headers)),
+                            end_on_exit=False):  # the log line in the request's trace
+            log.info("placed %s on %s/%s (direct, by its gateway)", req.request_id, note.node_id,
+                     note.instance_id)
         for arrived in self.on_arrival:
             arrived(note.request, now)
         for told in self.on_answer:

@@ -23,6 +23,7 @@ The waits poll for recorded events with generous limits; nothing asserts this bo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
@@ -30,7 +31,8 @@ import nats
 import pytest
 from redis import Redis as SyncRedis
 
-from services.stack import Stack
+from services.stack import Stack, store_profile
+from shared.core.perf_model import Profile
 from shared import wire
 from shared.core.types import NodeView
 from shared.schemas import CancelNotice, InferenceRequest
@@ -44,6 +46,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 DEADLINE_S = REQUEST_TIMEOUT_S + 5  # the gateway's deadline, and the time to say so
 STEADY = 4  # requests completed before the fault: the stream is steady
+COLD = "demo-cold"  # the demo model under a second name, never loaded (`_cold_model`)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +70,21 @@ async def _after_recovery(load: Load, since: float) -> None:
 
 # --- 1. the placer -------------------------------------------------------------------------------
 
-async def _cancelled_while_no_placer(s: Stack) -> str:
-    """A client gives up on a request while no placer runs; returns the request's id once its
-    cancel is on NATS (the gateway sent it)."""
+def _cold_model(s: Stack, profile: Profile) -> str:
+    """A second name for the stack's model, ready at once (its profile stored first) and with no
+    instance anywhere: a request for it needs a placer, where one for the served model goes
+    straight to its warm instance's node (and is served while no placer runs)."""
+    store_profile(s.redis_url, dataclasses.replace(profile, model=COLD))
+    r = httpx.post(f"{s.url}/admin/models", headers=s.auth, timeout=30, json={
+        "name": COLD, "path": str(s.model_dir), "engine": "torch", "public": True,
+        "slo_class": "batch", "replace": True})
+    assert r.status_code == 201, r.text
+    return COLD
+
+
+async def _cancelled_while_no_placer(s: Stack, model: str) -> str:
+    """A client gives up on a request for `model` (one with no instance) while no placer runs;
+    returns the request's id once its cancel is on NATS (the gateway sent it)."""
     nc = await nats.connect(s.nats_url)
     published: asyncio.Queue = asyncio.Queue()
     cancels: set[str] = set()
@@ -88,7 +103,7 @@ async def _cancelled_while_no_placer(s: Stack) -> str:
         async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=2.0), trust_env=False) as c:
             with pytest.raises(httpx.ReadTimeout):  # no placer: no token, so the client gives up
                 await c.post(f"{s.url}/v1/completions", json={
-                    "model": s.model, "prompt": "given up on", "max_tokens": 77, "stream": True})
+                    "model": model, "prompt": "given up on", "max_tokens": 77, "stream": True})
         rid = await asyncio.wait_for(published.get(), 30)
         deadline = time.monotonic() + 30
         while rid not in cancels:
@@ -99,13 +114,15 @@ async def _cancelled_while_no_placer(s: Stack) -> str:
         await nc.close()
 
 
-async def test_placer_killed_and_restarted(fault_stack, refs):
+async def test_placer_killed_and_restarted(fault_stack, refs, demo_profile):
     s = fault_stack
     s.heal()
+    cold = await asyncio.to_thread(_cold_model, s, demo_profile)
     load, recorder = await _steady_load(s)
     try:
         await asyncio.to_thread(s.kill, "placer")
-        abandoned = await _cancelled_while_no_placer(s)  # requests meanwhile wait in the stream
+        # Requests that need a placer meanwhile wait in the stream (warm ones go on directly).
+        abandoned = await _cancelled_while_no_placer(s, cold)
         restarted = time.monotonic()
         await asyncio.to_thread(s.restart, "placer")
         await _after_recovery(load, restarted)
