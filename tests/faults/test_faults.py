@@ -136,6 +136,9 @@ async def test_placer_killed_and_restarted(fault_stack, refs, demo_profile):
     finally:
         await load.stop()
         await recorder.close()
+        # The other tests share the stack and its model list.
+        await asyncio.to_thread(httpx.delete, f"{s.url}/admin/models/{cold}", headers=s.auth,
+                                timeout=30)
 
 
 # --- 2. a node worker ----------------------------------------------------------------------------
