@@ -38,8 +38,8 @@ async def get_context(request: Request) -> GatewayContext:
     return request.app.state.ctx
 
 
-async def get_caller(request: Request, settings: Annotated[GatewaySettings, Depends(get_settings)]
-               ) -> Principal:
+async def get_caller(request: Request,
+                     settings: Annotated[GatewaySettings, Depends(get_settings)]) -> Principal:
     return authenticate(settings, request)
 
 
