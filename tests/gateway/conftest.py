@@ -8,7 +8,9 @@ another test package on the session's servers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import io
 import os
 import threading
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+import uvloop
 from redis import Redis as SyncRedis
 
 from services.gateway.app import create_app
@@ -111,10 +114,22 @@ class RunningGateway:
     settings: GatewaySettings
     server: uvicorn.Server
     thread: threading.Thread
+    loop: list = dataclasses.field(default_factory=list)  # the gateway's event loop, once running
 
     def stop(self) -> None:
+        """Stop it; one that is still running 15 s later fails with what its loop is doing (a
+        gateway left running in the test process goes on logging after its servers are gone)."""
         self.server.should_exit = True
         self.thread.join(timeout=15)
+        if self.thread.is_alive():
+            raise AssertionError(f"the gateway at {self.url} did not stop:\n{_tasks(self.loop)}")
+
+
+def _tasks(loop: list) -> str:
+    out = io.StringIO()
+    for task in asyncio.all_tasks(loop[0]) if loop else ():
+        task.print_stack(file=out)
+    return out.getvalue()
 
 
 def start_gateway(settings: GatewaySettings) -> RunningGateway:
@@ -122,14 +137,24 @@ def start_gateway(settings: GatewaySettings) -> RunningGateway:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    loop: list = []
+
+    async def serve() -> None:
+        loop.append(asyncio.get_running_loop())
+        await server.serve()
+
+    def run() -> None:  # on uvloop, as uvicorn runs it
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve())
+
+    thread = threading.Thread(target=run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("gateway did not start")
         time.sleep(0.02)
-    return RunningGateway(f"http://{settings.host}:{settings.port}", settings, server, thread)
+    return RunningGateway(f"http://{settings.host}:{settings.port}", settings, server, thread, loop)
 
 
 @pytest.fixture(scope="package")
