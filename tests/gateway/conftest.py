@@ -134,8 +134,10 @@ def _tasks(loop: list) -> str:
 
 def start_gateway(settings: GatewaySettings) -> RunningGateway:
     """Serve `create_app(settings)` with uvicorn in a thread (its own event loop)."""
+    # A bounded graceful shutdown, as `slinfer gateway` has (services/gateway/__main__.py): a
+    # response still streaming to a client that stopped reading is cancelled after 5 s.
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level="warning", lifespan="on")
+                            log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     loop: list = []
 
