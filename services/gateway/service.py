@@ -73,7 +73,11 @@ class GatewayService:
         if record is None:
             if not await self.registry.intact():  # Redis lost its data; a placer restores it
                 raise errors.registry_unavailable()
-            raise errors.model_not_found(name)
+            # A placer writes the registry back before the epoch: intact now, so a model missing
+            # a moment ago may have been restored in between (a 404 there: make test run 69).
+            record = await self.registry.resolve_served(name, tenant)
+            if record is None:
+                raise errors.model_not_found(name)
         return record
 
     async def tokenizer_for(self, record: ModelRecord) -> PreTrainedTokenizerBase:
