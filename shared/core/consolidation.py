@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from shared.core.admission import Admission, AdmitReason
@@ -29,6 +30,13 @@ def binpack_order(candidates: list[tuple[NodeView, InstanceView]]) -> list[tuple
     """CPU nodes first (§V), then the largest batch (§VIII-B); ids break ties deterministically."""
     return sorted(candidates, key=lambda c: (c[0].hardware is not Hardware.CPU,
                                              -c[1].batch_size, c[0].node_id, c[1].instance_id))
+
+
+def route_candidates(nodes: Iterable[NodeView], model: str) -> list[tuple[NodeView, InstanceView]]:
+    """The instances of `model` on `nodes` a request may join, in the order a route tries them
+    (`binpack_order`): `place`, a preemption's migration destinations and the warm fast path."""
+    return binpack_order([(n, i) for n in nodes for i in n.instances
+                          if i.model.name == model and i.accepts])
 
 
 def idle_instances(node: NodeView, now: float, keep_alive_s: float) -> list[InstanceView]:
@@ -92,9 +100,7 @@ def relocate(requests: list[tuple[str, RequestView]], exclude_node: str,
 
 def _first_fit(req: RequestView, views: dict[str, NodeView], model: ModelSpec,
                ctx: DecisionContext) -> tuple[str, str, Admission] | None:
-    cands = [(n, i) for n in views.values() for i in n.instances
-             if i.model.name == model.name and i.accepts]
-    for node, inst in binpack_order(cands):
+    for node, inst in route_candidates(views.values(), model.name):
         adm = evaluate(node, inst.instance_id, req, model, ctx.perf, ctx.now, ctx.config)
         if adm.ok:
             return node.node_id, inst.instance_id, adm

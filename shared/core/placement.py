@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from shared.core.admission import Admission, AdmitReason
-from shared.core.consolidation import Migration, binpack_order, plan_preemption
+from shared.core.consolidation import Migration, plan_preemption, route_candidates
 from shared.core.context import DecisionContext
 from shared.core.cost import budget_room, kv_demand
 from shared.core.evaluate import node_check, slo_check
@@ -127,8 +127,7 @@ def place(request: RequestView, model: ModelSpec, ctx: DecisionContext,
         else:
             attempts.append(Attempt(node.node_id, None, reason))
 
-    cands = binpack_order([(n, i) for n in eligible for i in n.instances
-                           if i.model.name == model.name and i.accepts])
+    cands = route_candidates(eligible, model.name)
     for node, inst in cands:
         adm = admission_through(node, inst.instance_id, request, model, adapter, perf, now, config)
         attempts.append(Attempt(node.node_id, inst.instance_id, adm.reason))
