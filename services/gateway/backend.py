@@ -451,7 +451,7 @@ class TokenInbox:
             await self.sub.unsubscribe()
 
 
-async def _unsubscribe(sub: TokenInbox | Subscription) -> None:
+async def _unsubscribe(sub: TokenInbox) -> None:
     try:
         await sub.unsubscribe()
     except Exception:  # connection closing or already unsubscribed

@@ -143,9 +143,9 @@ class RequestIntake:
             log.info("placed %s on %s/%s (direct, by its gateway)", req.request_id, note.node_id,
                      note.instance_id)
         for arrived in self.on_arrival:
-            arrived(note.request, now)
+            arrived(req, now)
         for told in self.on_answer:
-            told(note.request.request_id, note.node_id, now)
+            told(req.request_id, note.node_id, now)
 
     def held_since_now(self) -> None:
         """From now on this placer holds what it fetches (the grace of earlier waits ends)."""
