@@ -1,11 +1,18 @@
 """End-to-end overhead of the request path: the gateway's time to first token (streaming, through
-JetStream, the placer, the node worker and back) against the engine's own prefill time for the
-*same request*, which the node reports on its first token message (`TokenMessage.prefill_s`).
-Pairing per request makes the difference immune to the machine's noise between two phases.
+the gateway, to the node (directly when warm, else through JetStream and a placer) and back)
+against the engine's own prefill time for the *same request*, which the node reports on its first
+token message (`TokenMessage.prefill_s`). Pairing per request makes the difference immune to the
+machine's noise between two phases.
+
+Two clients take turns, request by request: a lean one (`bench/lean_client.py`: asyncio streams,
+no HTTP library), whose figure is the request path's own overhead, and httpx (what the openai
+Python client streams with), whose figure adds that library's own ~2 ms per streamed request on
+the 2-core box (`bench/path_floor.py` measures it on a bare server). Rows: the lean client's
+figures, and `httpx_*` for httpx's.
 
     .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024] [--out FILE]
 
-Sequential warm requests (the cold start is reported on its own). Writes
+Sequential warm requests, n per client and length (the cold start is reported on its own). Writes
 bench/results/e2e_overhead.json (or --out) and prints it.
 """
 
@@ -26,8 +33,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from services.profiler.measure import ProfilePlan  # noqa: E402
+from lean_client import LeanClient  # noqa: E402
 from shared import wire  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
 from shared.schemas import TokenMessage  # noqa: E402
@@ -70,25 +79,49 @@ def visible_prompts(model_dir: Path, tokenizer, lengths: list[int]) -> dict[int,
     return prompts
 
 
+def request_body(prompt: str, model: str = NAME) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+
+
+class FirstChunk:
+    """Reads a streamed completion's lines: the request id, the time of the first chunk with a
+    choice (from `start`, perf_counter), the prompt's tokens from the usage chunk."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.ttft, self.rid, self.prompt_tokens = start, None, "", 0
+
+    def line(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        self.rid = chunk["id"]
+        if self.ttft is None and chunk.get("choices"):
+            self.ttft = time.perf_counter() - self.start
+        if chunk.get("usage"):
+            self.prompt_tokens = chunk["usage"]["prompt_tokens"]
+
+
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
                       model: str = NAME) -> tuple[str, float, int]:
-    """(request id, seconds to the first token chunk, prompt tokens)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, rid, prompt_tokens = None, "", 0
+    """With httpx: (request id, seconds to the first token chunk, prompt tokens)."""
+    body = request_body(prompt, model)
+    seen = FirstChunk(time.perf_counter())
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            rid = chunk["id"]
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-    return rid, ttft, prompt_tokens
+            seen.line(line)
+    return seen.rid, seen.ttft, seen.prompt_tokens
+
+
+async def lean_request(client: LeanClient, prompt: str,
+                       model: str = NAME) -> tuple[str, float, int]:
+    """`one_request` with the lean client (the request path's own overhead, no httpx)."""
+    body = request_body(prompt, model)
+    seen = FirstChunk(time.perf_counter())
+    async for line in client.post_sse("/v1/completions", body):
+        seen.line(line)
+    return seen.rid, seen.ttft, seen.prompt_tokens
 
 
 async def watch_prefill(nats_url: str, prefill: dict[str, float]):
@@ -108,31 +141,45 @@ async def watch_prefill(nats_url: str, prefill: dict[str, float]):
 
 
 async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> dict:
+    """Per prompt length: (lean pairs, httpx pairs, prompt tokens), a pair being a request's
+    (TTFT, engine prefill). The two clients alternate which goes first."""
     prefill: dict[str, float] = {}
     nc = await watch_prefill(nats_url, prefill)
     out: dict = {}
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60) as client, LeanClient(url) as lean:
         _, cold, _ = await one_request(client, url, prompts[min(prompts)])
         out["cold_start_ttft_ms"] = round(cold * 1e3, 1)
         for length, prompt in prompts.items():
-            pairs, tokens = [], 0
-            for _ in range(n):
-                rid, ttft, tokens = await one_request(client, url, prompt)
-                await asyncio.sleep(0.02)  # let the token subscription catch up
-                pairs.append((ttft, prefill[rid]))
-            out[length] = (pairs, tokens)
+            pairs: dict[str, list] = {"lean": [], "httpx": []}
+            tokens = 0
+            for i in range(n):
+                for who in (("lean", "httpx") if i % 2 == 0 else ("httpx", "lean")):
+                    if who == "lean":
+                        rid, ttft, tokens = await lean_request(lean, prompt)
+                    else:
+                        rid, ttft, tokens = await one_request(client, url, prompt)
+                    await asyncio.sleep(0.02)  # let the token subscription catch up
+                    pairs[who].append((ttft, prefill[rid]))
+            out[length] = (pairs["lean"], pairs["httpx"], tokens)
     await nc.close()
     return out
 
 
-def summarize(pairs: list[tuple[float, float]], tokens: int) -> dict:
-    ttft = [t for t, _ in pairs]
-    engine = [p for _, p in pairs]
-    overhead = [t - p for t, p in pairs]
-    return {"prompt_tokens": tokens, "engine_prefill_ms_p50": round(statistics.median(engine) * 1e3, 2),
-            "gateway_ttft_ms_p50": round(statistics.median(ttft) * 1e3, 2),
-            "overhead_ms_p50": round(statistics.median(overhead) * 1e3, 2),
-            "overhead_ms_p90": round(statistics.quantiles(overhead, n=10)[-1] * 1e3, 2)}
+def summarize(lean: list[tuple[float, float]], with_httpx: list[tuple[float, float]],
+              tokens: int) -> dict:
+    def overhead(pairs: list[tuple[float, float]]) -> list[float]:
+        return [t - p for t, p in pairs]
+
+    def ms(x: float) -> float:
+        return round(x * 1e3, 2)
+
+    return {"prompt_tokens": tokens,
+            "engine_prefill_ms_p50": ms(statistics.median(p for _, p in lean)),
+            "gateway_ttft_ms_p50": ms(statistics.median(t for t, _ in lean)),
+            "overhead_ms_p50": ms(statistics.median(overhead(lean))),
+            "overhead_ms_p90": ms(statistics.quantiles(overhead(lean), n=10)[-1]),
+            "httpx_overhead_ms_p50": ms(statistics.median(overhead(with_httpx))),
+            "httpx_overhead_ms_p90": ms(statistics.quantiles(overhead(with_httpx), n=10)[-1])}
 
 
 def main() -> int:
