@@ -176,6 +176,10 @@ class TokenLoop:
                                            prefill_s=prefill_s, embedding=vector)
                 finished.add(rid)
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))
+        # nats-py writes what was published from its flusher task, at the loop's next turn.
+        # Give it that turn now: else the next iteration's engine thread starts first and the
+        # write waits for the GIL behind it (a first token ~1 ms later, seen in strace).
+        await asyncio.sleep(0)
 
     def _prefill_s(self, choice: IterationChoice, elapsed: float) -> float | None:
         """The engine time of a prefill that ended with this iteration (a chunked one: all its
