@@ -49,6 +49,10 @@ CANCEL_STREAM = "SLINFER_CANCELS"
 DIRECT_ADMITTED_SUBJECT = "slinfer.admitted.direct"
 PLACER_QUEUE_GROUP = "placers"
 
+# Broadcast, empty: a gateway's admin API changed the registry; every gateway forgets the records
+# it kept for requests (services/gateway/record_cache.py).
+REGISTRY_CHANGED_SUBJECT = "slinfer.registry.changed"
+
 # --- Redis ----------------------------------------------------------------------------------------
 NODES_SET = "slinfer:nodes"
 MODELS_HASH = "slinfer:models"  # field = model name, value = msgpack ModelRecord

@@ -31,10 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"slinfer gateway: configuration error: {exc}", file=sys.stderr)
         return 2
-    # log_config=None: uvicorn's own loggers go through the handler telemetry installed.
+    # log_config=None: uvicorn's own loggers go through the handler telemetry installed. Its
+    # access log is off: the app writes that line when a response ends (access_log.py).
     config = uvicorn.Config(create_app(settings, tel), host=settings.host, port=settings.port,
                             log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
-                            log_config=None)
+                            log_config=None, access_log=False)
     server = uvicorn.Server(config)
     try:
         server.run()

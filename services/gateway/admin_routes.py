@@ -40,6 +40,7 @@ from services.gateway.deps import Caller, Context, RawBody
 from services.gateway.openapi_docs import (ADMIN_ERRORS, ALIAS, ALIAS_LIST, DELETED, INSTANCE_LIST,
                                            MODEL_RECORD, NODE_LIST, RECORD_LIST, json_body)
 from services.gateway.paths import confined_model_dir
+from services.gateway.record_cache import announce_change
 from services.gateway.validation import _Strict, keep_alive_seconds, parse_body
 from shared import wire
 from shared.cluster import decode_node
@@ -150,6 +151,7 @@ async def register_model(caller: Caller, raw: RawBody, ctx: Context) -> JSONResp
         await ctx.registry.register(record, replace=body.replace)
     except ModelExistsError:
         raise _name_taken(body.name) from None
+    await registry_changed(ctx)
     ctx.service.tokenizers.forget(record.path)
     log.info("%s registered model %s (%s, %s)", _who(caller), record.name, record.engine,
              record.path)
@@ -184,6 +186,7 @@ async def update_model(name: str, caller: Caller, raw: RawBody, ctx: Context) ->
         changes["slo_class"] = body.slo_class
     record = dataclasses.replace(record, **changes)
     await ctx.registry.register(record, replace=True)
+    await registry_changed(ctx)
     log.info("%s changed model %s: %s", _who(caller), record.name, changes)
     states = await lifecycle.views(ctx.redis, [record], caller.operator)
     return {**model_view(record, caller, await ctx.registry.aliases()),
@@ -292,10 +295,18 @@ async def delete_model(name: str, caller: Caller, ctx: Context) -> dict[str, Any
     if not await ctx.registry.delete(record.name):
         raise errors.model_not_found(name)
     await ctx.registry.remove_aliases(*aliases_of(await ctx.registry.aliases(), record.name))
+    await registry_changed(ctx)
     ctx.service.tokenizers.forget(record.path)
     await forget_state(ctx.redis, record.name)  # its profiles stay: instances may still run
     log.info("%s deleted model %s", _who(caller), record.name)
     return {"id": name, "object": "model", "deleted": True}
+
+
+async def registry_changed(ctx: Context) -> None:
+    """After a registry write: the records requests resolved to are forgotten here at once and
+    on the other gateways as the notice reaches them (record_cache.py)."""
+    ctx.service.records.clear()
+    await announce_change(ctx.nc)
 
 
 async def _visible(ctx: Context, name: str, caller: Principal) -> ModelRecord:
@@ -365,6 +376,7 @@ async def delete_alias(alias: str, caller: Caller, ctx: Context) -> dict[str, An
     if not caller.operator and PRIVATE_SEPARATOR not in found:
         raise _forbidden(f"Only the operator may remove the public alias {alias!r}.")
     await ctx.registry.remove_aliases(found)
+    await registry_changed(ctx)
     log.info("%s removed alias %s (of %s)", _who(caller), found, aliases[found])
     return {"id": alias, "object": "model.alias", "deleted": True}
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from services.gateway import (admin_routes, drain_routes, embedding_routes, errors,
                               model_ops_routes, openai_routes, token_routes)
 from services.gateway import openapi_docs as docs
+from services.gateway.access_log import AccessLogMiddleware
 from services.gateway.auth import may_read_metrics
 from services.gateway.backend import InferenceBackend
 from services.gateway.body import BodyLimitMiddleware
@@ -30,6 +31,7 @@ from services.gateway.deps import Context, GatewayContext
 from services.gateway.embeddings import EmbeddingBody
 from services.gateway.errors import install_error_handlers
 from services.gateway.observe import ServerSpanMiddleware
+from services.gateway.record_cache import follow_changes
 from services.gateway.service import GatewayService
 from services.gateway.settings import ENV_API_KEYS, GatewaySettings
 from services.gateway.tokenization import TokenizerCache
@@ -82,6 +84,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
             backend = InferenceBackend(nc, js, redis, watchdog, direct)
             service = GatewayService(settings, registry, backend,
                                      TokenizerCache(), metrics, redis)
+            await follow_changes(nc, service.records)
             app.state.ctx = GatewayContext(settings=settings, nc=nc, redis=redis, registry=registry,
                                            service=service)
             if settings.metrics_port is not None:
@@ -104,6 +107,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
                   redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.settings = settings
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessLogMiddleware)  # (outside the body limit: its 413s are logged too)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(token_routes.router)

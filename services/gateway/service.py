@@ -19,6 +19,7 @@ from services.gateway.choices import Choices
 from services.gateway.files_check import FilesCheck
 from services.gateway.generation import Generation
 from services.gateway.observe import RequestObserver
+from services.gateway.record_cache import RecordCache
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import (
     IncrementalDetokenizer,
@@ -67,8 +68,21 @@ class GatewayService:
         self.metrics = metrics
         self.admission = Admission(settings)
         self.files = FilesCheck(registry, redis)
+        self.records = RecordCache(settings.registry_cache_s)
 
     async def visible_model(self, name: str, tenant: str) -> ModelRecord:
+        """The model a request for `name` by `tenant` is served by (kept a moment: a request
+        for a model used a moment ago skips the registry read), or 404 (503 while the registry
+        is being restored)."""
+        record = self.records.get(name, tenant)
+        if record is not None:
+            return record
+        generation = self.records.generation
+        record = await self._read_visible(name, tenant)
+        self.records.put(name, tenant, record, generation)
+        return record
+
+    async def _read_visible(self, name: str, tenant: str) -> ModelRecord:
         record = await self.registry.resolve_served(name, tenant)
         if record is None:
             if not await self.registry.intact():  # Redis lost its data; a placer restores it

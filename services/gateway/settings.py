@@ -42,6 +42,7 @@ ENV_MAX_RESUMES = "SLINFER_MAX_RESUMES"
 ENV_PROFILE_HARDWARE = "SLINFER_PROFILE_HARDWARE"
 ENV_MAX_CHOICES = "SLINFER_MAX_CHOICES"
 ENV_DIRECT_ADMIT = "SLINFER_DIRECT_ADMIT"
+ENV_REGISTRY_CACHE = "SLINFER_REGISTRY_CACHE_S"
 MAX_CHOICES_LIMIT = 128  # OpenAI's own bound on n
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
@@ -89,6 +90,10 @@ class GatewaySettings:
     # The warm fast path (direct.py): a request for a warm instance goes straight to its node,
     # the placers only where that node refuses it. Off: every request goes through a placer.
     direct_admit: bool = True
+    # How long a request's model record is kept here (record_cache.py): an admin change clears
+    # it on every gateway at once; a change behind the admin API's back shows after this. 0: a
+    # registry read per request.
+    registry_cache_s: float = 1.0
 
     def __post_init__(self) -> None:
         nats_servers(self.nats_url, ENV_NATS_URL)
@@ -183,6 +188,8 @@ class GatewaySettings:
             default_max_tokens=env_int(ENV_DEFAULT_MAX_TOKENS, d["default_max_tokens"].default,
                                        env=env, minimum=1),
             direct_admit=bool(env_bool(ENV_DIRECT_ADMIT, d["direct_admit"].default, env=env)),
+            registry_cache_s=env_float(ENV_REGISTRY_CACHE, d["registry_cache_s"].default,
+                                       env=env, minimum=0.0, maximum=60.0),
             **_access_from_env(env),
             **_limits_from_env(env),
         )

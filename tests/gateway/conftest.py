@@ -137,7 +137,8 @@ def start_gateway(settings: GatewaySettings) -> RunningGateway:
     # A bounded graceful shutdown, as `slinfer gateway` has (services/gateway/__main__.py): a
     # response still streaming to a client that stopped reading is cancelled after 5 s.
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+                            log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                            access_log=False)
     server = uvicorn.Server(config)
     loop: list = []
 
