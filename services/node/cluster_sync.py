@@ -136,13 +136,19 @@ class ClusterSync:
         # With the layout's hops and the host's contention, as the core decides (issue 22 #10).
         return baseline_s(plan.iteration, inst, profile, sched.node.stage_load)
 
+    def note_prediction(self, plan: StepPlan, elapsed: float) -> None:
+        """The iteration's actual time against its prediction, on its requests' spans (before
+        the token that may end them)."""
+        if plan.predicted_s > 0:
+            self.rt.obs.prediction_on_spans(_kind(plan), plan.iteration.request_ids,
+                                            plan.predicted_s, elapsed)
+
     def calibrate(self, model: str, plan: StepPlan, base_s: float, elapsed: float) -> None:
         """Online calibration: every iteration's actual time against the prediction the node
         decided with is exported; a drifting model's profile is corrected and published."""
-        kind = PREFILL if plan.iteration.kind is IterationKind.PREFILL else DECODE
+        kind = _kind(plan)
         if plan.predicted_s > 0:
-            self.rt.obs.prediction(model, kind, plan.iteration.request_ids, plan.predicted_s,
-                                   elapsed)
+            self.rt.obs.prediction(model, kind, plan.predicted_s, elapsed)
         if self.rt.calibrator.observe(model, kind, base_s, elapsed, time.time()) and \
                 self.rt.s.calibrate:
             self.rt.spawn(self.publish_calibration(model), f"calibrate-{model}")
@@ -172,3 +178,7 @@ class ClusterSync:
                 await self.load_profiles()
         except Exception:  # a Redis blip: the next correction publishes again
             log.exception("publishing the calibration of %s failed", model)
+
+
+def _kind(plan: StepPlan) -> str:
+    return PREFILL if plan.iteration.kind is IterationKind.PREFILL else DECODE

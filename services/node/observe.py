@@ -344,16 +344,19 @@ class NodeObserver:
         if spans is not None:
             spans.prefill_done(seconds)
 
-    def prediction(self, model: str, kind: str, request_ids: tuple[str, ...], predicted_s: float,
-                   actual_s: float) -> None:
-        """One iteration's time against the prediction the node decided with: a metric, and an
-        attribute of the request's prefill / decode span."""
-        ratio = actual_s / predicted_s
-        error = ratio - 1
-        self._prediction_ratio.record(ratio, {tm.MODEL: model, "slinfer.iteration.kind": kind,
-                                              "slinfer.node_id": self.node_id})
+    def prediction(self, model: str, kind: str, predicted_s: float, actual_s: float) -> None:
+        """One iteration's time against the prediction the node decided with: a metric."""
+        self._prediction_ratio.record(actual_s / predicted_s,
+                                      {tm.MODEL: model, "slinfer.iteration.kind": kind,
+                                       "slinfer.node_id": self.node_id})
+
+    def prediction_on_spans(self, kind: str, request_ids: tuple[str, ...], predicted_s: float,
+                            actual_s: float) -> None:
+        """The same, an attribute of each request's prefill / decode span (before any of them
+        ends with this iteration's token)."""
         if not self.tracing:
             return
+        error = actual_s / predicted_s - 1
         for rid in request_ids:
             spans = self.requests.get(rid)
             if spans is None:

@@ -128,8 +128,9 @@ class TokenLoop:
             await self._failed(plan, exc)
             return
         self.iterations += 1
-        self.sync.calibrate(model, plan, base_s, elapsed)
+        self.sync.note_prediction(plan, elapsed)
         await self._postprocess(plan, result, elapsed)
+        self.sync.calibrate(model, plan, base_s, elapsed)  # (after the tokens went out)
 
     async def _kv_full(self, plan: StepPlan) -> None:
         choice = plan.iteration
@@ -153,13 +154,8 @@ class TokenLoop:
         """Stream or finish each request's token; tell the core the iteration ended."""
         choice = plan.iteration
         now = time.time()
-        chunk = choice.chunk
-        self.history.append(IterationRecord(
-            now - elapsed, now, choice.instance_id, choice.kind, choice.request_ids,
-            plan.considered,
-            None if chunk is None else (chunk.request_id, chunk.start, chunk.tokens, chunk.final)))
         prefill_s = self._prefill_s(choice, elapsed)
-        if prefill_s is not None:
+        if prefill_s is not None:  # (before the token: it may end the request and its spans)
             self.rt.obs.prefill_done(_subjects(choice)[0], prefill_s)
         finished: set[str] = set()
         for rid, token in result.tokens.items():
@@ -175,6 +171,11 @@ class TokenLoop:
                 await self.requests.finish(live, FinishReason.STOP, count_in_core=False,
                                            prefill_s=prefill_s, embedding=vector)
                 finished.add(rid)
+        chunk = choice.chunk
+        self.history.append(IterationRecord(
+            now - elapsed, now, choice.instance_id, choice.kind, choice.request_ids,
+            plan.considered,
+            None if chunk is None else (chunk.request_id, chunk.start, chunk.tokens, chunk.final)))
         self.rt.start_ops(self.rt.sched.finish_iteration(choice, time.time(), finished))
         # nats-py writes what was published from its flusher task, at the loop's next turn.
         # Give it that turn now: else the next iteration's engine thread starts first and the
