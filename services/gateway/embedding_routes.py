@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
-from services.gateway.deps import RawBody, Service, Tenant
+from services.gateway.deps import Call
 from services.gateway.embeddings import (EmbeddingBody, check_dimensions, check_lengths,
                                          embedding_inputs, embedding_list, embedding_request,
                                          lost_vector, render_vector)
@@ -29,8 +29,9 @@ router = APIRouter()
 
 @router.post("/v1/embeddings", response_model=None, openapi_extra=json_body("EmbeddingBody"),
              responses={200: EMBEDDING_LIST, **INFERENCE_ERRORS})
-async def embeddings(tenant: Tenant, raw: RawBody, service: Service) -> JSONResponse:
-    body = parse_body(EmbeddingBody, raw)
+async def embeddings(call: Call) -> JSONResponse:
+    tenant, service = call.tenant, call.service
+    body = parse_body(EmbeddingBody, call.body)
     inputs = embedding_inputs(body)
     service.admission.check_rate(tenant)  # before any work is spent on the request
     record = await service.visible_model(body.model, tenant)

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from services.gateway.deps import RawBody, Registry, Service, Tenant
+from services.gateway.deps import Call, Registry, Tenant
 from services.gateway.errors import invalid_request, model_not_found
 from services.gateway.logprobs import LogprobsRenderer, token_texts
 from services.gateway.openapi_docs import (CHAT_COMPLETION, COMPLETION, INFERENCE_ERRORS, MODEL,
@@ -76,8 +76,9 @@ async def get_model(name: str, tenant: Tenant, registry: Registry) -> dict[str, 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=json_body("CompletionBody"),
              responses={200: COMPLETION, **INFERENCE_ERRORS})
-async def completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
-    body = parse_body(CompletionBody, raw)
+async def completions(request: Request, call: Call) -> Response:
+    tenant, service = call.tenant, call.service
+    body = parse_body(CompletionBody, call.body)
     params = sampling_params(body, body.max_tokens)
     prompt = completion_input(body)
     prepared = await service.prepare(body.model, tenant, params, prompt)
@@ -97,8 +98,9 @@ async def completions(request: Request, tenant: Tenant, raw: RawBody, service: S
 
 @router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body("ChatBody"),
              responses={200: CHAT_COMPLETION, **INFERENCE_ERRORS})
-async def chat_completions(request: Request, tenant: Tenant, raw: RawBody, service: Service) -> Response:
-    body = parse_body(ChatBody, raw)
+async def chat_completions(request: Request, call: Call) -> Response:
+    tenant, service = call.tenant, call.service
+    body = parse_body(ChatBody, call.body)
     params = sampling_params(body, *chat_max_tokens(body))
     tools = tool_use(body)
     if tools.grammar is not None:

@@ -43,6 +43,7 @@ ENV_PROFILE_HARDWARE = "SLINFER_PROFILE_HARDWARE"
 ENV_MAX_CHOICES = "SLINFER_MAX_CHOICES"
 ENV_DIRECT_ADMIT = "SLINFER_DIRECT_ADMIT"
 ENV_REGISTRY_CACHE = "SLINFER_REGISTRY_CACHE_S"
+ENV_ACCESS_LOG = "SLINFER_GATEWAY_ACCESS_LOG"
 MAX_CHOICES_LIMIT = 128  # OpenAI's own bound on n
 
 OPERATOR_TENANT = "operator"  # the tenant an operator key's own requests run as (reserved)
@@ -94,6 +95,8 @@ class GatewaySettings:
     # it on every gateway at once; a change behind the admin API's back shows after this. 0: a
     # registry read per request.
     registry_cache_s: float = 1.0
+    # A log line per HTTP request, when its response ends (access_log.py).
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         nats_servers(self.nats_url, ENV_NATS_URL)
@@ -190,6 +193,7 @@ class GatewaySettings:
             direct_admit=bool(env_bool(ENV_DIRECT_ADMIT, d["direct_admit"].default, env=env)),
             registry_cache_s=env_float(ENV_REGISTRY_CACHE, d["registry_cache_s"].default,
                                        env=env, minimum=0.0, maximum=60.0),
+            access_log=bool(env_bool(ENV_ACCESS_LOG, d["access_log"].default, env=env)),
             **_access_from_env(env),
             **_limits_from_env(env),
         )

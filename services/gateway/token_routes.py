@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from services.gateway import errors
-from services.gateway.deps import RawBody, Service, Tenant
+from services.gateway.deps import Call
 from services.gateway.openapi_docs import (DETOKENIZED, READ_ERRORS, TOKENIZED, VERSION,
                                            errors_doc, json_body)
 from services.gateway.tokenization import encode_chat, vocab_size
@@ -40,8 +40,9 @@ async def get_version() -> dict[str, str]:
 
 @router.post("/tokenize", response_model=None, openapi_extra=json_body("TokenizeBody"),
              responses={200: TOKENIZED, **TOKEN_ERRORS})
-async def tokenize(tenant: Tenant, raw: RawBody, service: Service) -> dict[str, Any]:
-    body = parse_body(TokenizeBody, raw)
+async def tokenize(call: Call) -> dict[str, Any]:
+    tenant, service = call.tenant, call.service
+    body = parse_body(TokenizeBody, call.body)
     if (body.prompt is None) == (body.messages is None):
         raise errors.invalid_request("Send either 'prompt' or 'messages' (one of them).",
                                      param="prompt", code="invalid_value")
@@ -61,8 +62,9 @@ async def tokenize(tenant: Tenant, raw: RawBody, service: Service) -> dict[str, 
 
 @router.post("/detokenize", response_model=None, openapi_extra=json_body("DetokenizeBody"),
              responses={200: DETOKENIZED, **TOKEN_ERRORS})
-async def detokenize(tenant: Tenant, raw: RawBody, service: Service) -> dict[str, str]:
-    body = parse_body(DetokenizeBody, raw)
+async def detokenize(call: Call) -> dict[str, str]:
+    tenant, service = call.tenant, call.service
+    body = parse_body(DetokenizeBody, call.body)
     service.admission.check_rate(tenant)
     record = await service.visible_model(body.model, tenant)
     tokenizer = await service.tokenizer_for(record)

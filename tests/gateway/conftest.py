@@ -167,7 +167,8 @@ def make_settings(nats_url: str, redis_url: str, model_dir: Path, tenant_models:
                                port=free_port(), api_keys=API_KEYS, max_body_bytes=64 * 1024,
                                request_timeout_s=10.0, default_max_tokens=16,
                                operator_keys=frozenset({OPERATOR_KEY}),
-                               model_roots=(model_dir.parent,), tenant_models_dir=tenant_models)
+                               model_roots=(model_dir.parent,), tenant_models_dir=tenant_models,
+                               access_log=False)  # (as uvicorn's was: tests read stderr)
         return dataclasses.replace(base, **overrides)
 
     return make

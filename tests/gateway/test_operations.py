@@ -1,7 +1,11 @@
 """Operations: who reads /metrics (a key, or an internal port), 503 (not 500) while Redis is
-down, and an /openapi.json that declares the real request bodies and error answers."""
+down, the access log, and an /openapi.json that declares the real request bodies and error
+answers."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import httpx
 import pytest
@@ -45,6 +49,27 @@ def test_metrics_on_an_internal_port_only(make_settings, seeded_models):
 
 def test_metrics_are_open_without_auth(local_gateway):
     assert _get(local_gateway.url + "/metrics").status_code == 200
+
+
+def test_each_request_has_an_access_line_once_its_response_ended(make_settings, seeded_models,
+                                                                   caplog):
+    gw = start_gateway(make_settings(access_log=True))
+    caplog.set_level(logging.INFO, logger="slinfer.gateway.access")
+    try:
+        assert _get(gw.url + "/v1/models/no-such-model?x=1", "key-a").status_code == 404
+        with httpx.stream("POST", gw.url + "/v1/completions", trust_env=False, timeout=10,
+                          json={"model": PUBLIC_MODEL, "prompt": "x"}) as resp:  # no key: 401
+            assert resp.status_code == 401
+        deadline = time.monotonic() + 5  # written by the gateway's thread, after the response
+        while len([r for r in caplog.records if r.name == "slinfer.gateway.access"]) < 2 \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        gw.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "slinfer.gateway.access"]
+    assert len(lines) == 2, lines
+    assert '"GET /v1/models/no-such-model?x=1 HTTP/1.1" 404' in lines[0]
+    assert '"POST /v1/completions HTTP/1.1" 401' in lines[1] and lines[1].endswith(" ms")
 
 
 def test_redis_down_is_503_not_500(make_settings, seeded_models, tmp_path):
