@@ -2,7 +2,8 @@
 
 NATS (and JetStream's request stream) and Redis are opened in the lifespan and handed to the
 routes through dependencies (`deps.py`); the routes are split by role (`openai_routes.py`,
-`admin_routes.py`); every error leaves through `errors.py`. `GET /metrics` is the Prometheus
+`admin_routes.py`), and the completions' requests reach theirs ahead of FastAPI's router
+(`hot_routes.py`); every error leaves through `errors.py`. `GET /metrics` is the Prometheus
 exposition of the process's metrics; with tracing on, `observe.ServerSpanMiddleware` makes the
 HTTP server span (no per-chunk send/receive spans) under which each request's GenAI span sits.
 """
@@ -30,6 +31,7 @@ from services.gateway.direct import DirectConfig, DirectRoutes
 from services.gateway.deps import Context, GatewayContext
 from services.gateway.embeddings import EmbeddingBody
 from services.gateway.errors import install_error_handlers
+from services.gateway.hot_routes import HotRoutes
 from services.gateway.observe import ServerSpanMiddleware
 from services.gateway.record_cache import follow_changes
 from services.gateway.service import GatewayService
@@ -106,6 +108,7 @@ def create_app(settings: GatewaySettings, telemetry: tm.Telemetry | None = None)
     app = FastAPI(title="slinfer gateway", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.settings = settings
+    app.add_middleware(HotRoutes)  # (the completions' way past FastAPI's router: hot_routes.py)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     if settings.access_log:  # (outside the body limit: its 413s are logged too)
         app.add_middleware(AccessLogMiddleware)

@@ -159,10 +159,23 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return invalid_request(where + message + ".", param=param, code="invalid_value")
 
 
+def answer(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to a request whose handler raised `exc` (before any of its response went out):
+    an `APIError` as itself, Redis unreachable as 503, anything else as a logged 500. The app's
+    exception handlers give these, and the inference routes' way in (hot_routes.py) too."""
+    if isinstance(exc, APIError):
+        return exc.response()
+    if isinstance(exc, RedisError):
+        log.warning("registry unavailable on %s %s: %r", request.method, request.url.path, exc)
+        return registry_unavailable().response()
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -181,10 +194,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RedisError)
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
-        log.warning("registry unavailable on %s %s: %r", request.method, request.url.path, exc)
-        return registry_unavailable().response()
+        return answer(request, exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+        return answer(request, exc)
