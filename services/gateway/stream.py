@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from services.gateway import errors
 from services.gateway.choices import ChoiceEvent, Choices
 from services.gateway.errors import APIError
 from services.gateway.responses import ResponseFormat, usage
@@ -34,20 +35,34 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+Render = Callable[[AsyncIterator[ChoiceEvent], Any], AsyncIterator[bytes]]
+
+
 class SSEResponse(Response):
-    """Streams byte chunks and watches the connection at the same time: when the client
-    disconnects, the chunk source is cancelled at once (not at the next write) and closed, so its
-    cleanup (the cancel notice) runs even while no token is flowing."""
+    """A streamed answer. It waits for the first event before any header goes out, so that a
+    request dropped or failed before producing anything gets a proper HTTP status (the answer
+    the app's error handlers give) rather than an error event; then it streams the chunks that
+    `render(events, first)` makes. All along it watches the connection: when the client
+    disconnects, the wait or the chunk source is cancelled at once (not at the next write) and
+    the choices are closed, so their cleanup (the cancel notice) runs even while no token flows.
+
+    (Waiting here, inside the response, rather than in the route before it returns: when the
+    first token comes, only its chunk is left to make and send. ~0.2 ms of every time to first
+    token on the 2-core box went to returning through the framework and starting the response.)"""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, choices: Choices, render: Render) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers(SSE_HEADERS)  # no body attribute: no Content-Length
-        self._chunks = chunks
+        self._choices = choices
+        self._render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        events = self._choices.events()
+        chunks: AsyncIterator[bytes] | None = None
+        failure: Exception | None = None  # before the first event
         try:
             async with anyio.create_task_group() as tg:
 
@@ -57,9 +72,16 @@ class SSEResponse(Response):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch)
+                try:
+                    first = await _first(events)
+                except Exception as exc:
+                    failure = exc
+                    tg.cancel_scope.cancel()
+                    return
+                chunks = self._render(events, first)
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                async for chunk in self._chunks:
+                async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
@@ -67,7 +89,23 @@ class SSEResponse(Response):
             pass  # the connection broke under a write; the generator's cleanup still runs below
         finally:
             with anyio.CancelScope(shield=True):
-                await self._chunks.aclose()  # type: ignore[attr-defined]
+                if chunks is not None:
+                    await chunks.aclose()  # type: ignore[attr-defined]
+                else:  # failed, or the client left, before the first event
+                    await self._choices.close(CHOICE_FAILED if isinstance(failure, APIError)
+                                              else "client disconnected")
+            if chunks is None:
+                await self._before_first(failure, scope, receive, send)
+
+    @staticmethod
+    async def _before_first(failure: Exception | None, scope: Scope, receive: Receive,
+                            send: Send) -> None:
+        """The answer when no event came: the failure's, or 499 for a client that left."""
+        if failure is None:
+            answer: Response = Response(status_code=499)  # nobody reads it
+        else:
+            answer = errors.answer(Request(scope, receive), failure)
+        await answer(scope, receive, send)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -111,18 +149,8 @@ async def respond(request: Request, choices: Choices, fmts: list[ResponseFormat]
         finally:
             await choices.close(reason)
 
-    # Wait for the first token before sending headers, so that a request dropped or failed before
-    # producing anything gets a proper HTTP status rather than an error event.
-    events = choices.events()
-    try:
-        first = await until_disconnect(request, _first(events))
-    except ClientGone:
-        await choices.close()
-        return Response(status_code=499)
-    except BaseException as exc:
-        await choices.close(CHOICE_FAILED if isinstance(exc, APIError) else "client disconnected")
-        raise
-    return SSEResponse(_sse_chunks(choices, events, first, fmts, prompt_tokens, include_usage))
+    return SSEResponse(choices, lambda events, first: _sse_chunks(
+        choices, events, first, fmts, prompt_tokens, include_usage))
 
 
 _END = object()
