@@ -37,13 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e_overhead import visible_prompts  # noqa: E402
+from lean_client import LeanClient  # noqa: E402
 from services.profiler.measure import ProfilePlan  # noqa: E402
 from services.stack import MODEL as NAME, running_stack  # noqa: E402
 from shared.modelgen import ensure_demo_model  # noqa: E402
@@ -80,28 +80,27 @@ def split(spans: list[dict], sent_ns: int, first_ns: int) -> dict[str, float]:
     return {part: (b - a) / 1e9 for part, a, b in zip(PARTS, marks, marks[1:])}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, int, int]:
-    """(request id, send time, first chunk time), both time.time_ns()."""
+async def one_request(client: LeanClient, prompt: str) -> tuple[str, int, int]:
+    """(request id, send time, first chunk time), both time.time_ns(). The lean client, as
+    e2e_overhead's overhead figure: http_out is the path's, not an HTTP library's."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0}
     sent = time.time_ns()
     first, rid = 0, ""
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if not first and chunk.get("choices"):
-                first, rid = time.time_ns(), chunk["id"]
+    async for line in client.post_sse("/v1/completions", body):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if not first and chunk.get("choices"):
+            first, rid = time.time_ns(), chunk["id"]
     return rid, sent, first
 
 
 async def measure(url: str, prompts: dict[int, str], n: int) -> dict[int, list[tuple[str, int, int]]]:
     out: dict[int, list[tuple[str, int, int]]] = {}
-    async with httpx.AsyncClient(timeout=60) as client:
-        await one_request(client, url, prompts[min(prompts)])  # the cold start, not counted
+    async with LeanClient(url) as client:
+        await one_request(client, prompts[min(prompts)])  # the cold start, not counted
         for length, prompt in prompts.items():
-            out[length] = [await one_request(client, url, prompt) for _ in range(n)]
+            out[length] = [await one_request(client, prompt) for _ in range(n)]
     return out
 
 
