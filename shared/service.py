@@ -1,6 +1,6 @@
 """The common shape of a NATS + Redis service process: set up telemetry and read settings once,
-connect, run until SIGINT/SIGTERM, close (flushing buffered spans). Used by `slinfer placer`,
-`slinfer node` and the profiler service."""
+connect, run until SIGINT/SIGTERM, close (flushing buffered spans). Used by `slinfer placer` and
+`slinfer node`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import uvloop
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
@@ -57,10 +56,7 @@ def run_service(name: str, load_settings: Callable[[], S], client_name: Callable
         print(f"slinfer {name}: {exc}", file=sys.stderr)
         return 2
     try:
-        # On uvloop, as uvicorn runs the gateway: each of a request's hops through a service
-        # (a NATS message in, a worker thread's result back) is a turn of its event loop.
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(_serve(settings, client_name(settings), body, tel))
+        asyncio.run(_serve(settings, client_name(settings), body, tel))
     finally:
         tel.shutdown()
     return 0
