@@ -3,7 +3,7 @@ streamed request (client -> HTTP server -> NATS request to a node -> the node's 
 a token message back over NATS -> one SSE chunk to the client), with nothing of slinfer's own in
 them. A bare ASGI app under uvicorn (uvloop, httptools: the gateway's server), a bare nats-py
 responder whose "prefill" is a sleep in a worker thread (`asyncio.to_thread`, as the node runs
-its engine), a real nats-server, and the benchmark's own httpx client.
+its engine), a real nats-server.
 
     .venv/bin/python bench/path_floor.py [--n 200] [--prefill-ms 5 40]
 
@@ -11,7 +11,9 @@ Overhead is measured as `bench/e2e_overhead.py` measures it: the client's time t
 chunk minus the prefill's own time (taken in the responder around the thread, and carried back
 in the chunk). What is left over is the cost of the hops themselves: process wake-ups, socket
 writes, Python's HTTP, NATS and asyncio layers. The gap between this and e2e_overhead's figure
-is what slinfer adds. Writes bench/results/path_floor.json (or --out) and prints it.
+is what slinfer adds. Two depths: `http` (the server answers at once: the HTTP hop and the
+client alone) and `path` (the whole path above); and e2e_overhead's two clients, taking turns
+request by request: the lean one and httpx. Writes bench/results/path_floor.json (or --out).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from lean_client import LeanClient  # noqa: E402
 
 REQUEST_SUBJECT = "floor.admit"
 
@@ -90,6 +95,14 @@ def asgi_app(nats_url: str):
             if not message.get("more_body"):
                 break
         req = json.loads(body)
+        if req["depth"] == "http":  # the HTTP hop alone: the chunk at once
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b'data: {"prefill_s": 0}\n\n',
+                        "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                        "more_body": False})
+            return
         inbox = nc.new_inbox()
         tokens: asyncio.Queue = asyncio.Queue()
         sub = await nc.subscribe(inbox, cb=tokens.put)
@@ -113,30 +126,51 @@ def serve_http(nats_url: str, port: int) -> None:
                 lifespan="on")
 
 
-async def one_request(client, url: str, prefill_s: float) -> float:
-    """The overhead of one request: time to the first chunk minus the prefill's own time."""
+def overhead(start: float, line: str) -> float | None:
+    """The request's overhead once `line` is its first chunk (None before it)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return time.perf_counter() - start - json.loads(line[6:])["prefill_s"]
+
+
+async def with_httpx(client, url: str, body: dict) -> float:
     start = time.perf_counter()
-    async with client.stream("POST", url, json={"prefill_s": prefill_s}) as r:
+    async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ttft = time.perf_counter() - start
-                return ttft - json.loads(line[6:])["prefill_s"]
+            if (seen := overhead(start, line)) is not None:
+                return seen
     raise RuntimeError("no chunk")
 
 
-async def measure(url: str, n: int, prefills: list[float]) -> dict[float, list[float]]:
+async def with_lean(client: LeanClient, body: dict) -> float:
+    start, seen = time.perf_counter(), None
+    async for line in client.post_sse("/", body):  # (read to its end: the connection is reused)
+        if seen is None:
+            seen = overhead(start, line)
+    if seen is None:
+        raise RuntimeError("no chunk")
+    return seen
+
+
+async def measure(url: str, n: int, prefills: list[float]) -> dict[tuple, list[float]]:
+    """(depth, prefill s, client) -> the overheads of n requests; the clients take turns."""
     import httpx
 
-    out: dict[float, list[float]] = {}
-    async with httpx.AsyncClient(timeout=30) as client:
-        for _ in range(5):  # connections, imports, the first subscription
-            await one_request(client, url, prefills[0])
-        for prefill in prefills:
-            out[prefill] = []
-            for _ in range(n):
-                out[prefill].append(await one_request(client, url, prefill))
-                await asyncio.sleep(0.02)  # as e2e_overhead's client does between requests
+    cases = [("http", 0.0)] + [("path", p) for p in prefills]
+    out: dict[tuple, list[float]] = {}
+    async with httpx.AsyncClient(timeout=30) as client, LeanClient(url) as lean:
+        for depth, prefill in cases:
+            body = {"depth": depth, "prefill_s": prefill}
+            for _ in range(5):  # connections, imports, the first subscription
+                await with_httpx(client, url, body)
+                await with_lean(lean, body)
+            for i in range(n):
+                for who in (("lean", "httpx") if i % 2 == 0 else ("httpx", "lean")):
+                    seen = await (with_lean(lean, body) if who == "lean"
+                                  else with_httpx(client, url, body))
+                    out.setdefault((depth, prefill, who), []).append(seen)
+                    await asyncio.sleep(0.02)  # as e2e_overhead's client does between requests
     return out
 
 
@@ -192,10 +226,10 @@ def main() -> int:
                 child.terminate()
                 child.wait(timeout=10)
             server.stop()
-    rows = [{"prefill_ms": round(prefill * 1e3, 1),
+    rows = [{"depth": depth, "prefill_ms": round(prefill * 1e3, 1), "client": who,
              "overhead_ms_p50": round(statistics.median(o) * 1e3, 2),
              "overhead_ms_p90": round(statistics.quantiles(o, n=10)[-1] * 1e3, 2)}
-            for prefill, o in raw.items()]
+            for (depth, prefill, who), o in raw.items()]
     result = {"command": "python bench/path_floor.py " + " ".join(sys.argv[1:]), "n": args.n,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
