@@ -6,11 +6,12 @@ machine's noise between two phases.
 
 Two clients take turns, request by request: a lean one (`bench/lean_client.py`: asyncio streams,
 no HTTP library), whose figure is the request path's own overhead, and httpx (what the openai
-Python client streams with), whose figure adds that library's own ~2 ms per streamed request on
-the 2-core box (`bench/path_floor.py` measures it on a bare server). Rows: the lean client's
+Python client streams with), whose figure adds that library's own ~1.6-1.9 ms per streamed
+request on the 2-core box (`bench/path_floor.py` measures it on a bare server). Rows: the lean client's
 figures, and `httpx_*` for httpx's.
 
-    .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024] [--out FILE]
+    .venv/bin/python bench/e2e_overhead.py [--n 50] [--lengths 16 256 1024] [--with logprobs json]
+                                           [--out FILE]
 
 Sequential warm requests, n per client and length (the cold start is reported on its own). Writes
 bench/results/e2e_overhead.json (or --out) and prints it.
@@ -79,9 +80,15 @@ def visible_prompts(model_dir: Path, tokenizer, lengths: list[int]) -> dict[int,
     return prompts
 
 
-def request_body(prompt: str, model: str = NAME) -> dict:
+# --with: what a request asks for besides its tokens (the features on the path the overhead is
+# measured with): the top-5 logprobs of every token, and output constrained to JSON (a grammar
+# mask the node's engine applies at every step).
+FEATURES = {"logprobs": {"logprobs": 5}, "json": {"response_format": {"type": "json_object"}}}
+
+
+def request_body(prompt: str, model: str = NAME, extra: dict | None = None) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
 
 
 class FirstChunk:
@@ -103,9 +110,9 @@ class FirstChunk:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
-                      model: str = NAME) -> tuple[str, float, int]:
+                      model: str = NAME, extra: dict | None = None) -> tuple[str, float, int]:
     """With httpx: (request id, seconds to the first token chunk, prompt tokens)."""
-    body = request_body(prompt, model)
+    body = request_body(prompt, model, extra)
     seen = FirstChunk(time.perf_counter())
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -114,10 +121,10 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str,
     return seen.rid, seen.ttft, seen.prompt_tokens
 
 
-async def lean_request(client: LeanClient, prompt: str,
-                       model: str = NAME) -> tuple[str, float, int]:
+async def lean_request(client: LeanClient, prompt: str, model: str = NAME,
+                       extra: dict | None = None) -> tuple[str, float, int]:
     """`one_request` with the lean client (the request path's own overhead, no httpx)."""
-    body = request_body(prompt, model)
+    body = request_body(prompt, model, extra)
     seen = FirstChunk(time.perf_counter())
     async for line in client.post_sse("/v1/completions", body):
         seen.line(line)
@@ -140,7 +147,8 @@ async def watch_prefill(nats_url: str, prefill: dict[str, float]):
     return nc
 
 
-async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> dict:
+async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int,
+                  extra: dict | None = None) -> dict:
     """Per prompt length: (lean pairs, httpx pairs, prompt tokens), a pair being a request's
     (TTFT, engine prefill). The two clients alternate which goes first."""
     prefill: dict[str, float] = {}
@@ -155,9 +163,9 @@ async def measure(url: str, nats_url: str, prompts: dict[int, str], n: int) -> d
             for i in range(n):
                 for who in (("lean", "httpx") if i % 2 == 0 else ("httpx", "lean")):
                     if who == "lean":
-                        rid, ttft, tokens = await lean_request(lean, prompt)
+                        rid, ttft, tokens = await lean_request(lean, prompt, extra=extra)
                     else:
-                        rid, ttft, tokens = await one_request(client, url, prompt)
+                        rid, ttft, tokens = await one_request(client, url, prompt, extra=extra)
                     await asyncio.sleep(0.02)  # let the token subscription catch up
                     pairs[who].append((ttft, prefill[rid]))
             out[length] = (pairs["lean"], pairs["httpx"], tokens)
@@ -186,6 +194,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=50)
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024])
+    p.add_argument("--with", dest="features", nargs="*", default=[], choices=sorted(FEATURES),
+                   help="features every request asks for (logprobs: top 5; json: JSON output)")
     p.add_argument("--work-dir", help="keep servers' data and service logs here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_overhead.json",
                    help="the result file (an A/B run keeps the recorded one)")
@@ -200,8 +210,10 @@ def main() -> int:
         # Keep the instance warm between sequential requests: only the first is a cold start.
         with running_stack(data, model_dir, {"SLINFER_KEEP_ALIVE_S": "60"},
                            plan=ProfilePlan(max_len=1024, max_batch=8)) as stack:
-            raw = asyncio.run(measure(stack.url, stack.nats_url, prompts, args.n))
+            extra = {k: v for f in args.features for k, v in FEATURES[f].items()}
+            raw = asyncio.run(measure(stack.url, stack.nats_url, prompts, args.n, extra))
     result = {"command": "python bench/e2e_overhead.py " + " ".join(sys.argv[1:]), "n": args.n,
+              "features": args.features,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "cold_start_ttft_ms": raw["cold_start_ttft_ms"],
               "rows": [summarize(*raw[n]) for n in args.lengths]}

@@ -211,9 +211,13 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
             time.sleep(8)
             seg["h3"].heal()
             healed = time.time()
-            # node-1 serves again once its heartbeat reaches Redis: until then a drain of
-            # node-0 has nowhere to go (node-0 alone serves the load)
+            # node-1 serves again once its heartbeat reaches Redis and it answers over NATS (its
+            # NATS client reconnects on a schedule of its own, seconds after the heartbeat may
+            # be back): until then a drain of node-0 has nowhere to go (make test run 81: the
+            # long request finished while its migration waited for node-1)
             back_after = _until_fresh(cluster, {"node-0", "node-1"}, healed) - healed
+            cluster.probe(seg["h1"], "answers", cluster.nats_urls, "node-1", "60", timeout_s=70)
+            answers_after = time.time() - healed
             driver.wait_completed(driver.completed() + AFTER_FAULT, 120, "after the cut")
 
             # A live migration across hosts: the node holding a long request drains it to the
@@ -259,6 +263,7 @@ def test_failovers_across_hosts_lose_nothing(tmp_path, demo_model, demo_profile)
                    o.seconds for o in outcomes if o.ok and o.ended < min(faults.values())), 2),
                "node_left_view_after_s": round(left_after, 2),
                "cut_node_back_in_view_after_s": round(back_after, 2),
+               "cut_node_answers_after_s": round(answers_after, 2),
                "valkey_primary_during_cut": cluster.host_at(primary_in_cut).name,
                "long_request_moved": [n for _, n in path],
                "multicast": {k: mc[k] for k in ("bytes", "seconds", "blocks_received")}}
