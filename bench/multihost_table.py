@@ -48,6 +48,11 @@ def totals(runs: list[dict]) -> str:
             if "cut_node_back_in_view_after_s" in run]  # recorded since 36e941c
     back_line = (f" The cut host's node was back in the view {min(back):.1f}-{max(back):.1f} s "
                  f"after its network was{_by_primary(runs)}." if back else "")
+    answers = [run["cut_node_answers_after_s"] for run in runs
+               if "cut_node_answers_after_s" in run]  # recorded since the eleventh session
+    if answers:
+        back_line += (f" It answered over NATS {min(answers):.1f}-{max(answers):.1f} s after "
+                      "(its NATS client reconnects on a schedule of its own).")
     answered = ", ".join(f"{n} answered {code}" for code, n in sorted(errors.items())) or "no errors"
     return (f"Over the {len(runs)} runs: {sum(r['requests'] for r in runs)} requests, "
             f"{sum(r['completed'] for r in runs)} completed with the fault-free text, {answered}, "
