@@ -338,6 +338,8 @@ async def add_alias(name: str, caller: Caller, raw: RawBody, ctx: Context) -> JS
         alias_id = await ctx.registry.add_alias(body.alias, record)
     except ModelExistsError:
         raise _name_taken(body.alias, public=record.owner is None, param="alias") from None
+    # No record cache to clear (record_cache.py keeps only names that resolved, and a new alias
+    # shadows none of them: `_check_no_clash`).
     log.info("%s aliased model %s as %s", _who(caller), record.name, alias_id)
     return JSONResponse(alias_view(alias_id, record.name, caller), status_code=201)
 
